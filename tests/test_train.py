@@ -1,0 +1,189 @@
+"""End-to-end training with real processes: a coordinator and N worker OS processes in a gloo group.
+
+The oracles are parity (N workers = 1 worker accumulating the same M microbatches), identical final
+parameters on every worker, and resume = the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from unbroken import checkpoint as ckpt
+from unbroken.metrics import read_metrics, step_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def train_cmd(*args: str, cache: Path) -> list[str]:
+    return [sys.executable, "-m", "unbroken", "train", *args, "--quiet", f"--data.cache_dir={cache}"]
+
+
+def run_train(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(train_cmd(*args, cache=cache), capture_output=True, text=True, cwd=cwd, timeout=200)
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    loaded = ckpt.load_latest(run_dir)
+    assert loaded is not None
+    return loaded.state["model"]
+
+
+def test_n_workers_match_one_worker(tmp_path: Path, data_cache_dir: Path) -> None:
+    runs = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"w{n}"
+        result = run_train(TINY, "--workers", str(n), "--out", str(out), "--train.steps=6", cache=data_cache_dir)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[n] = out
+    ref_losses, ref_params = step_losses(runs[1]), final_params(runs[1])
+    assert sorted(ref_losses) == list(range(6))
+    for n in (2, 4):
+        losses = step_losses(runs[n])
+        assert losses.keys() == ref_losses.keys()
+        for step, loss in ref_losses.items():
+            assert abs(losses[step] - loss) <= 1e-5, (n, step, losses[step], loss)
+        params = final_params(runs[n])
+        for name, tensor in ref_params.items():
+            torch.testing.assert_close(params[name], tensor, rtol=1e-4, atol=1e-5)
+        final = read_metrics(runs[n], "final")[0]
+        assert len(final["checksums"]) == n and final["identical"], final
+    # The loss fell on real text.
+    assert ref_losses[5] < ref_losses[0] - 0.5
+
+
+def test_resume_after_ctrl_c_and_corrupt_checkpoint_reproduces_the_run(tmp_path: Path, data_cache_dir: Path) -> None:
+    common = [
+        "--workers",
+        "2",
+        "--train.steps=16",
+        "--train.microbatches=16",
+        "--checkpoint.every=4",
+        "--checkpoint.keep=3",
+    ]
+    reference = tmp_path / "reference"
+    result = run_train(TINY, *common, "--out", str(reference), cache=data_cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    interrupted = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        train_cmd(TINY, *common, "--out", str(interrupted), cache=data_cache_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 150
+    while not any(r["step"] >= 8 for r in read_metrics(interrupted, "checkpoint")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be interrupted"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert not read_metrics(interrupted, "final"), "the interrupt came too late to test resuming"
+    saved = ckpt.list_checkpoints(interrupted)
+    assert saved and saved[0] >= 8 and ckpt.load_latest(interrupted).step == saved[0]
+    assert not list(ckpt.checkpoint_dir(interrupted).glob("*.tmp"))
+
+    # Corrupt the newest checkpoint: the resume must report it and use the previous good one.
+    newest = ckpt.checkpoint_dir(interrupted) / f"step_{saved[0]:08d}.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    newest.write_bytes(bytes(data))
+
+    result = run_train("--resume", str(interrupted), "--workers", "2", cache=data_cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rejected = read_metrics(interrupted, "checkpoint_rejected")
+    assert rejected and "checksum" in rejected[0]["detail"]
+    resumed_at = read_metrics(interrupted, "resume")[-1]["step"]
+    assert resumed_at == saved[1]
+    ref_losses, losses = step_losses(reference), step_losses(interrupted)
+    assert sorted(losses) == list(range(16))
+    for step in range(resumed_at, 16):
+        assert losses[step] == ref_losses[step], (step, losses[step], ref_losses[step])
+    ref_params, params = final_params(reference), final_params(interrupted)
+    for name in ref_params:
+        assert torch.equal(params[name], ref_params[name]), name
+
+
+def _listening_socket() -> tuple[object, int]:
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock, sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("malformed_toml", "is not valid TOML"),
+        ("unknown_key", "unknown config key train.stepz"),
+        ("wrong_type", "train.steps = 'many' has the wrong type; expected int"),
+        ("missing_data", "does not exist"),
+        ("vocab_mismatch", "vocabulary mismatch"),
+        ("port_in_use", "cannot listen on 127.0.0.1"),
+        ("m_zero", "train.microbatches = 0 must be >= 1"),
+        ("out_dir_not_empty", "exists and is not empty"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    tmp_path: Path, data_cache_dir: Path, case: str, message: str
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    config = work / "c.toml"
+    config.write_text((ROOT / "configs" / "tiny.toml").read_text())
+    args = [str(config), "--out", str(work / "run")]
+    keep_open = None
+    if case == "malformed_toml":
+        config.write_text("[train]\nsteps = = 3\n")
+    elif case == "unknown_key":
+        config.write_text("[train]\nstepz = 3\n")
+    elif case == "wrong_type":
+        config.write_text('[train]\nsteps = "many"\n')
+    elif case == "missing_data":
+        args.append(f"--data.source={work / 'no-such-corpus'}")
+    elif case == "vocab_mismatch":
+        args.append("--model.vocab_size=1000")
+    elif case == "port_in_use":
+        keep_open, port = _listening_socket()
+        args += ["--port", str(port)]
+    elif case == "m_zero":
+        args.append("--train.microbatches=0")
+    elif case == "out_dir_not_empty":
+        (work / "run").mkdir()
+        (work / "run" / "precious.txt").write_text("keep me")
+    before = sorted(p.relative_to(work) for p in work.rglob("*"))
+    snapshot = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+    result = run_train(*args, cache=data_cache_dir, cwd=work)
+    if keep_open is not None:
+        keep_open.close()
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unbroken: error: ") and message in lines[0], lines
+    assert sorted(p.relative_to(work) for p in work.rglob("*")) == before
+    assert {p: p.read_bytes() for p in snapshot} == snapshot
+
+
+def test_cli_help_lists_the_commands() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "unbroken", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+    assert result.returncode == 0
+    for command in ("train", "coordinator", "worker", "bench"):
+        assert command in result.stdout

@@ -1,0 +1,176 @@
+"""The ``unbroken`` command line: ``train``, ``coordinator``, ``worker`` and ``bench``.
+
+One machine, the embedded default (Shakespeare, the ``small`` model), 4 worker processes:
+    unbroken train configs/default.toml --workers 4
+Override any config key:
+    unbroken train configs/default.toml --workers 2 --train.steps=50 --data.source=my_corpus/
+Continue an interrupted run (reproduces the uninterrupted losses):
+    unbroken train --resume runs/default-20261122-101500
+Several hosts (the coordinator binds to 127.0.0.1 unless --host says otherwise):
+    host A:  unbroken coordinator configs/default.toml --workers 8 --host 0.0.0.0 --port 29400
+    each:    unbroken worker --coordinator hostA:29400
+
+User mistakes (bad config, bad data, port in use, ...) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from unbroken.config import RunConfig, dump_config, load_config
+
+EXIT_USAGE = 2
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    overrides = []
+    for arg in extra:
+        if arg.startswith("--") and "=" in arg and "." in arg.split("=", 1)[0]:
+            overrides.append(arg)
+        else:
+            raise ValueError(f"unrecognised argument {arg!r}; config overrides look like --section.key=value")
+    return overrides
+
+
+def _load(config: str | None, extra: list[str], resume: str | None) -> tuple[RunConfig, str]:
+    overrides = _split_overrides(extra)
+    if resume is not None:
+        if config is not None:
+            raise ValueError("give either a CONFIG or --resume RUN_DIR, not both")
+        path = Path(resume) / "config.toml"
+        if not path.is_file():
+            raise ValueError(f"--resume {resume}: not a run directory (no config.toml)")
+        return load_config(path, overrides), Path(resume).name
+    if config is None:
+        return load_config(None, overrides), "default"
+    return load_config(config, overrides), Path(config).stem
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.launcher import Launcher, default_run_dir, plan_launch
+
+    cfg, name = _load(args.config, extra, args.resume)
+    if args.resume is not None:
+        run_dir = Path(args.resume)
+    elif args.out:
+        run_dir = Path(args.out)
+    elif cfg.train.out_dir:
+        run_dir = Path(cfg.train.out_dir)
+    else:
+        run_dir = default_run_dir(name)
+    plan = plan_launch(cfg, run_dir, args.workers, args.resume is not None, args.host, args.port)
+    if args.resume is not None and extra:
+        dump_config(cfg, run_dir)  # the overrides (e.g. more steps) become part of the run
+    return Launcher(plan, show_progress=not args.quiet).run()
+
+
+def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.coordinator import Coordinator, bind_listen_socket, run_coordinator
+    from unbroken.metrics import init_logger
+
+    init_logger("coordinator")
+    if args.listen_fd is not None:  # started by the launcher, which validated and wrote the run dir
+        sock = socket.socket(fileno=args.listen_fd)
+        run_dir = Path(args.run_dir)
+        cfg = load_config(run_dir / "config.toml")
+    else:
+        cfg, name = _load(args.config, extra, None)
+        run_dir = Path(args.run_dir or cfg.train.out_dir or f"runs/{name}")
+        if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:
+            raise ValueError(f"run directory {run_dir} exists and is not empty; choose another or use --resume")
+        sock = bind_listen_socket(args.host, args.port)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            dump_config(cfg, run_dir)
+        print(f"coordinator listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", flush=True)
+    from unbroken.config import to_toml
+
+    coordinator = Coordinator(
+        sock,
+        to_toml(cfg),
+        run_dir.resolve(),
+        args.workers,
+        cfg.comm.heartbeat_timeout_s,
+        cfg.comm.join_timeout_s,
+        resume=args.resume,
+        parent_pid=args.parent_pid,
+    )
+    return run_coordinator(coordinator, Path(args.address_file) if args.address_file else None)
+
+
+def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.trainer import run_worker
+
+    if extra:
+        raise ValueError(f"unrecognised arguments {' '.join(extra)}; a worker takes its config from the coordinator")
+    return run_worker(args.coordinator, args.worker_id, args.run_dir)
+
+
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.bench import run_bench
+
+    return run_bench(
+        args.what,
+        args.config,
+        [int(w) for w in args.workers.split(",")],
+        args.repeats,
+        _split_overrides(extra),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unbroken", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train on this machine: a coordinator and N worker processes")
+    train.add_argument("config", nargs="?", help="TOML config (default: the embedded default)")
+    train.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train.add_argument("--out", help="run directory (default: train.out_dir or runs/<config>-<time>)")
+    train.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
+    train.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
+    train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.set_defaults(func=cmd_train)
+
+    coord = sub.add_parser("coordinator", help="run only the coordinator (multi-host jobs)")
+    coord.add_argument("config", nargs="?")
+    coord.add_argument("--workers", type=int, required=True, help="workers to wait for before starting")
+    coord.add_argument("--host", default="127.0.0.1")
+    coord.add_argument("--port", type=int, default=29400)
+    coord.add_argument("--run-dir")
+    coord.add_argument("--resume", action="store_true")
+    coord.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    coord.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    coord.add_argument("--address-file", help=argparse.SUPPRESS)
+    coord.set_defaults(func=cmd_coordinator)
+
+    worker = sub.add_parser("worker", help="run one training worker that joins a coordinator")
+    worker.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    worker.add_argument("--worker-id", type=int, default=None)
+    worker.add_argument("--run-dir", help="where checkpoints go (default: the coordinator's run directory)")
+    worker.set_defaults(func=cmd_worker)
+
+    bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
+    bench.add_argument("what", choices=["ddp"])
+    bench.add_argument("config", nargs="?")
+    bench.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
+    bench.add_argument("--repeats", type=int, default=2, help="alternating rounds of each system (default 2)")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return int(args.func(args, extra) or 0)
+    except ValueError as e:
+        print(f"unbroken: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Run configuration: a frozen dataclass tree loaded from TOML with ``--section.key=value`` overrides.
+
+Owns the schema (every section, its fields and their validation), loading, overriding and writing the
+resolved config. Each component receives only its own section (``Trainer(cfg.train, ...)``), never the
+root. User mistakes raise ``ValueError`` with a one-line message naming the key and what is allowed.
+
+Precedence: command-line overrides > TOML file > dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FLAVOURS = ("tiny", "small", "60m", "130m", "350m", "1b", "7b")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    flavour: str = "small"  # one of FLAVOURS (see model.FLAVOURS for the sizes)
+    vocab_size: int = 0  # 0: taken from the tokenizer; otherwise must be >= the tokenizer's vocabulary
+    n_kv_heads: int = 0  # 0: the flavour's default (grouped-query attention when < n_heads)
+
+    def __post_init__(self) -> None:
+        if self.flavour not in FLAVOURS:
+            raise ValueError(f"model.flavour = {self.flavour!r} is unknown; allowed: {', '.join(FLAVOURS)}")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size = {self.vocab_size} must be >= 0 (0 = from the tokenizer)")
+        if self.n_kv_heads < 0:
+            raise ValueError(f"model.n_kv_heads = {self.n_kv_heads} must be >= 0 (0 = flavour default)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # "shakespeare" (the embedded corpus) or a path: a text file, a folder of text files, a .jsonl file,
+    # a .parquet file, or a folder written by datasets' save_to_disk.
+    source: str = "shakespeare"
+    text_field: str = "text"  # the field holding the text in JSONL, parquet and datasets sources
+    tokenizer: str = ""  # "" trains a byte-level BPE on the training split; else a tokenizer.json path
+    vocab_size: int = 8192  # size of the BPE trained when tokenizer = ""
+    seq_len: int = 256  # tokens per sequence (the model sees seq_len inputs, predicts seq_len targets)
+    microbatch_size: int = 4  # sequences per microbatch
+    val_fraction: float = 0.05  # share of the text held out for validation (the tail of the corpus)
+    cache_dir: str = ".cache/unbroken"  # tokenizer and token arrays, keyed by a hash of the inputs
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ValueError('data.source is empty; give "shakespeare" or a path to text/JSONL/parquet data')
+        if self.vocab_size < 256 or self.vocab_size > 2**20:
+            raise ValueError(f"data.vocab_size = {self.vocab_size} must be in [256, 1048576]")
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len = {self.seq_len} must be >= 2")
+        if self.microbatch_size < 1:
+            raise ValueError(f"data.microbatch_size = {self.microbatch_size} must be >= 1")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ValueError(f"data.val_fraction = {self.val_fraction} must be in (0, 0.5)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200  # optimizer steps
+    microbatches: int = 8  # M: microbatches per step, fixed whatever the number of workers
+    lr: float = 3e-3  # peak learning rate
+    warmup_fraction: float = 0.1  # linear warm-up over this share of the steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 0  # model init and data order
+    eval_every: int = 50  # validation every this many steps (and at the end); 0 = only at the end
+    eval_microbatches: int = 8  # validation microbatches per evaluation
+    threads: int = 0  # torch intra-op threads per worker; 0 = cores / workers on this host
+    out_dir: str = ""  # "" = runs/<config name>-<timestamp>
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"train.steps = {self.steps} must be >= 1")
+        if self.microbatches < 1:
+            raise ValueError(f"train.microbatches = {self.microbatches} must be >= 1 (M microbatches per step)")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr = {self.lr} must be > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"train.warmup_fraction = {self.warmup_fraction} must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio = {self.min_lr_ratio} must be in [0, 1]")
+        if self.weight_decay < 0:
+            raise ValueError(f"train.weight_decay = {self.weight_decay} must be >= 0")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"train.{name} = {value} must be in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"train.eps = {self.eps} must be > 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip = {self.grad_clip} must be >= 0 (0 disables clipping)")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every = {self.eval_every} must be >= 0")
+        if self.eval_microbatches < 1:
+            raise ValueError(f"train.eval_microbatches = {self.eval_microbatches} must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"train.seed = {self.seed} must be >= 0")
+        if self.threads < 0:
+            raise ValueError(f"train.threads = {self.threads} must be >= 0 (0 = automatic)")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    backend: str = "auto"  # "auto" (nccl with CUDA, else gloo), "gloo" or "nccl"
+    bucket_mb: float = 4.0  # gradient all-reduce bucket size; buckets overlap the last backward
+    op_timeout_s: float = 60.0  # bound on any collective; past it the group is abandoned
+    heartbeat_interval_s: float = 0.05  # how often a worker tells the coordinator it is alive
+    heartbeat_timeout_s: float = 2.0  # a worker silent this long is declared dead (a hang, SIGSTOP)
+    join_timeout_s: float = 120.0  # how long the coordinator waits for the expected workers at start
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"comm.backend = {self.backend!r} is unknown; allowed: auto, gloo, nccl")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"comm.bucket_mb = {self.bucket_mb} must be > 0")
+        for name in ("op_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"comm.{name} = {getattr(self, name)} must be > 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"comm.heartbeat_timeout_s = {self.heartbeat_timeout_s} must exceed "
+                f"comm.heartbeat_interval_s = {self.heartbeat_interval_s}"
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 50  # save every this many steps (and at the end); 0 = only at the end
+    keep: int = 3  # number of checkpoints kept on disk (older ones are deleted after a good save)
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every = {self.every} must be >= 0 (0 = only at the end)")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep = {self.keep} must be >= 1")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "comm": CommConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def _field_type(cls: type, name: str) -> type:
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _coerce(key: str, value: Any, expected: type) -> Any:
+    """Return ``value`` as ``expected`` or raise a one-line ValueError naming ``key``."""
+    origin = typing.get_origin(expected)
+    if origin in (types.UnionType, typing.Union):
+        raise AssertionError(f"union field types are not supported in config ({key})")
+    if expected is bool:
+        if isinstance(value, bool):
+            return value
+    elif expected is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif expected is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise AssertionError(f"unsupported config field type {expected} for {key}")
+    raise ValueError(f"{key} = {value!r} has the wrong type; expected {expected.__name__}")
+
+
+def _parse_override_value(key: str, text: str, expected: type) -> Any:
+    """Parse the text of ``--key=text`` into the field's type."""
+    if expected is str:
+        return text
+    if expected is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{key} = {text!r} has the wrong type; expected bool (true or false)")
+    try:
+        if expected is int:
+            return int(text)
+        if expected is float:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{key} = {text!r} has the wrong type; expected {expected.__name__}") from None
+    raise AssertionError(f"unsupported config field type {expected} for {key}")
+
+
+def _build(raw: dict[str, Any], where: str) -> RunConfig:
+    sections: dict[str, Any] = {}
+    for section_name, section_values in raw.items():
+        if section_name not in _SECTION_TYPES:
+            allowed = ", ".join(_SECTION_TYPES)
+            raise ValueError(f"unknown config section [{section_name}] in {where}; allowed: {allowed}")
+        cls = _SECTION_TYPES[section_name]
+        if not isinstance(section_values, dict):
+            raise ValueError(f"{section_name} in {where} must be a table [{section_name}], not a value")
+        names = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in section_values.items():
+            if key not in names:
+                raise ValueError(
+                    f"unknown config key {section_name}.{key} in {where}; "
+                    f"allowed in [{section_name}]: {', '.join(sorted(names))}"
+                )
+            kwargs[key] = _coerce(f"{section_name}.{key}", value, _field_type(cls, key))
+        sections[section_name] = cls(**kwargs)
+    return RunConfig(**sections)
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
+    """``["--train.steps=10", "--data.source=x"]`` -> ``{"train": {"steps": "10"}, ...}`` (still text)."""
+    out: dict[str, dict[str, str]] = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
+            raise ValueError(f"override {arg!r} is malformed; expected --section.key=value")
+        dotted, value = arg[2:].split("=", 1)
+        section, key = dotted.split(".", 1)
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a TOML file (or the defaults when ``path`` is None) and apply ``--section.key=value`` overrides.
+
+    Raises:
+        ValueError: the file is missing or malformed, a section or key is unknown, a value has the wrong
+            type or is out of range. The message is one line and names the key or path.
+    """
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {where} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {where} is not valid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"config file {where} is not UTF-8 text") from None
+    for section, values in parse_overrides(overrides or []).items():
+        if section not in _SECTION_TYPES:
+            raise ValueError(f"unknown config section in override --{section}.*; allowed: {', '.join(_SECTION_TYPES)}")
+        cls = _SECTION_TYPES[section]
+        names = {f.name for f in fields(cls)}
+        for key, text in values.items():
+            if key not in names:
+                raise ValueError(
+                    f"unknown config key {section}.{key} in override; "
+                    f"allowed in [{section}]: {', '.join(sorted(names))}"
+                )
+            raw.setdefault(section, {})
+            if not isinstance(raw[section], dict):
+                raise ValueError(f"{section} in {where} must be a table [{section}], not a value")
+            raw[section][key] = _parse_override_value(f"{section}.{key}", text, _field_type(cls, key))
+    return _build(raw, where)
+
+
+def config_from_toml_text(text: str) -> RunConfig:
+    """Rebuild a config from the TOML text written by ``dump_config`` (workers get it from the coordinator)."""
+    return _build(tomllib.loads(text), "resolved config")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML text: every section and every field, so a run can be reproduced."""
+    lines: list[str] = []
+    for section_name in _SECTION_TYPES:
+        section = getattr(cfg, section_name)
+        lines.append(f"[{section_name}]")
+        for f in fields(section):
+            lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    raise AssertionError(f"cannot write {value!r} as TOML")
+
+
+def dump_config(cfg: RunConfig, out_dir: str | os.PathLike[str]) -> Path:
+    """Write the resolved config to ``out_dir/config.toml`` atomically and return its path."""
+    path = Path(out_dir) / "config.toml"
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(to_toml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def replace(section: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` re-exported so callers derive configs without mutating them."""
+    return dataclasses.replace(section, **changes)

@@ -1,0 +1,323 @@
+"""The coordinator (one small process per job, never a training worker) and the workers' client of it.
+
+Owns membership. The coordinator hosts the rendezvous store (torch.distributed's TCPStore, listening on
+a socket it binds itself, 127.0.0.1 unless told otherwise), admits workers, watches their heartbeats and
+the launcher's process-exit reports, and publishes a new membership epoch whenever a worker dies or
+joins. It also drains the metrics the workers publish into ``RUN_DIR/metrics.jsonl``.
+
+Store keys (all under the job's store):
+  config, run_dir, expected        the resolved config (TOML), the run directory, workers expected
+  register/seq, register/<n>        worker registration requests; register/<n>/id the admitted id
+  hb/<id>                           heartbeat counter of a worker
+  dead/<id>                         set by the launcher when the worker's process exits
+  epoch, epoch/<e>                  the current epoch number, and its JSON record (members, reason)
+  metrics/seq, metrics/<n>          metric records (JSON lines) published by the epoch's leader
+  final/<id>                        a worker's final parameter checksum
+  done, stop                        the run finished (JSON status); everyone must stop now (reason)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import TCPStore
+
+log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 30.0
+LOOP_INTERVAL_S = 0.005
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen on (host, port); ValueError (one line) if the port is taken or the host is invalid."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; choose a free --port (0 = any)") from None
+    sock.listen(1024)
+    return sock
+
+
+def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S) -> TCPStore:
+    """A client connection to the coordinator's store at ``HOST:PORT``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--coordinator {address!r} is malformed; expected HOST:PORT")
+    return TCPStore(
+        host.strip("[]"),
+        int(port),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _get_int(store: TCPStore, key: str) -> int:
+    return store.add(key, 0)
+
+
+def read_json(store: TCPStore, key: str) -> Any:
+    return json.loads(store.get(key).decode())
+
+
+@dataclass
+class Epoch:
+    epoch: int
+    members: tuple[int, ...]
+    reason: str
+
+
+class Coordinator:
+    """Membership service for one job. ``run()`` loops until the job is done, stopped or abandoned."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        config_toml: str,
+        run_dir: Path,
+        expected_workers: int,
+        heartbeat_timeout_s: float,
+        join_timeout_s: float,
+        resume: bool,
+        parent_pid: int | None = None,
+    ) -> None:
+        self.sock = sock  # kept open for the store's lifetime
+        host, port = sock.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self.port = port
+        self.store = TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+        )
+        self.run_dir = run_dir
+        self.expected = expected_workers
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.parent_pid = parent_pid
+        self.store.set("config", config_toml)
+        self.store.set("run_dir", str(run_dir))
+        self.store.set("expected", str(expected_workers))
+        self.store.set("resume", "1" if resume else "0")
+        self.store.set("epoch", "0")
+        self.next_registration = 1
+        self.next_worker_id = 0
+        self.admitted: dict[int, dict[str, Any]] = {}
+        self.members: tuple[int, ...] = ()
+        self.epoch = 0
+        self.heartbeats: dict[int, tuple[int, float]] = {}
+        self.next_metric = 1
+        self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.started = time.monotonic()
+        self.stopping = threading.Event()
+
+    # -- output -------------------------------------------------------------------------------------
+    def emit(self, record: dict[str, Any]) -> None:
+        self.metrics_file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    # -- membership ---------------------------------------------------------------------------------
+    def _admit_new(self) -> list[int]:
+        joined = []
+        seq = _get_int(self.store, "register/seq")
+        while self.next_registration <= seq:
+            key = f"register/{self.next_registration}"
+            if not self.store.check([key]):
+                break  # the worker incremented the counter but has not written its request yet
+            request = read_json(self.store, key)
+            wid = request.get("worker_id", -1)
+            if wid is None or wid < 0 or wid in self.admitted:
+                wid = max([self.next_worker_id, *[w + 1 for w in self.admitted]])
+            self.next_worker_id = max(self.next_worker_id, wid + 1)
+            self.admitted[wid] = request
+            self.heartbeats[wid] = (_get_int(self.store, f"hb/{wid}"), time.monotonic())
+            self.store.set(f"{key}/id", str(wid))
+            joined.append(wid)
+            self.next_registration += 1
+        return joined
+
+    def _dead(self) -> dict[int, str]:
+        dead: dict[int, str] = {}
+        now = time.monotonic()
+        for wid in self.members:
+            if self.store.check([f"dead/{wid}"]):
+                dead[wid] = "process exited: " + self.store.get(f"dead/{wid}").decode()
+                continue
+            count = _get_int(self.store, f"hb/{wid}")
+            last_count, last_time = self.heartbeats.get(wid, (count, now))
+            if count != last_count:
+                self.heartbeats[wid] = (count, now)
+            elif now - last_time > self.heartbeat_timeout_s:
+                dead[wid] = f"no heartbeat for {now - last_time:.2f} s"
+        return dead
+
+    def publish(self, members: tuple[int, ...], reason: str) -> None:
+        self.epoch += 1
+        self.members = tuple(sorted(members))
+        record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "time": time.time()}
+        self.store.set(f"epoch/{self.epoch}", json.dumps(record))
+        self.store.set("epoch", str(self.epoch))
+        self.emit({"type": "membership", **record, "elapsed_s": time.monotonic() - self.started})
+        log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
+
+    def _drain_metrics(self) -> None:
+        seq = _get_int(self.store, "metrics/seq")
+        while self.next_metric <= seq:
+            key = f"metrics/{self.next_metric}"
+            if not self.store.check([key]):
+                break
+            self.metrics_file.write(self.store.get(key).decode() + "\n")
+            self.store.delete_key(key)
+            self.next_metric += 1
+
+    def stop(self, reason: str) -> None:
+        if not self.store.check(["stop"]):
+            self.store.set("stop", reason)
+        self.stopping.set()
+
+    def run(self) -> int:
+        """Admit the expected workers, publish epochs, drain metrics; return 0 when the job is done."""
+        start_deadline = time.monotonic() + self.join_timeout_s
+        try:
+            while not self.stopping.is_set():
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self.stop("the launcher died")
+                    break
+                joined = self._admit_new()
+                if self.epoch == 0:
+                    if len(self.admitted) >= self.expected:
+                        self.publish(tuple(self.admitted), "start")
+                    elif time.monotonic() > start_deadline:
+                        self.stop(
+                            f"only {len(self.admitted)} of {self.expected} workers joined "
+                            f"within {self.join_timeout_s:.0f} s"
+                        )
+                        break
+                else:
+                    dead = self._dead()
+                    if dead:
+                        for wid, why in dead.items():
+                            self.emit({"type": "failure", "worker": wid, "why": why, "time": time.time()})
+                        survivors = tuple(w for w in self.members if w not in dead)
+                        if not survivors:
+                            self.publish((), "every worker died")
+                            self.stop("every worker died")
+                            break
+                        self.publish(survivors, "died: " + ", ".join(str(w) for w in sorted(dead)))
+                    if joined:
+                        log.info("workers %s registered after the start; they wait for a rejoin", joined)
+                self._drain_metrics()
+                if self.store.check(["done"]):
+                    self._drain_metrics()
+                    break
+                time.sleep(LOOP_INTERVAL_S)
+        finally:
+            self._drain_metrics()
+            self.metrics_file.close()
+        return 0 if self.store.check(["done"]) else 1
+
+
+def run_coordinator(coordinator: Coordinator, address_file: Path | None) -> int:
+    """Run ``coordinator`` until the job ends; SIGTERM/SIGINT ask every worker to stop first."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        coordinator.stop(f"coordinator received signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if address_file is not None:
+        tmp = address_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": coordinator.address, "pid": os.getpid()}))
+        os.replace(tmp, address_file)
+    code = coordinator.run()
+    # Let workers read the final keys before the store goes away.
+    time.sleep(0.5)
+    return code
+
+
+class CoordinatorClient:
+    """A worker's view of the coordinator: registration, heartbeats, the current epoch, metrics."""
+
+    def __init__(self, address: str, worker_id: int | None, heartbeat_interval_s: float = 0.05) -> None:
+        self.address = address
+        self.store = connect_store(address)
+        seq = self.store.add("register/seq", 1)
+        request = {
+            "worker_id": -1 if worker_id is None else worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        self.store.set(f"register/{seq}", json.dumps(request))
+        self.store.wait([f"register/{seq}/id"], datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        self.worker_id = int(self.store.get(f"register/{seq}/id"))
+        self._hb_store = connect_store(address)
+        self._hb_interval = heartbeat_interval_s
+        self._hb_stop = threading.Event()
+        self._hb_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.wait(self._hb_interval):
+            try:
+                self._hb_store.add(f"hb/{self.worker_id}", 1)
+            except RuntimeError:
+                return  # the coordinator is gone; the main loop notices through its own calls
+
+    def config_toml(self) -> str:
+        return self.store.get("config").decode()
+
+    def run_dir(self) -> Path:
+        return Path(self.store.get("run_dir").decode())
+
+    def resume(self) -> bool:
+        return self.store.get("resume") == b"1"
+
+    def current_epoch(self) -> int:
+        return int(self.store.get("epoch"))
+
+    def epoch_record(self, epoch: int) -> Epoch:
+        record = read_json(self.store, f"epoch/{epoch}")
+        return Epoch(record["epoch"], tuple(record["members"]), record["reason"])
+
+    def stop_reason(self) -> str | None:
+        if self.store.check(["stop"]):
+            return self.store.get("stop").decode()
+        return None
+
+    def wait_for_epoch(self, timeout_s: float, after: int = 0) -> Epoch | None:
+        """Block (polling) until an epoch newer than ``after`` that includes this worker is published."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.stop_reason() is not None:
+                return None
+            epoch = self.current_epoch()
+            if epoch > after:
+                record = self.epoch_record(epoch)
+                if self.worker_id in record.members:
+                    return record
+            time.sleep(0.005)
+        return None
+
+    def publish_metrics(self, record: dict[str, Any]) -> None:
+        seq = self.store.add("metrics/seq", 1)
+        self.store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
+
+    def close(self) -> None:
+        self._hb_stop.set()

@@ -1,0 +1,359 @@
+"""The single-machine launcher behind ``unbroken train``: one coordinator process and N worker processes.
+
+Owns process lifetimes on this host: it validates everything before writing anything, prepares the run
+directory, starts the coordinator (handing it the listening socket it bound, so a port in use is an
+error before anything starts) and the workers, reports each worker's exit to the coordinator (the
+fastest failure detector there is), shows progress from ``metrics.jsonl``, and on Ctrl-C stops every
+process it started. Checkpoints are written atomically by the workers, so an interrupted run keeps its
+last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unbroken.config import RunConfig, dump_config
+from unbroken.coordinator import bind_listen_socket, connect_store
+from unbroken.metrics import format_step
+
+POLL_S = 0.02
+START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything validated: what to run, where, and the socket the coordinator will listen on."""
+
+    cfg: RunConfig
+    run_dir: Path
+    workers: int
+    resume: bool
+    sock: socket.socket
+
+
+def default_run_dir(config_name: str) -> Path:
+    return Path("runs") / f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def validate_vocab(cfg: RunConfig) -> None:
+    """Vocabulary mismatch between the tokenizer and ``model.vocab_size``, checked before any work."""
+    if cfg.model.vocab_size == 0:
+        return
+    if cfg.data.tokenizer:
+        from unbroken.data import load_tokenizer
+
+        vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
+    else:
+        vocab = cfg.data.vocab_size
+    if cfg.model.vocab_size < vocab:
+        raise ValueError(
+            f"vocabulary mismatch: the tokenizer has {vocab} tokens but model.vocab_size = "
+            f"{cfg.model.vocab_size}; set model.vocab_size = 0 (from the tokenizer) or >= {vocab}"
+        )
+
+
+def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host: str, port: int) -> LaunchPlan:
+    """Validate the launch; raises ValueError (one line) and writes nothing if anything is wrong."""
+    if workers < 1:
+        raise ValueError(f"--workers = {workers} must be >= 1")
+    if resume:
+        if not (run_dir / "config.toml").is_file():
+            raise ValueError(f"--resume {run_dir}: not a run directory (no config.toml)")
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"output directory {run_dir} exists and is not empty; choose another or use --resume")
+    validate_vocab(cfg)
+    sock = bind_listen_socket(host, port)
+    try:
+        from unbroken.data import check_vocab, prepare_corpus
+
+        corpus = prepare_corpus(cfg.data)  # ValueError on bad data, before the run directory exists
+        check_vocab(corpus, cfg.model.vocab_size)
+    except BaseException:
+        sock.close()
+        raise
+    return LaunchPlan(cfg, run_dir, workers, resume, sock)
+
+
+class Launcher:
+    """Runs a validated ``LaunchPlan`` to the end; ``run()`` returns the process exit status."""
+
+    def __init__(self, plan: LaunchPlan, show_progress: bool = True) -> None:
+        self.plan = plan
+        self.cfg = plan.cfg
+        self.run_dir = plan.run_dir
+        self.show_progress = show_progress
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.reported: set[int] = set()
+        self.interrupted = False
+        self.address = ""
+        self.store: Any = None
+        self._metrics_offset = 0
+        self._records: list[dict[str, Any]] = []
+
+    # -- processes ----------------------------------------------------------------------------------
+    def _python(self) -> list[str]:
+        return [sys.executable, "-m", "unbroken"]
+
+    def start_coordinator(self) -> None:
+        logs = self.run_dir / "logs"
+        fd = self.plan.sock.fileno()
+        cmd = [
+            *self._python(),
+            "coordinator",
+            "--listen-fd",
+            str(fd),
+            "--run-dir",
+            str(self.run_dir),
+            "--workers",
+            str(self.plan.workers),
+            "--parent-pid",
+            str(os.getpid()),
+            "--address-file",
+            str(self.run_dir / "coordinator.json"),
+        ]
+        if self.plan.resume:
+            cmd.append("--resume")
+        (self.run_dir / "coordinator.json").unlink(missing_ok=True)  # a previous run's address
+        with open(logs / "coordinator.log", "ab") as out:
+            self.coordinator = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(fd,),
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        self.plan.sock.close()  # the coordinator holds its own copy of the listening socket
+        address_file = self.run_dir / "coordinator.json"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not address_file.exists():
+            if self.coordinator.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start; see {logs / 'coordinator.log'}")
+            time.sleep(POLL_S)
+        self.address = json.loads(address_file.read_text())["address"]
+        self.store = connect_store(self.address)
+
+    def start_worker(self, worker_id: int) -> None:
+        log_path = self.run_dir / "logs" / f"worker-{worker_id}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UNBROKEN_LOCAL_WORKERS": str(self.plan.workers)}
+        with open(log_path, "ab") as out:
+            self.workers[worker_id] = subprocess.Popen(
+                [*self._python(), "worker", "--coordinator", self.address, "--worker-id", str(worker_id)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        self.reported.discard(worker_id)
+
+    def _report_exits(self) -> None:
+        if self.coordinator is None or self.coordinator.poll() is not None:
+            return  # nobody left to tell
+        for wid, proc in self.workers.items():
+            code = proc.poll()
+            if code is not None and wid not in self.reported:
+                self.reported.add(wid)
+                self._store_set(f"dead/{wid}", f"exit code {code}")
+
+    def _store_set(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except (RuntimeError, AttributeError):
+            pass  # the coordinator is gone; nothing left to tell
+
+    def stop_all(self, reason: str) -> None:
+        """Ask everyone to stop, wait a grace period, then kill what is left."""
+        self._store_set("stop", reason)
+        deadline = time.monotonic() + STOP_GRACE_S
+        procs = [*self.workers.values(), *([self.coordinator] if self.coordinator else [])]
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(POLL_S)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # -- progress -----------------------------------------------------------------------------------
+    def _new_records(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        with open(path) as f:
+            f.seek(self._metrics_offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._metrics_offset += len(complete.encode())
+        records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        self._records += records
+        return records
+
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        if not self.plan.resume:
+            dump_config(self.cfg, self.run_dir)
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        started = time.monotonic()
+        try:
+            self.start_coordinator()
+            for wid in range(self.plan.workers):
+                self.start_worker(wid)
+            with _Progress(self.cfg.train.steps, self.show_progress) as progress:
+                while True:
+                    self._report_exits()
+                    for record in self._new_records():
+                        progress.update(record)
+                    if self.interrupted:
+                        progress.note("interrupted: stopping every process (the last checkpoint is kept)")
+                        self.stop_all("interrupted by the user (Ctrl-C)")
+                        self._new_records()
+                        return 130
+                    assert self.coordinator is not None
+                    if self.coordinator.poll() is not None:
+                        break
+                    time.sleep(POLL_S)
+                for record in self._new_records():
+                    progress.update(record)
+            return self._finish(time.monotonic() - started)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            for p in [*self.workers.values(), *([self.coordinator] if self.coordinator else [])]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def _on_sigint(self, _signum: int, _frame: object) -> None:
+        self.interrupted = True
+
+    def _finish(self, wall_s: float) -> int:
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
+            time.sleep(POLL_S)
+        done = any(r.get("type") == "final" for r in self._records)
+        print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
+        if self.cfg.metrics.tensorboard:
+            from unbroken.metrics import write_tensorboard
+
+            write_tensorboard(self.run_dir, self._records)
+        if not done:
+            print(f"unbroken: the run did not finish; see {self.run_dir / 'logs'}", file=sys.stderr)
+            for wid in sorted(self.workers):
+                tail = _tail(self.run_dir / "logs" / f"worker-{wid}.log", 3)
+                if tail:
+                    print(f"  worker {wid}: {tail}", file=sys.stderr)
+            return 1
+        return 0
+
+
+def _tail(path: Path, lines: int) -> str:
+    if not path.exists():
+        return ""
+    return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
+class _Progress:
+    """A live rich progress bar on a terminal; plain periodic lines otherwise (CI, pipes)."""
+
+    def __init__(self, total_steps: int, enabled: bool) -> None:
+        self.total = total_steps
+        self.enabled = enabled
+        self.live = enabled and sys.stdout.isatty()
+        self.every = max(1, total_steps // 20)
+        self.val = ""
+        self._bar: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.live:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=self.total, info="starting workers")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text)
+        elif self.enabled:
+            print(text, flush=True)
+
+    def update(self, record: dict[str, Any]) -> None:
+        kind = record.get("type")
+        if kind == "eval":
+            self.val = f" | val {record['val_loss']:.3f}"
+            self.note(
+                f"eval at step {record['step'] + 1}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.1f}"
+            )
+        elif kind in ("membership", "failure", "resume", "checkpoint_rejected"):
+            self.note(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("type", "time")))
+        elif kind == "step":
+            if self._bar is not None:
+                info = (
+                    f"loss {record['loss']:.3f}{self.val} | {record['tokens_per_s']:,.0f} tok/s | "
+                    f"alive {record['alive']}"
+                )
+                self._bar.update(self._task, completed=record["step"] + 1, info=info)
+            elif self.enabled and ((record["step"] + 1) % self.every == 0 or record["step"] == 0):
+                print(format_step(record, self.total), flush=True)
+
+
+def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """Run totals from the metrics records: steps, tokens, losses, throughput, failures."""
+    steps = {r["step"]: r for r in records if r.get("type") == "step"}
+    evals = [r for r in records if r.get("type") == "eval"]
+    ordered = [steps[s] for s in sorted(steps)]
+    tokens = sum(r["tokens"] for r in ordered)
+    train_time = sum(r["step_time_s"] for r in ordered)
+    last = ordered[-10:]
+    return {
+        "steps": len(ordered),
+        "tokens": tokens,
+        "first_loss": ordered[0]["loss"] if ordered else float("nan"),
+        "train_loss": sum(r["loss"] for r in last) / len(last) if last else float("nan"),
+        "val_loss": evals[-1]["val_loss"] if evals else float("nan"),
+        "val_ppl": evals[-1]["val_ppl"] if evals else float("nan"),
+        "tokens_per_s": tokens / train_time if train_time else 0.0,
+        "wall_s": wall_s,
+        "failures": sum(1 for r in records if r.get("type") == "failure"),
+        "identical_params": next((r["identical"] for r in records if r.get("type") == "final"), None),
+    }
+
+
+def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, total_steps: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = summarize(records, wall_s)
+    table = Table(title=f"unbroken run summary ({run_dir})", show_header=False)
+    table.add_row("steps", f"{s['steps']} of {total_steps}")
+    table.add_row("tokens", f"{s['tokens']:,}")
+    table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} (mean of the last 10 steps)")
+    table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
+    table.add_row("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s")
+    table.add_row("failures survived", str(s["failures"]))
+    if s["identical_params"] is not None:
+        table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
+    Console().print(table)

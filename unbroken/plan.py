@@ -1,0 +1,92 @@
+"""Workload planning: which worker computes which of a step's M microbatch ids. Pure Python, no torch.
+
+Every worker calls the same function with the same inputs and so computes the same plan; the simulator
+imports this module rather than a copy. A plan covers each id in [0, M) exactly once over the members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Policy(StrEnum):
+    """How microbatches are spread over the alive workers."""
+
+    EVEN = "even"  # equal quotas (the first M mod R workers get one more)
+    THROUGHPUT = "throughput"  # quotas minimise the slowest worker's time given per-microbatch times
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The microbatch ids each member computes in one step; ``ids[w]`` is sorted, ids are disjoint."""
+
+    step: int
+    num_microbatches: int
+    members: tuple[int, ...]
+    ids: Mapping[int, tuple[int, ...]]
+
+    def ids_for(self, worker: int) -> tuple[int, ...]:
+        return self.ids.get(worker, ())
+
+    def owner_of(self) -> dict[int, int]:
+        """Microbatch id -> the worker that computes it."""
+        return {j: w for w, js in self.ids.items() for j in js}
+
+
+def even_quotas(num_items: int, num_workers: int) -> list[int]:
+    """``num_items`` split over ``num_workers`` as evenly as possible, larger quotas first."""
+    assert num_workers >= 1 and num_items >= 0
+    base, extra = divmod(num_items, num_workers)
+    return [base + (1 if r < extra else 0) for r in range(num_workers)]
+
+
+def throughput_quotas(num_items: int, seconds_per_item: Sequence[float]) -> list[int]:
+    """Quotas that minimise max_r q_r * t_r with sum q_r = num_items (greedy: each item to the earliest finisher).
+
+    Ties go to the lower index, so the result is deterministic for identical inputs.
+    """
+    assert len(seconds_per_item) >= 1 and num_items >= 0
+    assert all(t > 0 for t in seconds_per_item), seconds_per_item
+    quotas = [0] * len(seconds_per_item)
+    for _ in range(num_items):
+        r = min(range(len(quotas)), key=lambda i: ((quotas[i] + 1) * seconds_per_item[i], i))
+        quotas[r] += 1
+    return quotas
+
+
+def plan_step(
+    step: int,
+    members: Sequence[int],
+    num_microbatches: int,
+    policy: Policy | str = Policy.EVEN,
+    seconds_per_microbatch: Mapping[int, float] | None = None,
+) -> Assignment:
+    """Assign the step's microbatch ids [0, M) to ``members`` (worker ids) in contiguous blocks.
+
+    Args:
+        step: the optimizer step (recorded in the plan; the split does not depend on it).
+        members: alive worker ids; the order is normalised (sorted) so every caller agrees.
+        num_microbatches: M, fixed for the run whatever the number of members.
+        policy: ``even`` or ``throughput``.
+        seconds_per_microbatch: measured time per microbatch of each member (``throughput`` only);
+            members without a measurement get the median of the others.
+    """
+    policy = Policy(policy)
+    ordered = tuple(sorted(set(members)))
+    assert ordered, "a plan needs at least one member"
+    if policy is Policy.EVEN or not seconds_per_microbatch:
+        quotas = even_quotas(num_microbatches, len(ordered))
+    else:
+        known = sorted(t for w, t in seconds_per_microbatch.items() if w in ordered and t > 0)
+        fallback = known[len(known) // 2] if known else 1.0
+        times = [seconds_per_microbatch.get(w, fallback) or fallback for w in ordered]
+        quotas = throughput_quotas(num_microbatches, times)
+    ids: dict[int, tuple[int, ...]] = {}
+    start = 0
+    for worker, quota in zip(ordered, quotas, strict=True):
+        ids[worker] = tuple(range(start, start + quota))
+        start += quota
+    assert start == num_microbatches
+    return Assignment(step=step, num_microbatches=num_microbatches, members=ordered, ids=ids)
