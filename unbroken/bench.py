@@ -54,7 +54,7 @@ def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0)
-        code = Launcher(plan, show_progress=False).run()
+        code = Launcher(plan, show_progress=False, show_summary=False).run()
         if code != 0:
             raise RuntimeError(f"unbroken run failed (exit {code}); logs in {run_dir}/logs")
         steps = sorted(read_metrics(run_dir, "step"), key=lambda r: r["step"])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from torch.distributed import PrefixStore, Store
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.0005
+CHECK_INTERVAL_S = 0.005
 
 
 def default_backend(requested: str) -> str:
@@ -88,25 +90,28 @@ def wait_all(
     timeout_s: float,
     interrupted: Callable[[], bool],
 ) -> bool:
-    """Wait for every collective, polling; ``False`` if ``interrupted()`` turns true or time runs out.
+    """Wait for every collective; ``False`` if ``interrupted()`` turns true or time runs out.
 
-    ``interrupted`` is typically "the membership epoch changed". A gloo collective whose peer died blocks
-    only the dead rank's neighbours with an error; everyone else would block until the group timeout, so
-    the epoch watch is what bounds the wait.
+    ``interrupted`` is typically "the membership epoch changed" and must be cheap (a cached value). A gloo
+    collective whose peer died errors only on the dead rank's neighbours; everyone else would block until
+    the group timeout, so the epoch watch is what bounds the wait. The thread sleeps on the collective's
+    completion (no busy polling that would steal CPU from compute) and wakes every ``CHECK_INTERVAL_S``.
     """
     deadline = time.monotonic() + timeout_s
-    next_check = 0.0
     for p in pending:
-        while not p.done():
-            now = time.monotonic()
-            if now > deadline:
-                log.warning("collective timed out after %.1f s", timeout_s)
-                return False
-            if now >= next_check:
+        if p.work is not None and not p.done():
+            finished = threading.Event()
+            p.work.get_future().add_done_callback(lambda _f, e=finished: e.set())
+            while not finished.is_set():
                 if interrupted():
                     return False
-                next_check = now + 0.002
-            time.sleep(POLL_INTERVAL_S)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning("collective timed out after %.1f s", timeout_s)
+                    return False
+                finished.wait(min(remaining, CHECK_INTERVAL_S))
+        elif interrupted():
+            return False
         if p.work is not None:
             try:
                 p.work.wait()  # completed: surfaces a backend error (e.g. a reset connection) as an exception
@@ -158,26 +163,35 @@ def _failed() -> Pending:
 class GradientReducer:
     """Sums the workers' local gradients into a separate flat buffer, bucket by bucket.
 
-    Buckets hold parameters in reverse registration order (the order backward produces them). While a
-    step's last local backward runs, a bucket's all-reduce starts as soon as all its gradients are final,
-    so communication overlaps compute (as DDP does). Buckets start strictly in index order on every
-    worker, so the collectives match across workers whatever order the hooks fire in. A final small
-    bucket carries the step's extras (loss sum and per-microbatch counts).
+    Buckets hold parameters in reverse registration order (the order backward produces them). In ``fp32``
+    mode, while a step's last local backward runs, a bucket's all-reduce starts as soon as all its
+    gradients are final, so communication overlaps compute (as DDP does). Buckets start strictly in index
+    order on every worker, so the collectives match across workers whatever order the hooks fire in.
 
-    ``param.grad`` keeps the local contribution until ``apply()`` copies the reduced sum into it, so a
-    reduction interrupted by a failure can be restarted on a new group from the same source.
+    In ``exact`` mode every microbatch's gradient is folded (``fold()``) into a local int64 fixed-point
+    accumulator with a per-tensor power-of-two scale; integer addition is associative, so the reduced
+    gradient is bitwise the same whichever worker computed which microbatch. A microbatch whose gradient
+    would not fit sets ``overflowed`` (a property of the microbatch, so every worker sees the same thing
+    after the reduction) and the step is redone with larger bounds.
+
+    The local contribution (``param.grad`` in fp32 mode, the int64 accumulator in exact mode) is never
+    touched by a collective, so a reduction interrupted by a failure is restarted on the next group from it.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], bucket_bytes: int, num_extras: int) -> None:
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], bucket_bytes: int, num_extras: int, exact: bool = False
+    ) -> None:
         self.params = list(params)
         self.num_extras = num_extras
+        self.exact = exact
         device = self.params[0].device
+        element_bytes = 8 if exact else 4
         self.buckets: list[list[int]] = []
         current: list[int] = []
         current_bytes = 0
         for index in reversed(range(len(self.params))):
             current.append(index)
-            current_bytes += self.params[index].numel() * 4
+            current_bytes += self.params[index].numel() * element_bytes
             if current_bytes >= bucket_bytes:
                 self.buckets.append(current)
                 current, current_bytes = [], 0
@@ -192,21 +206,62 @@ class GradientReducer:
                 self.offsets[index] = offset
                 offset += self.params[index].numel()
             self.bucket_ranges.append((start, offset))
-        self.extras_range = (offset, offset + num_extras)
-        self.flat = torch.zeros(offset + num_extras, dtype=torch.float32, device=device)
+        dtype = torch.int64 if exact else torch.float32
+        self.flat = torch.zeros(offset, dtype=dtype, device=device)
+        self.extras = torch.zeros(num_extras, dtype=torch.float64)
+        self.accumulator = torch.zeros(offset, dtype=torch.int64, device=device) if exact else None
+        self.exponents = [0] * len(self.params)
+        self.overflowed = False
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._group: Group | None = None
         self._ready: list[int] = [0] * len(self.buckets)
         self._launched = 0
         self._pending: list[Pending] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self._hooks = (
+            []
+            if exact
+            else [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        )
 
+    def _view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        p = self.params[index]
+        return buffer[self.offsets[index] : self.offsets[index] + p.numel()]
+
+    # -- exact mode ---------------------------------------------------------------------------------
+    def set_bounds(self, bounds: Sequence[float], num_microbatches: int) -> None:
+        """Choose each tensor's scale 2**e so that M microbatch gradients bounded by ``bounds`` fit in int64."""
+        assert self.exact and len(bounds) == len(self.params)
+        headroom_bits = 62 - math.ceil(math.log2(max(2, num_microbatches)))
+        self.exponents = [headroom_bits - math.ceil(math.log2(max(b, 1e-30))) for b in bounds]
+        self._limit = float(2**headroom_bits)
+
+    def reset_local(self) -> None:
+        """Forget the local contribution (a new step, or a step that must be redone)."""
+        if self.accumulator is not None:
+            self.accumulator.zero_()
+        self.overflowed = False
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Exact mode: move the gradient of the microbatch just back-propagated into the accumulator."""
+        assert self.accumulator is not None
+        for index, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            scaled = p.grad.reshape(-1).double() * (2.0 ** self.exponents[index])
+            if bool(scaled.abs().max() >= self._limit):
+                self.overflowed = True
+            self._view(self.accumulator, index).add_(scaled.round_().long())
+            p.grad = None
+
+    # -- overlapped launch --------------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
             if self._group is None:
                 return
-            b = self.bucket_of[index]
-            self._ready[b] += 1
+            self._ready[self.bucket_of[index]] += 1
             self._launch_ready()
 
         return hook
@@ -218,15 +273,16 @@ class GradientReducer:
         self._launched = 0
         self._pending = []
 
+    @torch.no_grad()
     def _fill_bucket(self, b: int) -> None:
-        with torch.no_grad():
-            for index in self.buckets[b]:
-                p = self.params[index]
-                view = self.flat[self.offsets[index] : self.offsets[index] + p.numel()]
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad.reshape(-1))
+        for index in self.buckets[b]:
+            view = self._view(self.flat, index)
+            if self.accumulator is not None:
+                view.copy_(self._view(self.accumulator, index))
+            elif self.params[index].grad is None:
+                view.zero_()
+            else:
+                view.copy_(self.params[index].grad.reshape(-1))
 
     def _launch_ready(self) -> None:
         assert self._group is not None
@@ -239,41 +295,43 @@ class GradientReducer:
             self._pending.append(allreduce_async(self._group, self.flat[start:end]))
             self._launched += 1
 
-    def finish(
-        self, group: Group, extras: torch.Tensor, timeout_s: float, interrupted: Callable[[], bool]
-    ) -> torch.Tensor | None:
-        """Start whatever has not started (from the intact local grads), add the extras, and wait.
-
-        Returns the reduced extras, or ``None`` if the reduction was interrupted. Call ``arm()`` first
-        when an overlapped backward preceded it; without it, everything is reduced here.
-        """
+    def launch(self, group: Group, extras: torch.Tensor) -> None:
+        """Start whatever has not started (from the intact local contribution) and the extras' reduction."""
         assert extras.numel() == self.num_extras
         if self._group is not group:
             self.arm(group)
         self._ready = [len(bucket) for bucket in self.buckets]  # params with no grad this step count as ready
         self._launch_ready()
-        start, end = self.extras_range
-        self.flat[start:end].copy_(extras)
-        self._pending.append(allreduce_async(group, self.flat[start:end]))
+        self.extras.copy_(extras)
+        self._pending.append(allreduce_async(group, self.extras))
+
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool]) -> torch.Tensor | None:
+        """The reduced extras once every collective finished, or ``None`` if interrupted."""
         pending, self._pending, self._group = self._pending, [], None
         if not wait_all(pending, timeout_s, interrupted):
             return None
-        return self.flat[start:end].clone()
+        return self.extras.clone()
 
     def disarm(self) -> None:
-        """Forget an interrupted reduction (its buffer may be half-reduced; the local grads are intact)."""
+        """Forget an interrupted reduction (its buffer may be half-reduced; the local part is intact)."""
         self._group = None
         self._pending = []
 
-    def apply(self) -> None:
-        """Replace every ``param.grad`` with the reduced sum (after a successful ``finish``)."""
-        with torch.no_grad():
-            for index, p in enumerate(self.params):
-                view = self.flat[self.offsets[index] : self.offsets[index] + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+    @torch.no_grad()
+    def apply(self, scale: float = 1.0) -> None:
+        """Replace every ``param.grad`` with the reduced sum (times ``scale``) after a successful ``wait``."""
+        for index, p in enumerate(self.params):
+            view = self._view(self.flat, index).view_as(p)
+            if self.exact:
+                value = (view.double() * (2.0 ** -self.exponents[index])).float()
+            else:
+                value = view
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            if scale != 1.0:
+                p.grad.mul_(scale)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -135,6 +135,49 @@ class CommConfig:
             )
 
 
+POLICIES = ("recover", "drop", "restart")
+WORKLOADS = ("even", "throughput")
+REDUCTIONS = ("fp32", "exact")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    # recover: lost microbatches are recomputed by survivors in the same step (ReCoVer; same trajectory);
+    # drop: they are skipped and the gradient normalised by what was computed (torchft's behaviour);
+    # restart: every worker stops and the survivors restart from the last checkpoint.
+    policy: str = "recover"
+    workload: str = "even"  # even, or throughput (a slow worker gets fewer microbatches)
+    # fp32: SUM of fp32 gradients (within tolerance of the failure-free run); exact: each microbatch's
+    # gradient is summed as int64 fixed point, so the result is bitwise independent of who computed what.
+    reduction: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"recovery.policy = {self.policy!r} is unknown; allowed: {', '.join(POLICIES)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"recovery.workload = {self.workload!r} is unknown; allowed: {', '.join(WORKLOADS)}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"recovery.reduction = {self.reduction!r} is unknown; allowed: {', '.join(REDUCTIONS)}")
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    # Injected failures, e.g. "kill:worker=2,step=10,phase=backward; hang:worker=1,step=5;
+    # slow:worker=1,factor=3,steps=5-20" (see unbroken/failures.py for the grammar).
+    schedule: str = ""
+    mttr_s: float = 0.0  # restart a killed worker after this many seconds so it rejoins; 0 = never
+    mtbf_s: float = 0.0  # add seeded random kills with this mean time between failures; 0 = none
+    seed: int = 0  # seed of the random kills
+    step_time_s: float = 1.0  # expected seconds per step, to place random kills (given in seconds) on steps
+
+    def __post_init__(self) -> None:
+        for name in ("mttr_s", "mtbf_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"failures.{name} = {getattr(self, name)} must be >= 0")
+        if not self.step_time_s > 0:
+            raise ValueError(f"failures.step_time_s = {self.step_time_s} must be > 0")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 50  # save every this many steps (and at the end); 0 = only at the end
@@ -158,6 +201,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -167,6 +212,8 @@ _SECTION_TYPES = {
     "data": DataConfig,
     "train": TrainConfig,
     "comm": CommConfig,
+    "recovery": RecoveryConfig,
+    "failures": FailureConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
 }

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 30.0
 LOOP_INTERVAL_S = 0.005
+WATCH_INTERVAL_S = 0.005
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -143,11 +144,14 @@ class Coordinator:
                 break  # the worker incremented the counter but has not written its request yet
             request = read_json(self.store, key)
             wid = request.get("worker_id", -1)
-            if wid is None or wid < 0 or wid in self.admitted:
+            if wid is None or wid < 0 or wid in self.members or (wid in self.admitted and self.epoch == 0):
                 wid = max([self.next_worker_id, *[w + 1 for w in self.admitted]])
+            # A worker that died may come back under its old id (the launcher restarts it so).
             self.next_worker_id = max(self.next_worker_id, wid + 1)
             self.admitted[wid] = request
             self.heartbeats[wid] = (_get_int(self.store, f"hb/{wid}"), time.monotonic())
+            self.store.delete_key(f"dead/{wid}")
+            self.store.set(f"{key}/late", "1" if self.epoch > 0 else "0")
             self.store.set(f"{key}/id", str(wid))
             joined.append(wid)
             self.next_registration += 1
@@ -158,7 +162,7 @@ class Coordinator:
         now = time.monotonic()
         for wid in self.members:
             if self.store.check([f"dead/{wid}"]):
-                dead[wid] = "process exited: " + self.store.get(f"dead/{wid}").decode()
+                dead[wid] = "process " + self.store.get(f"dead/{wid}").decode()
                 continue
             count = _get_int(self.store, f"hb/{wid}")
             last_count, last_time = self.heartbeats.get(wid, (count, now))
@@ -176,6 +180,22 @@ class Coordinator:
         self.store.set("epoch", str(self.epoch))
         self.emit({"type": "membership", **record, "elapsed_s": time.monotonic() - self.started})
         log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
+
+    def _failure_record(self, wid: int, why: str) -> dict[str, Any]:
+        """A failure with its detection latency when the launcher recorded when it delivered the fault."""
+        record: dict[str, Any] = {
+            "type": "failure",
+            "worker": wid,
+            "why": why,
+            "time": time.time(),
+            "epoch": self.epoch,
+        }
+        if self.store.check([f"injected/{wid}"]):
+            injected = read_json(self.store, f"injected/{wid}")
+            record["event"] = injected["event"]
+            record["detection_s"] = record["time"] - injected["time"]
+            self.store.delete_key(f"injected/{wid}")
+        return record
 
     def _drain_metrics(self) -> None:
         seq = _get_int(self.store, "metrics/seq")
@@ -213,17 +233,19 @@ class Coordinator:
                 else:
                     dead = self._dead()
                     if dead:
-                        for wid, why in dead.items():
-                            self.emit({"type": "failure", "worker": wid, "why": why, "time": time.time()})
                         survivors = tuple(w for w in self.members if w not in dead)
                         if not survivors:
                             self.publish((), "every worker died")
                             self.stop("every worker died")
                             break
                         self.publish(survivors, "died: " + ", ".join(str(w) for w in sorted(dead)))
+                        for wid, why in dead.items():
+                            self.emit(self._failure_record(wid, why))
                     if joined:
-                        log.info("workers %s registered after the start; they wait for a rejoin", joined)
+                        self.publish((*self.members, *joined), "joined: " + ", ".join(str(w) for w in joined))
                 self._drain_metrics()
+                if self.store.check(["stop"]):
+                    break
                 if self.store.check(["done"]):
                     self._drain_metrics()
                     break
@@ -267,18 +289,30 @@ class CoordinatorClient:
         self.store.set(f"register/{seq}", json.dumps(request))
         self.store.wait([f"register/{seq}/id"], datetime.timedelta(seconds=STORE_TIMEOUT_S))
         self.worker_id = int(self.store.get(f"register/{seq}/id"))
-        self._hb_store = connect_store(address)
+        self.late = self.store.get(f"register/{seq}/late") == b"1"  # joined a running job: it must catch up
+        self.latest_epoch = int(self.store.get("epoch"))
+        self.stopped: str | None = None
+        self._watch_store = connect_store(address)
         self._hb_interval = heartbeat_interval_s
-        self._hb_stop = threading.Event()
-        self._hb_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
-        self._hb_thread.start()
+        self._watch_stop = threading.Event()
+        self._watch_thread = threading.Thread(target=self._watch, name="heartbeat+epoch", daemon=True)
+        self._watch_thread.start()
 
-    def _heartbeat(self) -> None:
-        while not self._hb_stop.wait(self._hb_interval):
+    def _watch(self) -> None:
+        """Heartbeats, and a cached view of the epoch and the stop flag, so waits never touch the network."""
+        next_beat = 0.0
+        while not self._watch_stop.wait(WATCH_INTERVAL_S):
             try:
-                self._hb_store.add(f"hb/{self.worker_id}", 1)
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._watch_store.add(f"hb/{self.worker_id}", 1)
+                    next_beat = now + self._hb_interval
+                self.latest_epoch = int(self._watch_store.get("epoch"))
+                if self.stopped is None and self._watch_store.check(["stop"]):
+                    self.stopped = self._watch_store.get("stop").decode()
             except RuntimeError:
-                return  # the coordinator is gone; the main loop notices through its own calls
+                self.stopped = self.stopped or "lost the connection to the coordinator"
+                return
 
     def config_toml(self) -> str:
         return self.store.get("config").decode()
@@ -320,4 +354,4 @@ class CoordinatorClient:
         self.store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
 
     def close(self) -> None:
-        self._hb_stop.set()
+        self._watch_stop.set()

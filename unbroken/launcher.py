@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import RunConfig, dump_config
+from unbroken.config import RunConfig, dump_config, replace
 from unbroken.coordinator import bind_listen_socket, connect_store
+from unbroken.failures import FailureKind, build_schedule, parse_event
 from unbroken.metrics import format_step
 
 POLL_S = 0.02
@@ -39,6 +40,7 @@ class LaunchPlan:
     workers: int
     resume: bool
     sock: socket.socket
+    host: str = "127.0.0.1"
 
 
 def default_run_dir(config_name: str) -> Path:
@@ -72,6 +74,11 @@ def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host:
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(f"output directory {run_dir} exists and is not empty; choose another or use --resume")
     validate_vocab(cfg)
+    f = cfg.failures
+    schedule = build_schedule(f.schedule, f.mttr_s, f.mtbf_s, f.seed, f.step_time_s, workers, cfg.train.steps)
+    if f.mtbf_s > 0 or f.mttr_s > 0:
+        # The resolved config names every event, so the run (and its workers) see exactly what is injected.
+        cfg = replace(cfg, failures=replace(f, schedule=schedule.describe(), mtbf_s=0.0, mttr_s=0.0))
     sock = bind_listen_socket(host, port)
     try:
         from unbroken.data import check_vocab, prepare_corpus
@@ -81,17 +88,18 @@ def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host:
     except BaseException:
         sock.close()
         raise
-    return LaunchPlan(cfg, run_dir, workers, resume, sock)
+    return LaunchPlan(cfg, run_dir, workers, resume, sock, host)
 
 
 class Launcher:
     """Runs a validated ``LaunchPlan`` to the end; ``run()`` returns the process exit status."""
 
-    def __init__(self, plan: LaunchPlan, show_progress: bool = True) -> None:
+    def __init__(self, plan: LaunchPlan, show_progress: bool = True, show_summary: bool = True) -> None:
         self.plan = plan
         self.cfg = plan.cfg
         self.run_dir = plan.run_dir
         self.show_progress = show_progress
+        self.show_summary = show_summary
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.reported: set[int] = set()
@@ -100,6 +108,11 @@ class Launcher:
         self.store: Any = None
         self._metrics_offset = 0
         self._records: list[dict[str, Any]] = []
+        self.down: dict[int, dict[str, Any]] = {}  # workers we killed or stopped, and when they come back
+        self.failures_handled = 0  # restart policy: failure records already acted on
+        self.restarts = 0
+        self.sock = plan.sock
+        self.resume = plan.resume
 
     # -- processes ----------------------------------------------------------------------------------
     def _python(self) -> list[str]:
@@ -107,7 +120,7 @@ class Launcher:
 
     def start_coordinator(self) -> None:
         logs = self.run_dir / "logs"
-        fd = self.plan.sock.fileno()
+        fd = self.sock.fileno()
         cmd = [
             *self._python(),
             "coordinator",
@@ -116,13 +129,13 @@ class Launcher:
             "--run-dir",
             str(self.run_dir),
             "--workers",
-            str(self.plan.workers),
+            str(len(self.alive_ids())),
             "--parent-pid",
             str(os.getpid()),
             "--address-file",
             str(self.run_dir / "coordinator.json"),
         ]
-        if self.plan.resume:
+        if self.resume:
             cmd.append("--resume")
         (self.run_dir / "coordinator.json").unlink(missing_ok=True)  # a previous run's address
         with open(logs / "coordinator.log", "ab") as out:
@@ -134,7 +147,7 @@ class Launcher:
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        self.plan.sock.close()  # the coordinator holds its own copy of the listening socket
+        self.sock.close()  # the coordinator holds its own copy of the listening socket
         address_file = self.run_dir / "coordinator.json"
         deadline = time.monotonic() + START_TIMEOUT_S
         while not address_file.exists():
@@ -157,14 +170,60 @@ class Launcher:
             )
         self.reported.discard(worker_id)
 
+    def alive_ids(self) -> list[int]:
+        return [w for w in range(self.plan.workers) if w not in self.down]
+
+    def _deliver_injections(self) -> None:
+        """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
+        for wid, proc in self.workers.items():
+            if proc.poll() is not None or wid in self.down:
+                continue
+            key = f"inject/{wid}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                info = json.loads(self.store.get(key))
+                self.store.delete_key(key)
+                event = parse_event(info["event"])
+                self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": time.time()}))
+            except RuntimeError:
+                return  # the coordinator is gone
+            os.kill(proc.pid, signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
+            self.down[wid] = {
+                "event": event,
+                "at": time.monotonic(),
+                "hung": event.kind is FailureKind.HANG,
+                "seen": len(self._records),
+            }
+
+    def _manage_down(self) -> None:
+        """Kill hung workers once the coordinator excluded them; restart downed workers after their MTTR."""
+        now = time.monotonic()
+        for wid, info in list(self.down.items()):
+            proc = self.workers[wid]
+            if info["hung"] and proc.poll() is None:
+                later = self._records[info["seen"] :]
+                if any(r.get("type") == "failure" and r.get("worker") == wid for r in later):
+                    proc.kill()
+                    proc.wait()
+                    self.reported.add(wid)  # already excluded; its exit is not news
+                continue
+            rejoin = info["event"].rejoin_after_s
+            if rejoin is not None and proc.poll() is not None and now >= info["at"] + rejoin:
+                del self.down[wid]
+                self.start_worker(wid)
+
     def _report_exits(self) -> None:
-        if self.coordinator is None or self.coordinator.poll() is not None:
-            return  # nobody left to tell
+        if self.coordinator is None or self.coordinator.poll() is not None or self._finished():
+            return  # nobody left to tell, or the workers are leaving because the run is over
         for wid, proc in self.workers.items():
             code = proc.poll()
-            if code is not None and wid not in self.reported:
+            if code is not None and code != 0 and wid not in self.reported:  # 0: finished the run
                 self.reported.add(wid)
-                self._store_set(f"dead/{wid}", f"exit code {code}")
+                self._store_set(f"dead/{wid}", "killed by SIGKILL" if code == -9 else f"exited with status {code}")
+
+    def _finished(self) -> bool:
+        return any(r.get("type") == "final" for r in self._records)
 
     def _store_set(self, key: str, value: str) -> None:
         try:
@@ -175,6 +234,8 @@ class Launcher:
     def stop_all(self, reason: str) -> None:
         """Ask everyone to stop, wait a grace period, then kill what is left."""
         self._store_set("stop", reason)
+        for info in self.down.values():
+            info["hung"] = False  # a stopped process is killed below like the rest
         deadline = time.monotonic() + STOP_GRACE_S
         procs = [*self.workers.values(), *([self.coordinator] if self.coordinator else [])]
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
@@ -211,9 +272,14 @@ class Launcher:
                 self.start_worker(wid)
             with _Progress(self.cfg.train.steps, self.show_progress) as progress:
                 while True:
-                    self._report_exits()
                     for record in self._new_records():
                         progress.update(record)
+                    self._deliver_injections()
+                    self._report_exits()
+                    self._manage_down()
+                    if self._needs_restart():
+                        self._restart_job(progress)
+                        continue
                     if self.interrupted:
                         progress.note("interrupted: stopping every process (the last checkpoint is kept)")
                         self.stop_all("interrupted by the user (Ctrl-C)")
@@ -233,6 +299,37 @@ class Launcher:
                     p.kill()
                     p.wait()
 
+    def _restart_job(self, progress: _Progress) -> None:
+        """The ``restart`` baseline: stop every process, then start a new coordinator and the survivors
+        from the last checkpoint (what checkpoint-and-restart systems do)."""
+        t0 = time.monotonic()
+        self.stop_all("restarting after a failure (restart policy)")
+        self._new_records()
+        self.failures_handled = sum(1 for r in self._records if r.get("type") == "failure")
+        self.restarts += 1
+        self.sock = bind_listen_socket(self.plan.host, 0)
+        self.resume = True
+        self.reported = set(self.down)
+        self.start_coordinator()
+        for wid in self.alive_ids():
+            self.start_worker(wid)
+        record = {
+            "type": "restart",
+            "workers": self.alive_ids(),
+            "time": time.time(),
+            "stop_and_relaunch_s": time.monotonic() - t0,
+        }
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        progress.note(f"restart: relaunched workers {self.alive_ids()} from the last checkpoint")
+
+    def _needs_restart(self) -> bool:
+        if self.cfg.recovery.policy != "restart":
+            return False
+        failures = sum(1 for r in self._records if r.get("type") == "failure")
+        exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.down)
+        return failures > self.failures_handled or exited
+
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
 
@@ -240,8 +337,9 @@ class Launcher:
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
             time.sleep(POLL_S)
-        done = any(r.get("type") == "final" for r in self._records)
-        print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
+        done = self._finished()
+        if self.show_summary:
+            print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
         if self.cfg.metrics.tensorboard:
             from unbroken.metrics import write_tensorboard
 

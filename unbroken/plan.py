@@ -73,20 +73,34 @@ def plan_step(
         seconds_per_microbatch: measured time per microbatch of each member (``throughput`` only);
             members without a measurement get the median of the others.
     """
+    return plan_ids(step, members, range(num_microbatches), num_microbatches, policy, seconds_per_microbatch)
+
+
+def plan_ids(
+    step: int,
+    members: Sequence[int],
+    ids: Sequence[int] | range,
+    num_microbatches: int,
+    policy: Policy | str = Policy.EVEN,
+    seconds_per_microbatch: Mapping[int, float] | None = None,
+) -> Assignment:
+    """Assign a subset of the step's ids (e.g. the ones a failure lost) over ``members``, as ``plan_step``."""
     policy = Policy(policy)
     ordered = tuple(sorted(set(members)))
+    todo = sorted(set(ids))
     assert ordered, "a plan needs at least one member"
+    assert all(0 <= j < num_microbatches for j in todo), todo
     if policy is Policy.EVEN or not seconds_per_microbatch:
-        quotas = even_quotas(num_microbatches, len(ordered))
+        quotas = even_quotas(len(todo), len(ordered))
     else:
         known = sorted(t for w, t in seconds_per_microbatch.items() if w in ordered and t > 0)
         fallback = known[len(known) // 2] if known else 1.0
         times = [seconds_per_microbatch.get(w, fallback) or fallback for w in ordered]
-        quotas = throughput_quotas(num_microbatches, times)
-    ids: dict[int, tuple[int, ...]] = {}
+        quotas = throughput_quotas(len(todo), times)
+    assignment: dict[int, tuple[int, ...]] = {}
     start = 0
     for worker, quota in zip(ordered, quotas, strict=True):
-        ids[worker] = tuple(range(start, start + quota))
+        assignment[worker] = tuple(todo[start : start + quota])
         start += quota
-    assert start == num_microbatches
-    return Assignment(step=step, num_microbatches=num_microbatches, members=ordered, ids=ids)
+    assert start == len(todo)
+    return Assignment(step=step, num_microbatches=num_microbatches, members=ordered, ids=assignment)

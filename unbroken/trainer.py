@@ -12,9 +12,11 @@ This is the only module that knows the model, the data, the collectives and the 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from unbroken import checkpoint as ckpt
 from unbroken.comm import (
     GradientReducer,
     Group,
+    Pending,
     allreduce_async,
     broadcast_async,
     default_backend,
@@ -34,17 +37,22 @@ from unbroken.comm import (
     wait_all,
 )
 from unbroken.config import RunConfig, TrainConfig, config_from_toml_text, to_toml
-from unbroken.coordinator import CoordinatorClient
+from unbroken.coordinator import CoordinatorClient, connect_store
 from unbroken.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_corpus
+from unbroken.failures import FailureKind, FailureSchedule, Phase
 from unbroken.metrics import init_logger
 from unbroken.model import Transformer, model_args
-from unbroken.plan import plan_step
+from unbroken.plan import plan_ids, plan_step
 
 log = logging.getLogger(__name__)
 
 
 class StopRun(Exception):
-    """The run must end here (the coordinator said stop, or membership changed with no recovery)."""
+    """This worker must stop. ``fatal``: the whole job must stop too (else only this worker leaves)."""
+
+    def __init__(self, reason: str, fatal: bool = True) -> None:
+        super().__init__(reason)
+        self.fatal = fatal
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -100,24 +108,30 @@ class StepOutcome:
     loss: float
     grad_norm: float
     lr: float
+    recomputed: int = 0  # microbatches recomputed by survivors because their first owner died
+    dropped: int = 0  # microbatches skipped (``drop`` policy)
+    recoveries: int = 0  # group re-formations during the step
+
+
+class Interrupted(Exception):
+    """A collective was abandoned because the membership changed; recovery starts (internal only)."""
+
+
+SPEED_SLOTS = 256  # per-worker seconds-per-microbatch slots in the reduced extras (worker ids below this)
 
 
 class Worker:
-    """A training worker: builds everything from the config the coordinator hands out, then trains."""
+    """A training worker: builds the model and data from the run's config, joins the coordinator, trains."""
 
-    def __init__(self, client: CoordinatorClient, cfg: RunConfig, run_dir: Path) -> None:
-        self.client = client
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.wid = client.worker_id
         tc = cfg.train
         self.M = tc.microbatches
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if (default_backend(cfg.comm.backend) == "nccl")
-            else torch.device("cpu")
-        )
         self.backend = default_backend(cfg.comm.backend)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
         corpus = prepare_corpus(cfg.data)
         check_vocab(corpus, cfg.model.vocab_size)
         self.args = model_args(
@@ -132,22 +146,50 @@ class Worker:
         self.params = list(self.model.parameters())
         self.sampler = MicrobatchSampler(corpus.train, cfg.data.seq_len, cfg.data.microbatch_size, self.M, tc.seed)
         self.eval_sampler = EvalSampler(corpus.val, cfg.data.seq_len, cfg.data.microbatch_size, tc.eval_microbatches)
-        self.reducer = GradientReducer(self.params, bucket_bytes=int(cfg.comm.bucket_mb * 2**20), num_extras=1 + self.M)
+        self.exact = cfg.recovery.reduction == "exact"
+        self.reducer = GradientReducer(
+            self.params, int(cfg.comm.bucket_mb * 2**20), 2 * self.M + SPEED_SLOTS + 1, exact=self.exact
+        )
         self.tokens_per_step = self.M * cfg.data.microbatch_size * cfg.data.seq_len
+        self.policy = cfg.recovery.policy
+        self.schedule = FailureSchedule.parse(cfg.failures.schedule)
+        self.client: CoordinatorClient | None = None
         self.group: Group | None = None
         self.step = 0
+        self.speeds: dict[int, float] = {}  # agreed seconds per microbatch of each worker (throughput policy)
+        self.my_speed: float = 0.0
+        self.bound_boost = 1.0  # exact mode: grows when a microbatch gradient overflowed the fixed point
+        self.last = StepOutcome(float("nan"), float("nan"), float("nan"))
+        self.done: list[int] = []
+        self.local_losses = torch.zeros(self.M, dtype=torch.float64)
+        self.pending_todo: list[int] | None = None
+        self.resume_pending = False
+
+    @property
+    def wid(self) -> int:
+        assert self.client is not None
+        return self.client.worker_id
 
     # -- membership -------------------------------------------------------------------------------
     def interrupted(self) -> bool:
-        """True when the current group is stale (a newer epoch) or the run is being stopped."""
-        assert self.group is not None
-        return self.client.current_epoch() != self.group.epoch or self.client.stop_reason() is not None
+        """True when the current group is stale (a newer epoch) or the run is being stopped (cached, cheap)."""
+        assert self.client is not None and self.group is not None
+        return self.client.latest_epoch != self.group.epoch or self.client.stopped is not None
 
-    def join(self) -> None:
-        epoch = self.client.wait_for_epoch(self.cfg.comm.join_timeout_s)
+    def _wait(self, pending: list[Pending]) -> None:
+        if not wait_all(pending, self.cfg.comm.op_timeout_s, self.interrupted):
+            raise Interrupted
+
+    def form_next_group(self) -> None:
+        """Wait for an epoch newer than the current group's that includes this worker and build its group."""
+        assert self.client is not None
+        after = self.group.epoch if self.group is not None else 0
+        epoch = self.client.wait_for_epoch(self.cfg.comm.join_timeout_s, after=after)
         if epoch is None:
-            raise StopRun(self.client.stop_reason() or "no membership epoch was published in time")
-        t0 = time.monotonic()
+            reason = self.client.stop_reason()
+            if reason is None and self.client.current_epoch() > after:
+                raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
+            raise StopRun(reason or "no new membership epoch was published in time")
         self.group = form_group(
             self.client.store,
             epoch.epoch,
@@ -157,13 +199,6 @@ class Worker:
             self.cfg.comm.op_timeout_s,
             self.device,
         )
-        log.info(
-            "joined epoch %d as rank %d of %d in %.3f s",
-            epoch.epoch,
-            self.group.rank,
-            self.group.size,
-            time.monotonic() - t0,
-        )
 
     @property
     def leader(self) -> bool:
@@ -172,11 +207,12 @@ class Worker:
 
     def publish(self, record: dict[str, Any]) -> None:
         if self.leader:
+            assert self.client is not None
             self.client.publish_metrics({**record, "time": time.time()})
 
     # -- state ------------------------------------------------------------------------------------
     def load_checkpoint(self) -> int:
-        """Leader only: load the newest good checkpoint into the model and optimizer; return its step."""
+        """Load the newest good checkpoint into the model and optimizer; return its step."""
         loaded = ckpt.load_latest(self.run_dir)
         if loaded is None:
             raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
@@ -197,23 +233,63 @@ class Worker:
         log.info("resumed from %s (step %d)", loaded.path, loaded.step)
         return int(state["step"])
 
-    def broadcast_state(self, src_rank: int, step: int) -> int:
-        """Make every member's training state (parameters, optimizer, step) equal to ``src_rank``'s."""
+    def broadcast_state(self, src_rank: int) -> None:
+        """Make every member's training state equal to ``src_rank``'s: step, last outcome, agreed speeds,
+        parameters and optimizer state. This is how a rejoining worker catches up, and how a resume
+        spreads the leader's checkpoint."""
         assert self.group is not None
-        header = torch.tensor([float(step)], dtype=torch.float64)
-        if not wait_all([broadcast_async(self.group, header, src_rank)], self.cfg.comm.op_timeout_s, self.interrupted):
-            raise StopRun("state broadcast interrupted")
+        header = torch.zeros(4 + SPEED_SLOTS, dtype=torch.float64)
+        header[:4] = torch.tensor([self.step, self.last.loss, self.last.grad_norm, self.last.lr], dtype=torch.float64)
+        for w, seconds in self.speeds.items():
+            header[4 + w] = seconds
+        self._wait([broadcast_async(self.group, header, src_rank)])
         tensors = state_tensors(self.model, self.optimizer)
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        if not wait_all([broadcast_async(self.group, flat, src_rank)], self.cfg.comm.op_timeout_s, self.interrupted):
-            raise StopRun("state broadcast interrupted")
+        self._wait([broadcast_async(self.group, flat, src_rank)])
         if self.group.rank != src_rank:
             offset = 0
             with torch.no_grad():
                 for t in tensors:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-        return int(header.item())
+            self.step = int(header[0])
+            self.last = StepOutcome(float(header[1]), float(header[2]), float(header[3]))
+        self.speeds = {w: float(header[4 + w]) for w in range(SPEED_SLOTS) if header[4 + w] > 0}
+
+    def sync_state(self) -> None:
+        """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was
+        cut short while others committed) receives the state of the lowest-ranked worker that is ahead."""
+        assert self.group is not None
+        steps = torch.zeros(self.group.size, dtype=torch.float64)
+        steps[self.group.rank] = self.step
+        self._wait([allreduce_async(self.group, steps)])
+        ahead = float(steps.max())
+        if float(steps.min()) == ahead:
+            return
+        src = int((steps == ahead).nonzero()[0])
+        was_behind = self.step < ahead
+        self.broadcast_state(src)
+        if was_behind:
+            self.begin_step()
+            if self.leader and ahead >= 1 and not math.isnan(self.last.loss):
+                # The committed step's record may have been lost with the old leader; re-publish it.
+                self.publish(
+                    {
+                        "type": "step",
+                        "step": int(ahead) - 1,
+                        "loss": self.last.loss,
+                        "lr": self.last.lr,
+                        "grad_norm": self.last.grad_norm,
+                        "step_time_s": float("nan"),
+                        "tokens": self.tokens_per_step,
+                        "tokens_per_s": float("nan"),
+                        "alive": self.group.size,
+                        "epoch": self.group.epoch,
+                        "microbatches": self.M,
+                        "committed": True,
+                        "republished": True,
+                    }
+                )
 
     def checkpoint_state(self, next_step: int) -> dict[str, Any]:
         return {
@@ -226,91 +302,268 @@ class Worker:
             "vocab_size": self.args.vocab_size,
         }
 
+    # -- failure injection --------------------------------------------------------------------------
+    def inject(self, phase: Phase) -> None:
+        """If the schedule says so, tell the launcher we reached (step, phase) and wait to be signalled.
+
+        The kill itself is a real SIGKILL (or SIGSTOP) from the launcher; without one (a worker started
+        by hand), the worker delivers the signal to itself after a few seconds.
+        """
+        event = self.schedule.injection(self.wid, self.step, phase)
+        if event is None or self.client is None:
+            return
+        log.warning("injection point reached: %s", event.describe())
+        self.client.store.set(f"inject/{self.wid}", json.dumps({"event": event.describe(), "time": time.time()}))
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
+
+    def _phase_hooks(self, last: bool, first: bool) -> list[Any]:
+        """One-shot hooks that fire inside the forward of the first / the backward of the last microbatch."""
+        handles = []
+        middle = self.model.layers[len(self.model.layers) // 2]
+        if first and self.schedule.injection(self.wid, self.step, Phase.FORWARD) is not None:
+            handles.append(middle.register_forward_hook(lambda *_: self.inject(Phase.FORWARD)))
+        if last and self.schedule.injection(self.wid, self.step, Phase.BACKWARD) is not None:
+            handles.append(middle.register_full_backward_hook(lambda *_: self.inject(Phase.BACKWARD)))
+        return handles
+
     # -- the step -----------------------------------------------------------------------------------
     def microbatch_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs.to(self.device))
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.to(self.device).reshape(-1))
 
-    def train_step(self, step: int) -> StepOutcome:
-        assert self.group is not None
-        plan = plan_step(step, self.group.members, self.M)
-        my_ids = plan.ids_for(self.wid)
+    def exact_bounds(self) -> list[float]:
+        """Per-tensor bounds on a microbatch gradient, from state every worker holds identically: the AdamW
+        second moment bounds the last gradient (v >= (1 - beta2) g^2), with generous headroom."""
+        bounds = []
+        beta2 = self.cfg.train.beta2
         for p in self.params:
-            p.grad = None
-        loss_sum = 0.0
-        counts = torch.zeros(self.M)
-        for k, j in enumerate(my_ids):
-            if k == len(my_ids) - 1:
+            v = self.optimizer.state[p]["exp_avg_sq"]
+            last = math.sqrt(float(v.max()) / (1.0 - beta2)) if v.numel() else 0.0
+            bounds.append(max(last, 2.0**-10) * 2.0**10 * self.bound_boost)
+        return bounds
+
+    def begin_step(self) -> None:
+        """Fresh local state for ``self.step``: no microbatch done, empty accumulators."""
+        self.done = []
+        self.local_losses = torch.zeros(self.M, dtype=torch.float64)
+        self.reducer.reset_local()
+        if self.exact:
+            self.reducer.set_bounds(self.exact_bounds(), self.M)
+
+    def compute(self, ids: list[int] | tuple[int, ...]) -> None:
+        """Forward and backward of each id, gradients (scaled 1/M) into the local accumulator."""
+        assert self.group is not None
+        factor = self.schedule.slow_factor(self.wid, self.step)
+        for k, j in enumerate(ids):
+            last = k == len(ids) - 1
+            handles = self._phase_hooks(last=last, first=k == 0)
+            if last and not self.exact:
                 self.reducer.arm(self.group)  # overlap the reduction with this last backward
-            inputs, targets = self.sampler.microbatch(step, j)
+            t0 = time.perf_counter()
+            inputs, targets = self.sampler.microbatch(self.step, j)
             loss = self.microbatch_loss(inputs, targets)
             (loss / self.M).backward()
-            loss_sum += float(loss.item())
-            counts[j] += 1
-        extras = torch.cat([torch.tensor([loss_sum]), counts])
-        reduced = self.reducer.finish(self.group, extras, self.cfg.comm.op_timeout_s, self.interrupted)
+            if self.exact:
+                self.reducer.fold()
+            for h in handles:
+                h.remove()
+            self.local_losses[j] = float(loss.item())
+            self.done.append(j)
+            elapsed = time.perf_counter() - t0
+            if factor > 1.0:
+                time.sleep((factor - 1.0) * elapsed)  # an injected slow-down: this worker computes `factor`x slower
+                elapsed *= factor
+            self.my_speed = elapsed if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * elapsed
+
+    def reduce(self) -> torch.Tensor:
+        """Reduce the local contribution and the extras over the group; raises Interrupted."""
+        assert self.group is not None
+        extras = torch.zeros(2 * self.M + SPEED_SLOTS + 1, dtype=torch.float64)
+        extras[: self.M] = self.local_losses
+        for j in self.done:
+            extras[self.M + j] += 1
+        if self.wid < SPEED_SLOTS:
+            extras[2 * self.M + self.wid] = self.my_speed
+        extras[-1] = 1.0 if self.reducer.overflowed else 0.0
+        self.reducer.launch(self.group, extras)
+        self.inject(Phase.REDUCTION)
+        reduced = self.reducer.wait(self.cfg.comm.op_timeout_s, self.interrupted)
         if reduced is None:
             self.reducer.disarm()
-            raise StopRun(self._interruption_reason(step))
-        total_counts = reduced[1:]
-        if not bool((total_counts == 1).all()):
-            raise StopRun(f"step {step}: microbatch counts {total_counts.tolist()} are not all one; not committing")
-        self.reducer.apply()
+            raise Interrupted
+        return reduced
+
+    def recover(self) -> list[int]:
+        """Join the next membership epoch: form its group, agree on the step and state (whoever is behind
+        receives it), find the current step's microbatches that no member holds, and return this worker's
+        share of them (none under ``drop``). Every member runs exactly this sequence of collectives after
+        every membership change (start, failure, join), wherever it was, so the collectives always match.
+        """
+        while True:
+            t0 = time.monotonic()
+            old_epoch = self.group.epoch if self.group is not None else 0
+            try:
+                if self.policy == "restart" and self.group is not None:
+                    reason = "membership changed; the restart policy restarts from the last checkpoint"
+                    raise StopRun(reason, fatal=False)
+                self.form_next_group()
+                formed = time.monotonic()
+                if self.resume_pending:
+                    self.resume_pending = False
+                    if self.leader:
+                        self.step = self.load_checkpoint()
+                        self.begin_step()
+                self.sync_state()
+                held = torch.zeros(self.M, dtype=torch.float64)
+                held[self.done] = 1.0
+                self._wait([allreduce_async(self.group, held)])
+            except Interrupted:
+                continue  # another change while recovering: go again from the newest epoch
+            missing = [j for j in range(self.M) if held[j] == 0]
+            if old_epoch > 0:
+                self.publish(
+                    {
+                        "type": "recovery",
+                        "step": self.step,
+                        "from_epoch": old_epoch,
+                        "epoch": self.group.epoch,
+                        "alive": self.group.size,
+                        "reform_s": formed - t0,
+                        "missing": missing,
+                        "time_reformed": time.time(),
+                    }
+                )
+            if self.policy == "drop" and old_epoch > 0:
+                return []
+            plan = plan_ids(self.step, self.group.members, missing, self.M, self.cfg.recovery.workload, self.speeds)
+            return list(plan.ids_for(self.wid))
+
+    def train_step(self) -> StepOutcome | None:
+        """Run ``self.step`` to its commit, recovering in-step from any membership change. Returns None if
+        the step was committed by others while this worker was cut off (it then received their state)."""
+        assert self.group is not None and self.client is not None
+        step = self.step
+        recoveries = recomputed = 0
+        if self.pending_todo is not None:
+            todo, self.pending_todo = self.pending_todo, None
+        elif self.client.latest_epoch != self.group.epoch:  # a join or a death between steps
+            todo = self.recover()
+            recoveries += 1
+        else:
+            self.inject(Phase.START)
+            todo = list(
+                plan_step(step, self.group.members, self.M, self.cfg.recovery.workload, self.speeds).ids_for(self.wid)
+            )
+        while True:
+            if self.step != step:
+                self.pending_todo = todo
+                return None
+            try:
+                self.compute(todo)
+                reduced = self.reduce()
+            except Interrupted:
+                todo = self.recover()
+                recoveries += 1
+                recomputed += len(todo)
+                continue
+            if reduced[-1] > 0:  # exact mode: some microbatch overflowed the fixed point; redo with room
+                self.bound_boost *= 2.0**16
+                log.warning("step %d: fixed-point overflow; redoing the step with larger bounds", step)
+                self.begin_step()
+                todo = list(
+                    plan_step(step, self.group.members, self.M, self.cfg.recovery.workload, self.speeds).ids_for(
+                        self.wid
+                    )
+                )
+                continue
+            break
+        counts = reduced[self.M : 2 * self.M]
+        counted = int(counts.sum())
+        if self.policy == "drop":
+            assert bool((counts <= 1).all()) and counted >= 1, counts.tolist()
+        else:
+            assert bool((counts == 1).all()), f"step {step}: counts {counts.tolist()} are not all one"
+        self.speeds = {
+            w: float(reduced[2 * self.M + w])
+            for w in self.group.members
+            if w < SPEED_SLOTS and reduced[2 * self.M + w] > 0
+        }
+        self.inject(Phase.OPTIMIZER)
+        # Commit: the normaliser is M (each microbatch loss was scaled by 1/M); under `drop` the gradient is
+        # renormalised by what was computed, as torchft does.
+        self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
         tc = self.cfg.train
         if tc.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip, foreach=True))
         else:
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params]))
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
         lr = lr_at(step, tc)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        return StepOutcome(loss=float(reduced[0]) / self.M, grad_norm=grad_norm, lr=lr)
-
-    def _interruption_reason(self, step: int) -> str:
-        stop = self.client.stop_reason()
-        if stop is not None:
-            return stop
-        return f"membership changed during step {step} (epoch {self.client.current_epoch()})"
+        loss = float(sum(float(reduced[j]) for j in range(self.M) if counts[j] > 0)) / counted
+        self.last = StepOutcome(loss, grad_norm, lr, recomputed, self.M - counted, recoveries)
+        self.step = step + 1
+        self.begin_step()
+        return self.last
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
         """Mean validation loss over ``eval_microbatches`` fixed microbatches, split over the members."""
         assert self.group is not None
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        for k in range(self.group.rank, self.cfg.train.eval_microbatches, self.group.size):
-            inputs, targets = self.eval_sampler.microbatch(k)
-            total[0] += float(self.microbatch_loss(inputs, targets))
-            total[1] += 1
-        self.model.train()
-        if not wait_all([allreduce_async(self.group, total)], self.cfg.comm.op_timeout_s, self.interrupted):
-            raise StopRun(self._interruption_reason(self.step))
-        return float(total[0] / total[1])
+        if True:
+            self.model.eval()
+            total = torch.zeros(2, dtype=torch.float64)
+            for k in range(self.group.rank, self.cfg.train.eval_microbatches, self.group.size):
+                inputs, targets = self.eval_sampler.microbatch(k)
+                total[0] += float(self.microbatch_loss(inputs, targets))
+                total[1] += 1
+            self.model.train()
+            try:
+                self._wait([allreduce_async(self.group, total)])
+                return float(total[0] / total[1])
+            except Interrupted:
+                # A failure during evaluation: skip this evaluation and take part in the recovery now,
+                # keeping this worker's share of the next step for when it starts.
+                self.pending_todo = self.recover()
+                return None
 
     def should(self, every: int, step: int) -> bool:
         return step + 1 == self.cfg.train.steps or (every > 0 and (step + 1) % every == 0)
 
-    def train(self) -> None:
+    def train(self, client: CoordinatorClient) -> None:
+        """Join, agree on the starting state (resume or rejoin), then step until the end of the run."""
+        self.client = client
         tc = self.cfg.train
-        self.join()
+        self.resume_pending = client.resume() and not client.late
+        if client.late:
+            self.step = -1  # a (re)joining worker: it receives the state from a live peer
+        self.begin_step()
+        self.pending_todo = self.recover()
         assert self.group is not None
-        start = 0
-        if self.client.resume() and self.leader:
-            start = self.load_checkpoint()
-        if self.client.resume():
-            start = self.broadcast_state(0, start)
-        self.step = start
+        log.info(
+            "member of epoch %d as rank %d of %d at step %d",
+            self.group.epoch,
+            self.group.rank,
+            self.group.size,
+            self.step,
+        )
         while self.step < tc.steps:
-            if (reason := self.client.stop_reason()) is not None:
+            if (reason := client.stopped) is not None:
                 raise StopRun(reason)
             t0 = time.perf_counter()
-            outcome = self.train_step(self.step)
+            outcome = self.train_step()
+            if outcome is None:
+                continue
             elapsed = time.perf_counter() - t0
+            committed = self.step - 1
             self.publish(
                 {
                     "type": "step",
-                    "step": self.step,
+                    "step": committed,
                     "loss": outcome.loss,
                     "lr": outcome.lr,
                     "grad_norm": outcome.grad_norm,
@@ -321,45 +574,43 @@ class Worker:
                     "epoch": self.group.epoch,
                     "microbatches": self.M,
                     "committed": True,
+                    "recomputed": outcome.recomputed,
+                    "dropped": outcome.dropped,
+                    "recoveries": outcome.recoveries,
                 }
             )
-            if self.should(tc.eval_every, self.step):
+            if self.should(tc.eval_every, committed):
                 val_loss = self.evaluate()
-                self.publish(
-                    {
-                        "type": "eval",
-                        "step": self.step,
-                        "val_loss": val_loss,
-                        "val_ppl": math.exp(min(val_loss, 50.0)),
-                    }
-                )
-            if self.leader and self.should(self.cfg.checkpoint.every, self.step):
+                if val_loss is not None:
+                    self.publish(
+                        {
+                            "type": "eval",
+                            "step": committed,
+                            "val_loss": val_loss,
+                            "val_ppl": math.exp(min(val_loss, 50.0)),
+                        }
+                    )
+            if self.leader and self.should(self.cfg.checkpoint.every, committed):
                 t1 = time.perf_counter()
                 path = ckpt.save_checkpoint(
-                    self.run_dir,
-                    self.step + 1,
-                    self.checkpoint_state(self.step + 1),
-                    self.cfg.checkpoint.keep,
+                    self.run_dir, self.step, self.checkpoint_state(self.step), self.cfg.checkpoint.keep
                 )
                 self.publish(
-                    {
-                        "type": "checkpoint",
-                        "step": self.step + 1,
-                        "path": str(path),
-                        "seconds": time.perf_counter() - t1,
-                    }
+                    {"type": "checkpoint", "step": self.step, "path": str(path), "seconds": time.perf_counter() - t1}
                 )
-            self.step += 1
         self.finish()
 
     def finish(self) -> None:
         """Publish this worker's parameter checksum; the leader records all of them and marks the run done."""
-        assert self.group is not None
+        assert self.group is not None and self.client is not None
         store = self.client.store
-        store.set(f"final/{self.wid}", param_checksum(self.model))
-        barrier = torch.zeros(1)
-        if not wait_all([allreduce_async(self.group, barrier)], self.cfg.comm.op_timeout_s, self.interrupted):
-            raise StopRun(self._interruption_reason(self.step))
+        while True:
+            store.set(f"final/{self.wid}", param_checksum(self.model))
+            try:
+                self._wait([allreduce_async(self.group, torch.zeros(1))])
+                break
+            except Interrupted:
+                self.recover()
         if self.leader:
             checksums = {str(w): store.get(f"final/{w}").decode() for w in self.group.members}
             self.publish(
@@ -374,24 +625,22 @@ class Worker:
 
 
 def run_worker(address: str, worker_id: int | None, run_dir: str | None = None) -> int:
-    """Entry point of ``unbroken worker``: join the job at ``address`` and train until it ends."""
+    """Entry point of ``unbroken worker``: build the model and data, join the job at ``address``, train."""
     init_logger(f"worker {worker_id if worker_id is not None else '?'}")
-    from unbroken.coordinator import connect_store
-
     probe = connect_store(address)
     cfg = config_from_toml_text(probe.get("config").decode())
+    directory = Path(run_dir) if run_dir else Path(probe.get("run_dir").decode())
     del probe
+    local_workers = int(os.environ.get("UNBROKEN_LOCAL_WORKERS", "1"))
+    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)))
+    worker = Worker(cfg, directory)  # ready to train before registering, so a joiner never stalls the others
     client = CoordinatorClient(address, worker_id, cfg.comm.heartbeat_interval_s)
     init_logger(f"worker {client.worker_id}")
-    local_workers = int(os.environ.get("UNBROKEN_LOCAL_WORKERS", "1"))
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers))
-    torch.set_num_threads(threads)
-    worker = Worker(client, cfg, Path(run_dir) if run_dir else client.run_dir())
     try:
-        worker.train()
+        worker.train(client)
     except StopRun as e:
         log.error("stopping: %s", e)
-        if not str(e).startswith("coordinator") and client.stop_reason() is None:
+        if e.fatal and client.stopped is None:
             client.store.set("stop", f"worker {client.worker_id}: {e}")
         return 3
     finally:

@@ -1,0 +1,221 @@
+"""Failure schedules: what to break, where and when. Pure Python, no torch; the simulator reuses it.
+
+Grammar (events separated by ``;``):
+
+    kill:worker=2,step=10,phase=backward[,rejoin=5]   SIGKILL at that point; restart after 5 s to rejoin
+    hang:worker=1,step=5[,phase=start][,rejoin=5]     SIGSTOP (the heartbeat timeout must catch it)
+    slow:worker=1,factor=3,steps=5-20                 the worker computes 3x slower during steps 5..20
+
+Phases of a step, in order: ``start`` (before any compute), ``forward`` (inside the first microbatch's
+forward), ``backward`` (inside the last local microbatch's backward, with part of the reduction already
+started), ``reduction`` (all collectives started, none finished), ``optimizer`` (after the reduction,
+before the optimizer step).
+
+Schedules are validated against the run before anything starts. Random schedules from an MTBF/MTTR are
+generated with a seeded RNG into the same type.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FailureKind(StrEnum):
+    KILL = "kill"
+    HANG = "hang"
+    SLOW = "slow"
+
+
+class Phase(StrEnum):
+    START = "start"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    REDUCTION = "reduction"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    kind: FailureKind
+    worker: int
+    step: int  # first step affected
+    phase: Phase = Phase.START
+    rejoin_after_s: float | None = None  # kill/hang: restart the worker this long after it was killed
+    factor: float = 1.0  # slow: compute time multiplier
+    last_step: int = -1  # slow: last step affected (inclusive)
+
+    def describe(self) -> str:
+        if self.kind is FailureKind.SLOW:
+            return f"slow:worker={self.worker},factor={self.factor:g},steps={self.step}-{self.last_step}"
+        text = f"{self.kind}:worker={self.worker},step={self.step},phase={self.phase}"
+        return text + (f",rejoin={self.rejoin_after_s:g}" if self.rejoin_after_s is not None else "")
+
+
+_ALLOWED_KEYS = {
+    FailureKind.KILL: {"worker", "step", "phase", "rejoin"},
+    FailureKind.HANG: {"worker", "step", "phase", "rejoin"},
+    FailureKind.SLOW: {"worker", "factor", "steps"},
+}
+
+
+def _int(text: str, key: str, event: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"failure event {event!r}: {key}={text!r} is not an integer") from None
+
+
+def _float(text: str, key: str, event: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"failure event {event!r}: {key}={text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"failure event {event!r}: {key}={text!r} must be a finite number >= 0")
+    return value
+
+
+def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEvent:
+    """Parse one event such as ``kill:worker=2,step=10,phase=backward``."""
+    kind_text, sep, rest = text.strip().partition(":")
+    kinds = ", ".join(k.value for k in FailureKind)
+    if not sep:
+        raise ValueError(f"failure event {text!r} is malformed; expected KIND:key=value,... with KIND one of {kinds}")
+    try:
+        kind = FailureKind(kind_text.strip())
+    except ValueError:
+        raise ValueError(f"failure event {text!r}: unknown kind {kind_text!r}; allowed: {kinds}") from None
+    fields: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"failure event {text!r}: {item!r} is not key=value")
+        key = key.strip()
+        if key not in _ALLOWED_KEYS[kind]:
+            allowed = ", ".join(sorted(_ALLOWED_KEYS[kind]))
+            raise ValueError(f"failure event {text!r}: unknown key {key!r} for {kind}; allowed: {allowed}")
+        fields[key] = value.strip()
+    if "worker" not in fields:
+        raise ValueError(f"failure event {text!r} names no worker")
+    worker = _int(fields["worker"], "worker", text)
+    if kind is FailureKind.SLOW:
+        if "steps" not in fields or "factor" not in fields:
+            raise ValueError(f"failure event {text!r}: slow needs factor= and steps=FIRST-LAST")
+        first, dash, last = fields["steps"].partition("-")
+        start = _int(first, "steps", text)
+        end = _int(last, "steps", text) if dash else start
+        factor = _float(fields["factor"], "factor", text)
+        if factor < 1.0 or end < start:
+            raise ValueError(f"failure event {text!r}: needs factor >= 1 and steps FIRST <= LAST")
+        return FailureEvent(kind, worker, start, factor=factor, last_step=end)
+    if "step" not in fields:
+        raise ValueError(f"failure event {text!r} names no step")
+    phase_text = fields.get("phase", Phase.BACKWARD if kind is FailureKind.KILL else Phase.START)
+    try:
+        phase = Phase(phase_text)
+    except ValueError:
+        phases = ", ".join(p.value for p in Phase)
+        raise ValueError(f"failure event {text!r}: unknown phase {phase_text!r}; allowed: {phases}") from None
+    rejoin = _float(fields["rejoin"], "rejoin", text) if "rejoin" in fields else default_rejoin_s
+    return FailureEvent(kind, worker, _int(fields["step"], "step", text), phase, rejoin)
+
+
+@dataclass(frozen=True)
+class FailureSchedule:
+    """A validated list of events; empty means no failures (the null object every worker can hold)."""
+
+    events: tuple[FailureEvent, ...] = ()
+
+    @staticmethod
+    def parse(text: str, default_rejoin_s: float | None = None) -> FailureSchedule:
+        events = tuple(parse_event(part, default_rejoin_s) for part in text.split(";") if part.strip())
+        return FailureSchedule(events)
+
+    def describe(self) -> str:
+        return "; ".join(e.describe() for e in self.events)
+
+    def validate(self, num_workers: int, steps: int) -> None:
+        """Refuse a schedule that names nothing real or cannot be survived; ValueError, one line."""
+        for e in self.events:
+            if not 0 <= e.worker < num_workers:
+                raise ValueError(
+                    f"failure event {e.describe()!r}: worker {e.worker} does not exist (workers 0..{num_workers - 1})"
+                )
+            if not 0 <= e.step < steps or (e.kind is FailureKind.SLOW and e.last_step >= steps):
+                raise ValueError(f"failure event {e.describe()!r}: step past the end of the run (steps 0..{steps - 1})")
+        fatal = [e for e in self.events if e.kind is not FailureKind.SLOW]
+        never_back = {e.worker for e in fatal if e.rejoin_after_s is None}
+        if fatal and never_back >= set(range(num_workers)):
+            raise ValueError(
+                f"the failure schedule kills every worker ({num_workers}) and none rejoins; "
+                "leave at least one alive or add rejoin=SECONDS"
+            )
+        by_step: dict[int, set[int]] = {}
+        for e in fatal:
+            by_step.setdefault(e.step, set()).add(e.worker)
+        for step, workers in by_step.items():
+            if len(workers) >= num_workers:
+                raise ValueError(f"the failure schedule kills every worker at step {step}; nobody would hold the state")
+
+    def injection(self, worker: int, step: int, phase: Phase) -> FailureEvent | None:
+        """The kill or hang event that fires for ``worker`` at (step, phase), if any."""
+        for e in self.events:
+            if e.kind is not FailureKind.SLOW and (e.worker, e.step, e.phase) == (worker, step, phase):
+                return e
+        return None
+
+    def slow_factor(self, worker: int, step: int) -> float:
+        factor = 1.0
+        for e in self.events:
+            if e.kind is FailureKind.SLOW and e.worker == worker and e.step <= step <= e.last_step:
+                factor = max(factor, e.factor)
+        return factor
+
+    def merged(self, other: FailureSchedule) -> FailureSchedule:
+        return FailureSchedule(self.events + other.events)
+
+
+def random_schedule(
+    num_workers: int, steps: int, mtbf_s: float, mttr_s: float, step_time_s: float, seed: int
+) -> FailureSchedule:
+    """Seeded kills: exponential inter-failure times (mean ``mtbf_s``), a random alive victim and phase,
+    a restart ``mttr_s`` later (none if 0). Never kills the last alive worker."""
+    assert mtbf_s > 0 and step_time_s > 0
+    rng = random.Random(seed)
+    events: list[FailureEvent] = []
+    down_until: dict[int, float] = {}
+    t = 0.0
+    phases = list(Phase)
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        step = int(t / step_time_s)
+        if step >= steps:
+            break
+        alive = [w for w in range(num_workers) if down_until.get(w, -1.0) <= t]
+        if len(alive) <= 1:
+            continue
+        victim = rng.choice(alive)
+        down_until[victim] = t + mttr_s if mttr_s > 0 else math.inf
+        events.append(FailureEvent(FailureKind.KILL, victim, step, rng.choice(phases), mttr_s if mttr_s > 0 else None))
+    # Two events for the same worker in one step cannot both fire; keep the first.
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for e in events:
+        if (e.worker, e.step) not in seen:
+            seen.add((e.worker, e.step))
+            unique.append(e)
+    return FailureSchedule(tuple(unique))
+
+
+def build_schedule(
+    schedule: str, mttr_s: float, mtbf_s: float, seed: int, step_time_s: float, num_workers: int, steps: int
+) -> FailureSchedule:
+    """The run's schedule from its ``[failures]`` settings, validated; ValueError before anything starts."""
+    parsed = FailureSchedule.parse(schedule, mttr_s if mttr_s > 0 else None)
+    if mtbf_s > 0:
+        parsed = parsed.merged(random_schedule(num_workers, steps, mtbf_s, mttr_s, step_time_s, seed))
+    parsed.validate(num_workers, steps)
+    return parsed
