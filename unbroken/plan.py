@@ -104,3 +104,24 @@ def plan_ids(
         start += quota
     assert start == len(todo)
     return Assignment(step=step, num_microbatches=num_microbatches, members=ordered, ids=assignment)
+
+
+def missing_ids(held_counts: Sequence[float | int]) -> list[int]:
+    """The step's ids that no member holds, from the SUM-reduced per-id counts of the members' work."""
+    assert all(c in (0, 1) for c in held_counts), f"a microbatch is held twice: {list(held_counts)}"
+    return [j for j, c in enumerate(held_counts) if c == 0]
+
+
+def recovery_plan(
+    step: int,
+    members: Sequence[int],
+    held_counts: Sequence[float | int],
+    policy: Policy | str = Policy.EVEN,
+    seconds_per_microbatch: Mapping[int, float] | None = None,
+) -> Assignment:
+    """After a membership change: spread the ids nobody holds over the members (ReCoVer's in-step recovery).
+
+    Survivors keep what they computed; the dead workers' ids (and any a survivor had not reached yet) are
+    assigned again, so over the whole step every id is computed and counted exactly once.
+    """
+    return plan_ids(step, members, missing_ids(held_counts), len(held_counts), policy, seconds_per_microbatch)

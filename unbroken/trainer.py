@@ -42,7 +42,7 @@ from unbroken.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_c
 from unbroken.failures import FailureKind, FailureSchedule, Phase
 from unbroken.metrics import init_logger
 from unbroken.model import Transformer, model_args
-from unbroken.plan import plan_ids, plan_step
+from unbroken.plan import missing_ids, plan_step, recovery_plan
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class Worker:
         self.done: list[int] = []
         self.local_losses = torch.zeros(self.M, dtype=torch.float64)
         self.pending_todo: list[int] | None = None
+        self.quotas: dict[int, int] = {}  # microbatches per worker in the step's plan (for the metrics)
         self.resume_pending = False
 
     @property
@@ -422,7 +423,7 @@ class Worker:
                 self._wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch
-            missing = [j for j in range(self.M) if held[j] == 0]
+            missing = missing_ids(held.tolist())
             if old_epoch > 0:
                 self.publish(
                     {
@@ -438,7 +439,9 @@ class Worker:
                 )
             if self.policy == "drop" and old_epoch > 0:
                 return []
-            plan = plan_ids(self.step, self.group.members, missing, self.M, self.cfg.recovery.workload, self.speeds)
+            plan = recovery_plan(self.step, self.group.members, held.tolist(), self.cfg.recovery.workload, self.speeds)
+            if len(missing) == self.M:
+                self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
             return list(plan.ids_for(self.wid))
 
     def train_step(self) -> StepOutcome | None:
@@ -454,9 +457,9 @@ class Worker:
             recoveries += 1
         else:
             self.inject(Phase.START)
-            todo = list(
-                plan_step(step, self.group.members, self.M, self.cfg.recovery.workload, self.speeds).ids_for(self.wid)
-            )
+            plan = plan_step(step, self.group.members, self.M, self.cfg.recovery.workload, self.speeds)
+            self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+            todo = list(plan.ids_for(self.wid))
         while True:
             if self.step != step:
                 self.pending_todo = todo
@@ -577,6 +580,7 @@ class Worker:
                     "recomputed": outcome.recomputed,
                     "dropped": outcome.dropped,
                     "recoveries": outcome.recoveries,
+                    "quotas": {str(w): n for w, n in self.quotas.items()},
                 }
             )
             if self.should(tc.eval_every, committed):

@@ -1,0 +1,94 @@
+"""Failure schedules (parsing, validation, seeded random scenarios) and the recovery accounting property."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.failures import FailureKind, FailureSchedule, Phase, build_schedule, random_schedule
+from unbroken.plan import plan_step, recovery_plan
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_parse_and_describe_round_trip() -> None:
+    text = "kill:worker=2,step=10,phase=backward; hang:worker=1,step=5; slow:worker=1,factor=3,steps=5-20"
+    schedule = FailureSchedule.parse(text)
+    kill, hang, slow = schedule.events
+    assert (kill.kind, kill.worker, kill.step, kill.phase) == (FailureKind.KILL, 2, 10, Phase.BACKWARD)
+    assert (hang.kind, hang.phase, hang.rejoin_after_s) == (FailureKind.HANG, Phase.START, None)
+    assert (slow.factor, slow.step, slow.last_step) == (3.0, 5, 20)
+    assert FailureSchedule.parse(schedule.describe()) == schedule
+    assert schedule.injection(2, 10, Phase.BACKWARD) == kill
+    assert schedule.injection(2, 10, Phase.FORWARD) is None
+    assert schedule.slow_factor(1, 7) == 3.0 and schedule.slow_factor(1, 21) == 1.0
+    assert FailureSchedule.parse("kill:worker=0,step=1", default_rejoin_s=4.0).events[0].rejoin_after_s == 4.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("kill", "malformed"),
+        ("kill:step=3", "names no worker"),
+        ("kill:worker=1", "names no step"),
+        ("kill:worker=x,step=1", "not an integer"),
+        ("kill:worker=1,step=1,speed=3", "unknown key 'speed'"),
+        ("slow:worker=1,factor=0.5,steps=1-2", "factor >= 1"),
+        ("slow:worker=1,factor=2,steps=5-2", "FIRST <= LAST"),
+        ("hang:worker=1,step=1,rejoin=-1", ">= 0"),
+    ],
+)
+def test_malformed_events(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FailureSchedule.parse(text)
+
+
+def test_validation_against_the_run() -> None:
+    FailureSchedule.parse("kill:worker=0,step=1,rejoin=2; kill:worker=1,step=3").validate(2, 10)
+    with pytest.raises(ValueError, match="kills every worker at step 3"):
+        FailureSchedule.parse("kill:worker=0,step=3,rejoin=1; kill:worker=1,step=3,rejoin=1").validate(2, 10)
+
+
+def test_random_scenarios_are_seeded_and_survivable() -> None:
+    a = random_schedule(4, 500, mtbf_s=20.0, mttr_s=30.0, step_time_s=1.0, seed=7)
+    assert a == random_schedule(4, 500, mtbf_s=20.0, mttr_s=30.0, step_time_s=1.0, seed=7)
+    assert a != random_schedule(4, 500, mtbf_s=20.0, mttr_s=30.0, step_time_s=1.0, seed=8)
+    assert len(a.events) > 5 and all(e.rejoin_after_s == 30.0 for e in a.events)
+    a.validate(4, 500)
+    b = build_schedule("kill:worker=1,step=3", 0.0, 50.0, 1, 1.0, 4, 300)
+    assert b.events[0].describe() == "kill:worker=1,step=3,phase=backward"
+
+
+@settings(max_examples=300, deadline=None)
+@given(m=st.integers(1, 32), n=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+def test_recovery_accounting_counts_every_id_exactly_once(m: int, n: int, seed: int) -> None:
+    """Workers die at random points of their work (and others join); survivors keep what they computed and
+    the ids nobody holds are re-planned. At the end every id is held by exactly one member."""
+    rng = random.Random(seed)
+    members = list(range(n))
+    next_id = n
+    held: dict[int, list[int]] = {w: [] for w in members}
+    plan = plan_step(0, members, m)
+    todo = {w: list(plan.ids_for(w)) for w in members}
+    for _ in range(rng.randint(0, 6)):  # membership changes during the step
+        for w in members:  # everyone got some way through its work
+            k = rng.randint(0, len(todo[w]))
+            held[w] += todo[w][:k]
+        dead = set(rng.sample(members, rng.randint(0, len(members) - 1)))
+        members = [w for w in members if w not in dead]
+        if rng.random() < 0.3:
+            held[next_id] = []
+            members.append(next_id)
+            next_id += 1
+        counts = [sum(held[w].count(j) for w in members) for j in range(m)]
+        plan = recovery_plan(
+            0, members, counts, rng.choice(["even", "throughput"]), {w: rng.uniform(0.1, 2) for w in members}
+        )
+        todo = {w: list(plan.ids_for(w)) for w in members}
+    for w in members:
+        held[w] += todo[w]
+    final = sorted(j for w in members for j in held[w])
+    assert final == list(range(m))
