@@ -1,9 +1,15 @@
 """Benchmarks behind ``unbroken bench``; their figures are recorded in docs/benchmarks.md.
 
-``bench ddp``: the step time of an ``unbroken`` run against the same model, data, M and optimizer trained
-with ``torch.nn.parallel.DistributedDataParallel`` (gradient accumulation under ``no_sync``), for each
-worker count. The two systems alternate round by round on the same machine so drift in the machine's
-load hits both; the figure is the ratio of median step times (unbroken / DDP), measured after warm-up.
+``bench ddp``: the step time of an ``unbroken`` run (fp32 and exact reduction) against the same model,
+data, M and optimizer trained with ``torch.nn.parallel.DistributedDataParallel`` (gradient accumulation
+under ``no_sync``), for each worker count. The systems alternate round by round on the same machine so
+drift in the machine's load hits all of them; the figure is the ratio of median step times.
+
+``bench recovery``: real SIGKILLs at backward / reduction / forward of a running job (each victim
+restarted so it rejoins): detection, group re-formation and time to the first committed step after.
+
+``bench policies``: one failure schedule under ``recover``, ``drop`` and ``restart``: committed tokens per
+second, recomputed and dropped microbatches.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -20,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import RunConfig, load_config, to_toml
+from unbroken.config import RunConfig, load_config, replace, to_toml
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
@@ -166,46 +173,206 @@ def _stats(times: list[float]) -> dict[str, float]:
 
 
 def bench_ddp(config: str | None, worker_counts: list[int], repeats: int, overrides: list[str]) -> list[dict[str, Any]]:
+    """Median step times of DDP, unbroken (fp32 reduction) and unbroken (exact reduction), alternating."""
     cfg = _bench_config(config, overrides)
+    exact = replace(cfg, recovery=replace(cfg.recovery, reduction="exact"))
     rows = []
     for workers in worker_counts:
-        ours: list[float] = []
-        theirs: list[float] = []
-        for _ in range(repeats):  # alternate so that machine drift hits both systems alike
-            theirs += run_ddp(cfg, workers)
-            ours += run_unbroken(cfg, workers)
-        a, b = _stats(ours), _stats(theirs)
-        rows.append({"workers": workers, "unbroken": a, "ddp": b, "ratio": a["median"] / b["median"]})
+        times: dict[str, list[float]] = {"ddp": [], "fp32": [], "exact": []}
+        for _ in range(repeats):  # alternate so that machine drift hits every system alike
+            times["ddp"] += run_ddp(cfg, workers)
+            times["fp32"] += run_unbroken(cfg, workers)
+            times["exact"] += run_unbroken(exact, workers)
+        stats = {name: _stats(values) for name, values in times.items()}
+        rows.append(
+            {
+                "workers": workers,
+                **stats,
+                "ratio": stats["fp32"]["median"] / stats["ddp"]["median"],
+                "exact_ratio": stats["exact"]["median"] / stats["ddp"]["median"],
+            }
+        )
     return rows
+
+
+def _ms(stat: dict[str, float]) -> str:
+    return f"{stat['median'] * 1000:.0f} ms [{stat['q1'] * 1000:.0f}, {stat['q3'] * 1000:.0f}] (n={stat['n']})"
 
 
 def format_ddp(rows: list[dict[str, Any]], cfg: RunConfig) -> str:
     tokens = cfg.train.microbatches * cfg.data.microbatch_size * cfg.data.seq_len
     lines = [
         f"model {cfg.model.flavour}, M = {cfg.train.microbatches}, {tokens} tokens/step, "
-        f"{MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round",
+        f"{MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round; step time median [q1, q3]",
         "",
-        "| workers | unbroken step (median [q1, q3]) | DDP step (median [q1, q3]) | ratio unbroken/DDP |",
-        "|---|---|---|---|",
+        "| workers | DDP | unbroken fp32 | unbroken exact | fp32 / DDP | exact / DDP |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        a, b = r["unbroken"], r["ddp"]
         lines.append(
-            f"| {r['workers']} | {a['median'] * 1000:.0f} ms [{a['q1'] * 1000:.0f}, {a['q3'] * 1000:.0f}] (n={a['n']}) "
-            f"| {b['median'] * 1000:.0f} ms [{b['q1'] * 1000:.0f}, {b['q3'] * 1000:.0f}] (n={b['n']}) "
-            f"| {r['ratio']:.3f} |"
+            f"| {r['workers']} | {_ms(r['ddp'])} | {_ms(r['fp32'])} | {_ms(r['exact'])} "
+            f"| {r['ratio']:.3f} | {r['exact_ratio']:.3f} |"
         )
     return "\n".join(lines)
 
 
+def _run_with_schedule(cfg: RunConfig, workers: int, keep: Path | None = None) -> list[dict[str, Any]]:
+    """Run to the end and return the metrics records (the run directory is kept under ``keep`` if given)."""
+    from unbroken.launcher import Launcher, plan_launch
+    from unbroken.metrics import read_metrics
+
+    tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-"))
+    run_dir = (keep or tmp) / "run"
+    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0)
+    code = Launcher(plan, show_progress=False, show_summary=False).run()
+    if code != 0:
+        raise RuntimeError(f"run failed (exit {code}); logs kept in {run_dir}/logs")
+    records = read_metrics(run_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return records
+
+
+def bench_recovery(config: str | None, workers: int, kills: int, overrides: list[str]) -> dict[str, Any]:
+    """Latency of in-step recovery after real SIGKILLs: detection, group re-formation, first commit after."""
+    phases = ["backward", "reduction", "forward"]
+    every = 4
+    events = [
+        f"kill:worker={1 + i % (workers - 1)},step={every * (i + 1)},phase={phases[i % 3]},rejoin=0.5"
+        for i in range(kills)
+    ]
+    steps = every * (kills + 2)
+    base = [
+        f"--train.steps={steps}",
+        "--train.eval_every=0",
+        "--checkpoint.every=0",
+        "--train.eval_microbatches=1",
+        "--train.microbatches=16",
+        f"--failures.schedule={'; '.join(events)}",
+    ]
+    cfg = load_config(config or _tiny_config(), base + overrides)
+    records = _run_with_schedule(cfg, workers)
+    failures = [r for r in records if r["type"] == "failure" and "detection_s" in r]
+    recoveries = [r for r in records if r["type"] == "recovery" and r.get("missing") is not None]
+    commits = sorted((r["time"], r["step"]) for r in records if r["type"] == "step")
+    rows = []
+    for f in failures:
+        injected = f["time"] - f["detection_s"]
+        reform = next((r for r in recoveries if r["epoch"] == f["epoch"]), None)
+        first = next((t for t, _ in commits if t > f["time"]), None)
+        if reform is None or first is None:
+            continue
+        rows.append(
+            {
+                "detection_s": f["detection_s"],
+                "reform_s": reform["reform_s"],
+                "to_commit_s": first - injected,
+                "event": f.get("event", ""),
+            }
+        )
+    return {
+        "workers": workers,
+        "kills": len(rows),
+        "scheduled": kills,
+        "rows": rows,
+        "detection": _stats([r["detection_s"] for r in rows]),
+        "reform": _stats([r["reform_s"] for r in rows]),
+        "detect_plus_reform": _stats([r["detection_s"] + r["reform_s"] for r in rows]),
+        "to_commit": _stats([r["to_commit_s"] for r in rows]),
+    }
+
+
+def format_recovery(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['kills']} kills survived (of {result['scheduled']} scheduled) with {result['workers']} workers; "
+        "seconds, median [q1, q3] (min - max)",
+        "",
+        "| phase of recovery | median | q1 | q3 | min | max |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, key in [
+        ("detection (SIGKILL -> new epoch published)", "detection"),
+        ("group re-formation", "reform"),
+        ("detection + re-formation", "detect_plus_reform"),
+        ("SIGKILL -> first committed step", "to_commit"),
+    ]:
+        st = result[key]
+        lines.append(
+            f"| {name} | {st['median']:.3f} | {st['q1']:.3f} | {st['q3']:.3f} | {st['min']:.3f} | {st['max']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def bench_policies(config: str | None, workers: int, overrides: list[str]) -> list[dict[str, Any]]:
+    """Committed tokens per second and wasted work of recover, drop and restart on one failure schedule."""
+    schedule = "kill:worker=1,step=10,phase=backward,rejoin=3; kill:worker=2,step=25,phase=reduction"
+    base = [
+        "--train.steps=40",
+        "--train.eval_every=0",
+        "--train.eval_microbatches=1",
+        "--checkpoint.every=10",
+        "--train.microbatches=16",
+        f"--failures.schedule={schedule}",
+    ]
+    rows = []
+    for policy in ("recover", "drop", "restart"):
+        cfg = load_config(config or _tiny_config(), [*base, f"--recovery.policy={policy}", *overrides])
+        records = _run_with_schedule(cfg, workers)
+        steps = [r for r in records if r["type"] == "step" and not r.get("republished")]
+        start = min(r["time"] - r["step_time_s"] for r in steps)
+        wall = max(r["time"] for r in steps) - start
+        final = {r["step"]: r for r in steps}
+        m = cfg.train.microbatches
+        committed = sum(r["tokens"] * (m - r["dropped"]) / m for r in final.values())
+        redone_steps = len(steps) - len(final)  # steps committed again after a rollback to a checkpoint
+        rows.append(
+            {
+                "policy": policy,
+                "wall_s": wall,
+                "committed_tokens": committed,
+                "tokens_per_s": committed / wall,
+                "recomputed_microbatches": sum(r.get("recomputed", 0) for r in steps) + redone_steps * m,
+                "dropped_microbatches": sum(r["dropped"] for r in final.values()),
+                "restarts": sum(1 for r in records if r["type"] == "restart"),
+            }
+        )
+    return rows
+
+
+def format_policies(rows: list[dict[str, Any]]) -> str:
+    best = max(r["tokens_per_s"] for r in rows)
+    lines = [
+        "| policy | wall (s) | committed tokens | committed tokens/s | vs best | recomputed mb | dropped mb "
+        "| restarts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {r['wall_s']:.1f} | {r['committed_tokens']:,.0f} | {r['tokens_per_s']:,.0f} "
+            f"| {r['tokens_per_s'] / best:.2f} | {r['recomputed_microbatches']} | {r['dropped_microbatches']} "
+            f"| {r['restarts']} |"
+        )
+    return "\n".join(lines)
+
+
+def _tiny_config() -> str:
+    return str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
+
+
+BENCHES = ("ddp", "recovery", "policies")
+
+
 def run_bench(what: str, config: str | None, worker_counts: list[int], repeats: int, overrides: list[str]) -> int:
-    if what != "ddp":
-        raise ValueError(f"unknown benchmark {what!r}; allowed: ddp")
+    if what not in BENCHES:
+        raise ValueError(f"unknown benchmark {what!r}; allowed: {', '.join(BENCHES)}")
     if repeats < 1 or any(w < 1 for w in worker_counts):
         raise ValueError("--repeats and every --workers count must be >= 1")
-    cfg = _bench_config(config, overrides)
-    rows = bench_ddp(config, worker_counts, repeats, overrides)
-    print(format_ddp(rows, cfg))
+    if what == "ddp":
+        cfg = _bench_config(config, overrides)
+        print(format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg))
+    elif what == "recovery":
+        print(format_recovery(bench_recovery(config, max(worker_counts), 12 * repeats, overrides)))
+    else:
+        print(format_policies(bench_policies(config, max(worker_counts), overrides)))
     return 0
 
 

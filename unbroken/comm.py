@@ -57,8 +57,14 @@ def form_group(
     backend: str,
     timeout_s: float,
     device: torch.device,
-) -> Group:
-    """Build the epoch's process group under the store prefix ``pg/<epoch>`` (every member calls this)."""
+    interrupted: Callable[[], bool] = lambda: False,
+) -> Group | None:
+    """Build the epoch's process group under the store prefix ``pg/<epoch>`` (every member calls this).
+
+    The rendezvous blocks until every member has arrived, so it runs on a helper thread while this one
+    watches ``interrupted`` (a newer epoch: a member died before arriving). Returns None if interrupted
+    or if the rendezvous failed; the abandoned thread ends at the group timeout.
+    """
     ordered = tuple(sorted(members))
     assert worker_id in ordered, (worker_id, ordered)
     rank = ordered.index(worker_id)
@@ -66,13 +72,31 @@ def form_group(
         return Group(epoch, ordered, 0, None, device)
     prefixed = PrefixStore(f"pg/{epoch}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, len(ordered), opts)
-    else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, len(ordered), timeout)
-    return Group(epoch, ordered, rank, pg, device)
+    result: list[dist.ProcessGroup | BaseException] = []
+    finished = threading.Event()
+
+    def build() -> None:
+        try:
+            if backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                result.append(dist.ProcessGroupNCCL(prefixed, rank, len(ordered), opts))
+            else:
+                result.append(dist.ProcessGroupGloo(prefixed, rank, len(ordered), timeout))
+        except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
+            result.append(e)
+        finally:
+            finished.set()
+
+    threading.Thread(target=build, name=f"rendezvous-{epoch}", daemon=True).start()
+    while not finished.wait(CHECK_INTERVAL_S):
+        if interrupted():
+            log.warning("epoch %d superseded while forming its group", epoch)
+            return None
+    if isinstance(result[0], BaseException):
+        log.warning("forming the group of epoch %d failed: %s", epoch, result[0])
+        return None
+    return Group(epoch, ordered, rank, result[0], device)
 
 
 class Pending:

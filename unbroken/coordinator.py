@@ -336,7 +336,11 @@ class CoordinatorClient:
         return None
 
     def wait_for_epoch(self, timeout_s: float, after: int = 0) -> Epoch | None:
-        """Block (polling) until an epoch newer than ``after`` that includes this worker is published."""
+        """Block (polling) until an epoch newer than ``after`` that includes this worker is published.
+
+        None if the run stops, time runs out, or (for a worker that was a member) the newest epoch
+        excludes it: it was declared dead and must not rejoin under its old state.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.stop_reason() is not None:
@@ -346,6 +350,8 @@ class CoordinatorClient:
                 record = self.epoch_record(epoch)
                 if self.worker_id in record.members:
                     return record
+                if after > 0:
+                    return None
             time.sleep(0.005)
         return None
 

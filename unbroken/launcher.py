@@ -26,7 +26,7 @@ from unbroken.coordinator import bind_listen_socket, connect_store
 from unbroken.failures import FailureKind, build_schedule, parse_event
 from unbroken.metrics import format_step
 
-POLL_S = 0.02
+POLL_S = 0.005
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -110,6 +110,7 @@ class Launcher:
         self._records: list[dict[str, Any]] = []
         self.down: dict[int, dict[str, Any]] = {}  # workers we killed or stopped, and when they come back
         self.failures_handled = 0  # restart policy: failure records already acted on
+        self.fired: set[str] = set()  # injected events (each fires once, across restarts too)
         self.restarts = 0
         self.sock = plan.sock
         self.resume = plan.resume
@@ -156,6 +157,8 @@ class Launcher:
             time.sleep(POLL_S)
         self.address = json.loads(address_file.read_text())["address"]
         self.store = connect_store(self.address)
+        for event in self.fired:
+            self.store.set(f"fired/{event}", "1")
 
     def start_worker(self, worker_id: int) -> None:
         log_path = self.run_dir / "logs" / f"worker-{worker_id}.log"
@@ -175,6 +178,8 @@ class Launcher:
 
     def _deliver_injections(self) -> None:
         """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
+        if not self.cfg.failures.schedule or self.coordinator is None or self.coordinator.poll() is not None:
+            return
         for wid, proc in self.workers.items():
             if proc.poll() is not None or wid in self.down:
                 continue
@@ -186,6 +191,8 @@ class Launcher:
                 self.store.delete_key(key)
                 event = parse_event(info["event"])
                 self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": time.time()}))
+                self.store.set(f"fired/{info['event']}", "1")
+                self.fired.add(info["event"])
             except RuntimeError:
                 return  # the coordinator is gone
             os.kill(proc.pid, signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
@@ -226,6 +233,8 @@ class Launcher:
         return any(r.get("type") == "final" for r in self._records)
 
     def _store_set(self, key: str, value: str) -> None:
+        if self.coordinator is None or self.coordinator.poll() is not None:
+            return
         try:
             self.store.set(key, value)
         except (RuntimeError, AttributeError):

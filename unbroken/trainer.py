@@ -182,24 +182,32 @@ class Worker:
             raise Interrupted
 
     def form_next_group(self) -> None:
-        """Wait for an epoch newer than the current group's that includes this worker and build its group."""
+        """Wait for an epoch newer than the current group's that includes this worker and build its group;
+        if that epoch is superseded while its group forms (another member died), move on to the newest."""
         assert self.client is not None
+        client = self.client
         after = self.group.epoch if self.group is not None else 0
-        epoch = self.client.wait_for_epoch(self.cfg.comm.join_timeout_s, after=after)
-        if epoch is None:
-            reason = self.client.stop_reason()
-            if reason is None and self.client.current_epoch() > after:
-                raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
-            raise StopRun(reason or "no new membership epoch was published in time")
-        self.group = form_group(
-            self.client.store,
-            epoch.epoch,
-            epoch.members,
-            self.wid,
-            self.backend,
-            self.cfg.comm.op_timeout_s,
-            self.device,
-        )
+        while True:
+            epoch = client.wait_for_epoch(self.cfg.comm.join_timeout_s, after=after)
+            if epoch is None:
+                reason = client.stop_reason()
+                if reason is None and client.current_epoch() > after:
+                    raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
+                raise StopRun(reason or "no new membership epoch was published in time")
+            group = form_group(
+                client.store,
+                epoch.epoch,
+                epoch.members,
+                self.wid,
+                self.backend,
+                self.cfg.comm.op_timeout_s,
+                self.device,
+                lambda e=epoch.epoch: client.latest_epoch != e or client.stopped is not None,
+            )
+            if group is not None:
+                self.group = group
+                return
+            after = epoch.epoch
 
     @property
     def leader(self) -> bool:
@@ -311,8 +319,8 @@ class Worker:
         by hand), the worker delivers the signal to itself after a few seconds.
         """
         event = self.schedule.injection(self.wid, self.step, phase)
-        if event is None or self.client is None:
-            return
+        if event is None or self.client is None or self.client.store.check([f"fired/{event.describe()}"]):
+            return  # each event fires once per run, also when a restart replays its step
         log.warning("injection point reached: %s", event.describe())
         self.client.store.set(f"inject/{self.wid}", json.dumps({"event": event.describe(), "time": time.time()}))
         deadline = time.monotonic() + 5.0
