@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -428,13 +429,18 @@ class _Progress:
 
 
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Run totals from the metrics records: steps, tokens, losses, throughput, failures."""
-    steps = {r["step"]: r for r in records if r.get("type") == "step"}
+    """Run totals from the metrics records: steps, tokens, losses, throughput, failures and their cost."""
+    steps = {r["step"]: r for r in records if r.get("type") == "step" and not r.get("republished")}
     evals = [r for r in records if r.get("type") == "eval"]
     ordered = [steps[s] for s in sorted(steps)]
     tokens = sum(r["tokens"] for r in ordered)
-    train_time = sum(r["step_time_s"] for r in ordered)
+    times = [r["step_time_s"] for r in ordered if r["step_time_s"] == r["step_time_s"]]
+    train_time = sum(times)
     last = ordered[-10:]
+    failures = [r for r in records if r.get("type") == "failure"]
+    recoveries = [r for r in records if r.get("type") == "recovery"]
+    recovering = [r for r in ordered if r.get("recoveries")]
+    median = statistics.median(times) if times else 0.0
     return {
         "steps": len(ordered),
         "tokens": tokens,
@@ -444,7 +450,16 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "val_ppl": evals[-1]["val_ppl"] if evals else float("nan"),
         "tokens_per_s": tokens / train_time if train_time else 0.0,
         "wall_s": wall_s,
-        "failures": sum(1 for r in records if r.get("type") == "failure"),
+        "failures": failures,
+        "rejoins": [
+            r for r in records if r.get("type") == "membership" and str(r.get("reason", "")).startswith("joined")
+        ],
+        "restarts": sum(1 for r in records if r.get("type") == "restart"),
+        "detection_s": [f["detection_s"] for f in failures if "detection_s" in f],
+        "reform_s": [r["reform_s"] for r in recoveries],
+        "recomputed": sum(r.get("recomputed", 0) for r in ordered),
+        "dropped": sum(r.get("dropped", 0) for r in ordered),
+        "recovery_extra_s": sum(r["step_time_s"] - median for r in recovering),
         "identical_params": next((r["identical"] for r in records if r.get("type") == "final"), None),
     }
 
@@ -460,7 +475,27 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
     table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} (mean of the last 10 steps)")
     table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
     table.add_row("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s")
-    table.add_row("failures survived", str(s["failures"]))
+    if s["failures"]:
+        for f in s["failures"]:
+            what = f.get("event") or f["why"]
+            table.add_row(
+                "failure survived",
+                f"worker {f['worker']}: {what}"
+                + (f" (detected in {f['detection_s'] * 1000:.0f} ms)" if "detection_s" in f else ""),
+            )
+        if s["reform_s"]:
+            table.add_row(
+                "recovery",
+                f"group re-formed in {max(s['reform_s']) * 1000:.0f} ms at most; "
+                f"{s['recomputed']} microbatches recomputed in-step, {s['dropped']} dropped, "
+                f"{s['recovery_extra_s']:.2f} s over the median step time in total",
+            )
+        for r in s["rejoins"]:
+            table.add_row("rejoined", f"{r['reason']} -> members {r['members']}")
+        if s["restarts"]:
+            table.add_row("restarts", f"{s['restarts']} (restart policy: rollback to the last checkpoint)")
+    else:
+        table.add_row("failures", "none")
     if s["identical_params"] is not None:
         table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
     Console().print(table)
