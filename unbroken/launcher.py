@@ -179,7 +179,7 @@ class Launcher:
 
     def _deliver_injections(self) -> None:
         """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
-        if not self.cfg.failures.schedule or self.coordinator is None or self.coordinator.poll() is not None:
+        if not self.cfg.failures.schedule or not self._coordinator_up() or self._finished():
             return
         for wid, proc in self.workers.items():
             if proc.poll() is not None or wid in self.down:
@@ -195,7 +195,8 @@ class Launcher:
                 self.store.set(f"fired/{info['event']}", "1")
                 self.fired.add(info["event"])
             except RuntimeError:
-                return  # the coordinator is gone
+                self.store = None  # the coordinator is shutting down: stop asking (each failed call logs a trace)
+                return
             os.kill(proc.pid, signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
             self.down[wid] = {
                 "event": event,
@@ -222,7 +223,7 @@ class Launcher:
                 self.start_worker(wid)
 
     def _report_exits(self) -> None:
-        if self.coordinator is None or self.coordinator.poll() is not None or self._finished():
+        if not self._coordinator_up() or self._finished():
             return  # nobody left to tell, or the workers are leaving because the run is over
         for wid, proc in self.workers.items():
             code = proc.poll()
@@ -233,13 +234,16 @@ class Launcher:
     def _finished(self) -> bool:
         return any(r.get("type") == "final" for r in self._records)
 
+    def _coordinator_up(self) -> bool:
+        return self.store is not None and self.coordinator is not None and self.coordinator.poll() is None
+
     def _store_set(self, key: str, value: str) -> None:
-        if self.coordinator is None or self.coordinator.poll() is not None:
+        if not self._coordinator_up():
             return
         try:
             self.store.set(key, value)
-        except (RuntimeError, AttributeError):
-            pass  # the coordinator is gone; nothing left to tell
+        except RuntimeError:
+            self.store = None  # the coordinator is gone; nothing left to tell
 
     def stop_all(self, reason: str) -> None:
         """Ask everyone to stop, wait a grace period, then kill what is left."""
@@ -364,6 +368,10 @@ class Launcher:
         return 0
 
 
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
+
+
 def _tail(path: Path, lines: int) -> str:
     if not path.exists():
         return ""
@@ -441,6 +449,11 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     recoveries = [r for r in records if r.get("type") == "recovery"]
     recovering = [r for r in ordered if r.get("recoveries")]
     median = statistics.median(times) if times else 0.0
+    size = {r["epoch"]: len(r["members"]) for r in records if r.get("type") == "membership"}
+
+    def shrank(recovery: dict[str, Any]) -> bool:  # re-formed after a failure, not after a rejoin
+        return size.get(recovery["epoch"], 0) < size.get(recovery["from_epoch"], 0)
+
     return {
         "steps": len(ordered),
         "tokens": tokens,
@@ -456,7 +469,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         ],
         "restarts": sum(1 for r in records if r.get("type") == "restart"),
         "detection_s": [f["detection_s"] for f in failures if "detection_s" in f],
-        "reform_s": [r["reform_s"] for r in recoveries],
+        "reform_s": [r["reform_s"] for r in recoveries if shrank(r)],
+        "rejoin_reform_s": [r["reform_s"] for r in recoveries if not shrank(r)],
         "recomputed": sum(r.get("recomputed", 0) for r in ordered),
         "dropped": sum(r.get("dropped", 0) for r in ordered),
         "recovery_extra_s": sum(r["step_time_s"] - median for r in recovering),
@@ -487,11 +501,12 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
             table.add_row(
                 "recovery",
                 f"group re-formed in {max(s['reform_s']) * 1000:.0f} ms at most; "
-                f"{s['recomputed']} microbatches recomputed in-step, {s['dropped']} dropped, "
+                f"{_plural(s['recomputed'], 'microbatch')} recomputed in-step, {s['dropped']} dropped, "
                 f"{s['recovery_extra_s']:.2f} s over the median step time in total",
             )
-        for r in s["rejoins"]:
-            table.add_row("rejoined", f"{r['reason']} -> members {r['members']}")
+        for r, reform in zip(s["rejoins"], s["rejoin_reform_s"] + [None] * len(s["rejoins"]), strict=False):
+            took = f" (group re-formed in {reform * 1000:.0f} ms)" if reform is not None else ""
+            table.add_row("rejoined", f"worker {r['reason'].split(': ')[1]}: members {r['members']}{took}")
         if s["restarts"]:
             table.add_row("restarts", f"{s['restarts']} (restart policy: rollback to the last checkpoint)")
     else:
