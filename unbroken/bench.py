@@ -45,6 +45,7 @@ def _bench_config(config: str | None, overrides: list[str]) -> RunConfig:
         "--train.eval_every=0",
         "--checkpoint.every=0",
         "--train.eval_microbatches=1",
+        "--failures.schedule=",  # failure-free: the demo preset kills a worker
     ]
     return load_config(config or _default_config(), base + overrides)
 
