@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.failures import FailureKind, FailureSchedule, Phase, build_schedule, random_schedule
+from unbroken.failures import (
+    FailureKind,
+    FailureSchedule,
+    Phase,
+    build_schedule,
+    random_schedule,
+    scenario_timing,
+)
 from unbroken.plan import plan_step, recovery_plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,6 +67,24 @@ def test_random_scenarios_are_seeded_and_survivable() -> None:
     a.validate(4, 500)
     b = build_schedule("kill:worker=1,step=3", 0.0, 50.0, 1, 1.0, 4, 300)
     assert b.events[0].describe() == "kill:worker=1,step=3,phase=backward"
+
+
+def test_mecefo_scenarios_map_hours_onto_steps() -> None:
+    # 400 steps stand for 64 hours (6.25 steps an hour); the paper's cluster of 32 ranks fails every 2 h
+    # (low), so each rank every 64 h and our 4 workers together every 16 h = 100 steps; back after 4 h = 25 steps
+    assert scenario_timing("low", 400, 64.0, 1.0, 4) == (100.0, 25.0)
+    assert scenario_timing("high", 400, 64.0, 0.5, 4) == (12.5, 6.25)  # in seconds at 0.5 s per step
+    assert scenario_timing("high", 400, 64.0, 1.0, 8) == (12.5, 12.5)  # twice the workers, twice the failures
+    counts = {}
+    for name in ("low", "mid", "high"):
+        schedule = build_schedule("", 0.0, 0.0, 3, 1.0, 4, 400, name, 64.0)
+        assert schedule == build_schedule("", 0.0, 0.0, 3, 1.0, 4, 400, name, 64.0)  # seeded
+        assert all(e.rejoin_after_s == scenario_timing(name, 400, 64.0, 1.0, 4)[1] for e in schedule.events)
+        counts[name] = sum(len(build_schedule("", 0.0, 0.0, seed, 1.0, 4, 400, name, 64.0).events) for seed in range(4))
+    # expected 4, 8 and 16 failures a run
+    assert 0 < counts["low"] < counts["mid"] < counts["high"], counts
+    with pytest.raises(ValueError, match="scenario = 'extreme' is unknown; allowed: low, mid, high"):
+        scenario_timing("extreme", 400, 64.0, 1.0, 4)
 
 
 @settings(max_examples=300, deadline=None)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.plan import Policy, even_quotas, plan_step, throughput_quotas
+from unbroken.plan import Policy, even_quotas, mecefo_plan, next_alive, plan_step, throughput_quotas
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,3 +41,52 @@ def test_throughput_gives_a_slow_worker_fewer() -> None:
     assert quotas[2] < min(quotas[0], quotas[1], quotas[3])
     plan = plan_step(3, [0, 1, 2, 3], 16, "throughput", {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0})
     assert len(plan.ids_for(2)) == quotas[2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ring_size=st.integers(1, 12),
+    dead=st.sets(st.integers(0, 11), max_size=11),
+    m=st.integers(1, 40),
+    done=st.sets(st.integers(0, 39), max_size=40),
+    spread=st.booleans(),
+)
+def test_mecefo_every_id_once_and_orphans_to_neighbours(
+    ring_size: int, dead: set[int], m: int, done: set[int], spread: bool
+) -> None:
+    ring = list(range(ring_size))
+    alive = [w for w in ring if w not in dead] or [ring[-1]]
+    todo = [j for j in range(m) if j not in done]
+    plan = mecefo_plan(3, ring, alive, m, todo, spread=spread)
+    assigned = sorted(j for w in plan.members for j in plan.ids_for(w))
+    assert assigned == todo  # computed ids are never planned again; the rest exactly once
+    base = plan_step(3, ring, m).owner_of()
+    owner = plan.owner_of()
+    orphans = {j for j in todo if base[j] not in alive}
+    for j in todo:
+        if base[j] in alive:
+            assert owner[j] == base[j]  # a survivor keeps its failure-free ids
+        elif not spread:
+            assert owner[j] == next_alive(ring, base[j], alive)
+    if spread:
+        assert plan.efficient == orphans
+    else:
+        adopters = {owner[j] for j in orphans}
+        assert plan.efficient == {j for j in todo if owner[j] in adopters}
+    assert plan.efficient <= set(todo)
+
+
+def test_mecefo_without_failures_is_the_even_plan() -> None:
+    for spread in (False, True):
+        plan = mecefo_plan(0, [0, 1, 2, 3], [0, 1, 2, 3], 8, spread=spread)
+        assert plan.ids == plan_step(0, [0, 1, 2, 3], 8).ids and not plan.efficient
+
+
+def test_mecefo_neighbour_skips_dead_workers() -> None:
+    # workers 1 and 2 dead: both orphan sets go to worker 3, which runs everything it holds efficiently
+    plan = mecefo_plan(0, [0, 1, 2, 3], [0, 3], 8)
+    assert plan.ids == {0: (0, 1), 3: (2, 3, 4, 5, 6, 7)}
+    assert plan.efficient == {2, 3, 4, 5, 6, 7}
+    assert next_alive([0, 1, 2, 3], 3, [1, 2]) == 1  # the ring wraps around
+    spread = mecefo_plan(0, [0, 1, 2, 3], [0, 3], 8, spread=True)
+    assert sorted(len(ids) for ids in spread.ids.values()) == [4, 4] and spread.efficient == {2, 3, 4, 5}

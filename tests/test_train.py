@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from runner import ROOT, TINY, final_params
 
 from unbroken import checkpoint as ckpt
 from unbroken.metrics import read_metrics, step_losses
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny.toml")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,12 +29,6 @@ def train_cmd(*args: str, cache: Path) -> list[str]:
 
 def run_train(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(train_cmd(*args, cache=cache), capture_output=True, text=True, cwd=cwd, timeout=200)
-
-
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    loaded = ckpt.load_latest(run_dir)
-    assert loaded is not None
-    return loaded.state["model"]
 
 
 def test_n_workers_match_one_worker(tmp_path: Path, data_cache_dir: Path) -> None:

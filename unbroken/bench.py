@@ -355,25 +355,186 @@ def format_policies(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+CONVERGENCE_POLICIES = ("recover", "mecefo", "mecefo-spread", "drop")
+
+
+def bench_convergence(
+    config: str | None,
+    workers: int,
+    steps: int,
+    scenarios: tuple[str, ...],
+    policies: tuple[str, ...],
+    overrides: list[str],
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Validation perplexity after a fixed budget of steps, failure-free and under MeCeFO's scenarios, per
+    policy; and the step time while a worker is down against while all are up, in the same run.
+
+    The failure-free reference runs first; its median step time converts the scenarios' repair hours into the
+    launcher's restart delay (``failures.step_time_s``), so every policy sees the same seeded kills."""
+    base = [
+        f"--train.steps={steps}",
+        f"--train.eval_every={steps}",
+        "--train.eval_microbatches=32",
+        "--checkpoint.every=0",
+        "--train.microbatches=8",
+        "--data.microbatch_size=4",
+        f"--failures.seed={seed}",
+        "--failures.schedule=",
+    ]
+    ref_cfg = load_config(config or _tiny_config(), [*base, *overrides])
+    reference = _convergence_row("none", "recover", _run_with_schedule(ref_cfg, workers), workers)
+    step_time = reference["step_time_up_s"]
+    rows = []
+    for scenario in scenarios:
+        for policy in policies:
+            cfg = load_config(
+                config or _tiny_config(),
+                [
+                    *base,
+                    f"--failures.scenario={scenario}",
+                    f"--failures.step_time_s={step_time:.4f}",
+                    f"--recovery.policy={policy}",
+                    *overrides,
+                ],
+            )
+            rows.append(_convergence_row(scenario, policy, _run_with_schedule(cfg, workers), workers))
+    for row in rows:
+        row["ppl_vs_reference"] = row["val_ppl"] / reference["val_ppl"] - 1.0
+    return {"workers": workers, "steps": steps, "step_time_s": step_time, "reference": reference, "rows": rows}
+
+
+def _convergence_row(scenario: str, policy: str, records: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    steps = {r["step"]: r for r in records if r["type"] == "step" and not r.get("republished")}
+    final_eval = max((r for r in records if r["type"] == "eval"), key=lambda r: r["step"])
+    down = [r["step_time_s"] for r in steps.values() if r["alive"] < workers]
+    up = [r["step_time_s"] for r in steps.values() if r["alive"] >= workers and not r["recoveries"]]
+    return {
+        "scenario": scenario,
+        "policy": policy,
+        "val_loss": final_eval["val_loss"],
+        "val_ppl": final_eval["val_ppl"],
+        "kills": sum(1 for r in records if r["type"] == "failure"),
+        "steps_degraded": len(down),
+        "efficient_microbatches": sum(r.get("efficient", 0) for r in steps.values()),
+        "dropped_microbatches": sum(r["dropped"] for r in steps.values()),
+        "recomputed_microbatches": sum(r.get("recomputed", 0) for r in steps.values()),
+        "step_time_up_s": statistics.median(up) if up else float("nan"),
+        "step_time_down_s": statistics.median(down) if down else float("nan"),
+    }
+
+
+def format_convergence(result: dict[str, Any]) -> str:
+    ref = result["reference"]
+    lines = [
+        f"{result['workers']} workers, {result['steps']} steps; failure-free reference: val loss "
+        f"{ref['val_loss']:.4f}, ppl {ref['val_ppl']:.2f}; reference step time {result['step_time_s'] * 1000:.0f} ms",
+        "",
+        "| scenario | policy | kills | steps with a worker down | efficient mb | dropped mb | recomputed mb "
+        "| val loss | val ppl | ppl vs failure-free | step time, all up (ms) | step time, one+ down (ms) | down / up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        ratio = r["step_time_down_s"] / r["step_time_up_s"]
+        lines.append(
+            f"| {r['scenario']} | {r['policy']} | {r['kills']} | {r['steps_degraded']} | {r['efficient_microbatches']} "
+            f"| {r['dropped_microbatches']} | {r['recomputed_microbatches']} | {r['val_loss']:.4f} "
+            f"| {r['val_ppl']:.2f} | {r['ppl_vs_reference'] * 100:+.2f}% | {r['step_time_up_s'] * 1000:.0f} "
+            f"| {r['step_time_down_s'] * 1000:.0f} | {ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def _tiny_config() -> str:
     return str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 
 
-BENCHES = ("ddp", "recovery", "policies")
+def bench_mecefo(steps: int) -> str:
+    """MeCeFO's efficient mode on ``small``: one microbatch (time, memory, rank table) and the gradient
+    error over a run under the ``high`` scenario, for plain and spread MeCeFO."""
+    from unbroken import bench_mecefo as bm
+
+    out = []
+    result = bm.bench_microbatch()
+    out.append(
+        f"one microbatch, small, seq_len {result['seq_len']}, batch {result['batch']}, rank {result['rank']}, "
+        f"{result['threads']} threads: median [min, max] of {9} alternating repeats"
+    )
+    out += ["", "| mode | time (ms) | saved activations (MiB) | in blocks (MiB) |", "|---|---|---|---|"]
+    for name in ("exact", "efficient"):
+        out.append(
+            f"| {name} | {result[f'{name}_ms']:.1f} [{result[f'{name}_ms_min']:.1f}, {result[f'{name}_ms_max']:.1f}] "
+            f"| {result[f'{name}_saved_bytes'] / 2**20:.2f} | {result[f'{name}_block_saved_bytes'] / 2**20:.2f} |"
+        )
+    out.append(
+        f"| efficient / exact | {result['time_ratio']:.3f} (FLOPs model {result['expected_flops_ratio']:.3f}) "
+        f"| {result['memory_ratio']:.3f} (model {result['expected_memory_ratio']:.3f}) "
+        f"| {result['block_memory_ratio']:.4f} (model {result['expected_block_memory_ratio']:.4f}) |"
+    )
+    rows = bm.gradient_errors(ranks=(8, 16, 32, 64, 128, bm.FULL_RANK))
+    out += [
+        "",
+        "relative gradient error of one efficient microbatch, per rank r (after 300 exact steps; mean of 4):",
+        "",
+        "| r | FFN weights: projection only | FFN weights vs exact | all but attention | all (attention = 0) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        r = "full" if row["rank"] == bm.FULL_RANK else str(row["rank"])
+        out.append(
+            f"| {r} | {row['ffn_projection']:.3f} | {row['ffn']:.3f} | {row['model']:.3f} "
+            f"| {row['model_with_attention']:.3f} |"
+        )
+    out += [
+        "",
+        f"step gradient error over a {steps}-step run, `high` scenario, 4 workers, M = 8 "
+        "(failure steps only; median [q1, q3], max):",
+        "",
+        "| policy | failure steps | step error, all | step error, without attention | efficient microbatch alone |",
+        "|---|---|---|---|---|",
+    ]
+    for spread in (False, True):
+        run = bm.gradient_error_run(steps=steps, spread=spread)
+        fs = run["failure_steps"]
+        cells = []
+        for key in ("error", "error_without_attention", "microbatch_error"):
+            st = _stats([r[key] for r in fs])
+            cells.append(f"{st['median']:.3f} [{st['q1']:.3f}, {st['q3']:.3f}], max {st['max']:.3f}")
+        out.append(f"| {'mecefo-spread' if spread else 'mecefo'} | {len(fs)} | {' | '.join(cells)} |")
+    return "\n".join(out)
 
 
-def run_bench(what: str, config: str | None, worker_counts: list[int], repeats: int, overrides: list[str]) -> int:
+BENCHES = ("ddp", "recovery", "policies", "mecefo", "convergence")
+
+
+def run_bench(
+    what: str,
+    config: str | None,
+    worker_counts: list[int],
+    repeats: int,
+    overrides: list[str],
+    steps: int | None = None,
+) -> int:
     if what not in BENCHES:
         raise ValueError(f"unknown benchmark {what!r}; allowed: {', '.join(BENCHES)}")
     if repeats < 1 or any(w < 1 for w in worker_counts):
         raise ValueError("--repeats and every --workers count must be >= 1")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps = {steps} must be >= 1")
     if what == "ddp":
         cfg = _bench_config(config, overrides)
         print(format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg))
     elif what == "recovery":
         print(format_recovery(bench_recovery(config, max(worker_counts), 12 * repeats, overrides)))
-    else:
+    elif what == "policies":
         print(format_policies(bench_policies(config, max(worker_counts), overrides)))
+    elif what == "mecefo":
+        print(bench_mecefo(steps or 200))
+    else:
+        result = bench_convergence(
+            config, max(worker_counts), steps or 300, ("low", "mid", "high"), CONVERGENCE_POLICIES, overrides
+        )
+        print(format_convergence(result))
     return 0
 
 

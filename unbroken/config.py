@@ -135,7 +135,8 @@ class CommConfig:
             )
 
 
-POLICIES = ("recover", "drop", "restart")
+POLICIES = ("recover", "drop", "restart", "mecefo", "mecefo-spread")
+MECEFO_POLICIES = ("mecefo", "mecefo-spread")
 WORKLOADS = ("even", "throughput")
 REDUCTIONS = ("fp32", "exact")
 
@@ -144,7 +145,10 @@ REDUCTIONS = ("fp32", "exact")
 class RecoveryConfig:
     # recover: lost microbatches are recomputed by survivors in the same step (ReCoVer; same trajectory);
     # drop: they are skipped and the gradient normalised by what was computed (torchft's behaviour);
-    # restart: every worker stops and the survivors restart from the last checkpoint.
+    # restart: every worker stops and the survivors restart from the last checkpoint;
+    # mecefo: a dead worker's microbatches go to its ring neighbour, which runs them and its own in efficient
+    # mode (attention skipped in backward, FFN recomputed, low-rank FFN weight gradients; see [mecefo]);
+    # mecefo-spread: the lost microbatches are spread over all survivors, in efficient mode.
     policy: str = "recover"
     workload: str = "even"  # even, or throughput (a slow worker gets fewer microbatches)
     # fp32: SUM of fp32 gradients (within tolerance of the failure-free run); exact: each microbatch's
@@ -161,6 +165,20 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class MecefoConfig:
+    # Rank r of the FFN weight-gradient projection in efficient mode (see docs/benchmarks.md for the measurement
+    # behind the default) and the SVD refresh period tau in steps (the paper's 100).
+    rank: int = 64
+    refresh_every: int = 100
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"mecefo.rank = {self.rank} must be >= 1")
+        if self.refresh_every < 1:
+            raise ValueError(f"mecefo.refresh_every = {self.refresh_every} must be >= 1")
+
+
+@dataclass(frozen=True)
 class FailureConfig:
     # Injected failures, e.g. "kill:worker=2,step=10,phase=backward; hang:worker=1,step=5;
     # slow:worker=1,factor=3,steps=5-20" (see unbroken/failures.py for the grammar).
@@ -169,8 +187,17 @@ class FailureConfig:
     mtbf_s: float = 0.0  # add seeded random kills with this mean time between failures; 0 = none
     seed: int = 0  # seed of the random kills
     step_time_s: float = 1.0  # expected seconds per step, to place random kills (given in seconds) on steps
+    # MeCeFO's failure scenarios: low, mid or high (a failure every 2 / 1 / 0.5 h, back after 4 / 3 / 2 h),
+    # in the paper's 32-rank cluster; each worker stands for one rank and the run's steps for scenario_hours
+    # of cluster time (rule in unbroken/failures.py scenario_timing).
+    scenario: str = ""
+    scenario_hours: float = 64.0
 
     def __post_init__(self) -> None:
+        if self.scenario not in ("", "low", "mid", "high"):
+            raise ValueError(f"failures.scenario = {self.scenario!r} is unknown; allowed: low, mid, high")
+        if not self.scenario_hours > 0:
+            raise ValueError(f"failures.scenario_hours = {self.scenario_hours} must be > 0")
         for name in ("mttr_s", "mtbf_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"failures.{name} = {getattr(self, name)} must be >= 0")
@@ -202,6 +229,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    mecefo: MecefoConfig = field(default_factory=MecefoConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -213,6 +241,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "comm": CommConfig,
     "recovery": RecoveryConfig,
+    "mecefo": MecefoConfig,
     "failures": FailureConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,

@@ -14,6 +14,12 @@ Store keys (all under the job's store):
   metrics/seq, metrics/<n>          metric records (JSON lines) published by the epoch's leader
   final/<id>                        a worker's final parameter checksum
   done, stop                        the run finished (JSON status); everyone must stop now (reason)
+  bell/seq, bell/<n>                "something to look at" (a registration, a death report, stop, done)
+
+Nothing polls at a high rate: the coordinator sleeps in a store wait on the next ``bell/<n>`` (rung by
+whoever writes something it must act on now) and wakes at least every ``TICK_S`` to check heartbeats and
+drain metrics; each worker's watcher sleeps in a store wait on the next ``epoch/<e>``, waking every
+heartbeat interval to send one. Both react to an event as soon as the store sees it.
 """
 
 from __future__ import annotations
@@ -30,13 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import TCPStore
+from torch.distributed import DistStoreError, TCPStore
 
 log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 30.0
-LOOP_INTERVAL_S = 0.005
-WATCH_INTERVAL_S = 0.005
+TICK_S = 0.05  # the coordinator's heartbeat check and metrics drain period (events wake it at once)
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -65,6 +70,23 @@ def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S) -> TCPStore:
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def ring(store: TCPStore) -> None:
+    """Wake the coordinator now (after writing something it must act on)."""
+    n = store.add("bell/seq", 1)
+    store.set(f"bell/{n}", "")
+
+
+def wait_key(store: TCPStore, key: str, timeout_s: float) -> bool:
+    """Block until ``key`` exists (True) or ``timeout_s`` passes (False); the store wakes us, no polling."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        return True
+    except DistStoreError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return False
 
 
 def _get_int(store: TCPStore, key: str) -> int:
@@ -119,6 +141,7 @@ class Coordinator:
         self.store.set("expected", str(expected_workers))
         self.store.set("resume", "1" if resume else "0")
         self.store.set("epoch", "0")
+        self.rung = 0
         self.next_registration = 1
         self.next_worker_id = 0
         self.admitted: dict[int, dict[str, Any]] = {}
@@ -211,6 +234,7 @@ class Coordinator:
         if not self.store.check(["stop"]):
             self.store.set("stop", reason)
         self.stopping.set()
+        ring(self.store)
 
     def run(self) -> int:
         """Admit the expected workers, publish epochs, drain metrics; return 0 when the job is done."""
@@ -249,7 +273,8 @@ class Coordinator:
                 if self.store.check(["done"]):
                     self._drain_metrics()
                     break
-                time.sleep(LOOP_INTERVAL_S)
+                if wait_key(self.store, f"bell/{self.rung + 1}", TICK_S):
+                    self.rung = _get_int(self.store, "bell/seq")
         finally:
             self._drain_metrics()
             self.metrics_file.close()
@@ -287,6 +312,7 @@ class CoordinatorClient:
             "pid": os.getpid(),
         }
         self.store.set(f"register/{seq}", json.dumps(request))
+        ring(self.store)
         self.store.wait([f"register/{seq}/id"], datetime.timedelta(seconds=STORE_TIMEOUT_S))
         self.worker_id = int(self.store.get(f"register/{seq}/id"))
         self.late = self.store.get(f"register/{seq}/late") == b"1"  # joined a running job: it must catch up
@@ -299,17 +325,19 @@ class CoordinatorClient:
         self._watch_thread.start()
 
     def _watch(self) -> None:
-        """Heartbeats, and a cached view of the epoch and the stop flag, so waits never touch the network."""
-        next_beat = 0.0
-        while not self._watch_stop.wait(WATCH_INTERVAL_S):
+        """Heartbeats, and a cached view of the epoch and the stop flag, so waits never touch the network.
+
+        Sleeps in a store wait on the next epoch's key, so a new epoch is seen as soon as it is published;
+        every heartbeat interval it wakes to send a heartbeat and look for a stop.
+        """
+        store = self._watch_store
+        while not self._watch_stop.is_set():
             try:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._watch_store.add(f"hb/{self.worker_id}", 1)
-                    next_beat = now + self._hb_interval
-                self.latest_epoch = int(self._watch_store.get("epoch"))
-                if self.stopped is None and self._watch_store.check(["stop"]):
-                    self.stopped = self._watch_store.get("stop").decode()
+                store.add(f"hb/{self.worker_id}", 1)
+                if self.stopped is None and store.check(["stop"]):
+                    self.stopped = store.get("stop").decode()
+                if wait_key(store, f"epoch/{self.latest_epoch + 1}", self._hb_interval):
+                    self.latest_epoch = max(self.latest_epoch + 1, int(store.get("epoch")))
             except RuntimeError:
                 self.stopped = self.stopped or "lost the connection to the coordinator"
                 return
@@ -360,4 +388,7 @@ class CoordinatorClient:
         self.store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
 
     def close(self) -> None:
+        """Stop the watcher (it wakes within a heartbeat interval); joined so that no thread is inside a
+        store call while the interpreter shuts down."""
         self._watch_stop.set()
+        self._watch_thread.join(timeout=max(1.0, 4 * self._hb_interval))

@@ -12,7 +12,7 @@ started), ``reduction`` (all collectives started, none finished), ``optimizer`` 
 before the optimizer step).
 
 Schedules are validated against the run before anything starts. Random schedules from an MTBF/MTTR are
-generated with a seeded RNG into the same type.
+generated with a seeded RNG into the same type, and so are MeCeFO's failure scenarios (``SCENARIOS``).
 """
 
 from __future__ import annotations
@@ -210,12 +210,45 @@ def random_schedule(
     return FailureSchedule(tuple(unique))
 
 
+# MeCeFO's Table 1: (hours between failures, hours until a failed node is back) in the cluster.
+SCENARIOS: dict[str, tuple[float, float]] = {"low": (2.0, 4.0), "mid": (1.0, 3.0), "high": (0.5, 2.0)}
+# The paper's cluster: 32 A100s, one data-parallel rank each.
+PAPER_RANKS = 32
+
+
+def scenario_timing(name: str, steps: int, run_hours: float, step_time_s: float, workers: int) -> tuple[float, float]:
+    """Cluster-wide MTBF and per-failure MTTR in this run's seconds for scenario ``name``.
+
+    The rule: Table 1's rates are for the paper's whole cluster of ``PAPER_RANKS`` ranks, so each rank fails
+    on average every ``PAPER_RANKS * X`` hours and is back ``Y`` hours later. Each of our ``workers`` stands for
+    one rank (so a run of 4 workers sees a failure every ``32 * X / 4`` hours, and the share of workers down,
+    about ``Y / (32 X)``, is the paper's), and the run's ``steps`` stand for ``run_hours`` of cluster time
+    (converted to seconds with the expected ``step_time_s``, since the launcher places kills on steps and
+    restarts a worker after a delay in seconds)."""
+    if name not in SCENARIOS:
+        raise ValueError(f"failures.scenario = {name!r} is unknown; allowed: {', '.join(SCENARIOS)}")
+    between_h, repair_h = SCENARIOS[name]
+    seconds_per_hour = steps * step_time_s / run_hours
+    return between_h * PAPER_RANKS / workers * seconds_per_hour, repair_h * seconds_per_hour
+
+
 def build_schedule(
-    schedule: str, mttr_s: float, mtbf_s: float, seed: int, step_time_s: float, num_workers: int, steps: int
+    schedule: str,
+    mttr_s: float,
+    mtbf_s: float,
+    seed: int,
+    step_time_s: float,
+    num_workers: int,
+    steps: int,
+    scenario: str = "",
+    scenario_hours: float = 64.0,
 ) -> FailureSchedule:
     """The run's schedule from its ``[failures]`` settings, validated; ValueError before anything starts."""
     parsed = FailureSchedule.parse(schedule, mttr_s if mttr_s > 0 else None)
     if mtbf_s > 0:
         parsed = parsed.merged(random_schedule(num_workers, steps, mtbf_s, mttr_s, step_time_s, seed))
+    if scenario:
+        between_s, repair_s = scenario_timing(scenario, steps, scenario_hours, step_time_s, num_workers)
+        parsed = parsed.merged(random_schedule(num_workers, steps, between_s, repair_s, step_time_s, seed))
     parsed.validate(num_workers, steps)
     return parsed

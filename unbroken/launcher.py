@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import RunConfig, dump_config, replace
-from unbroken.coordinator import bind_listen_socket, connect_store
+from unbroken.coordinator import bind_listen_socket, connect_store, ring
 from unbroken.failures import FailureKind, build_schedule, parse_event
 from unbroken.metrics import format_step
 
@@ -76,10 +76,12 @@ def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host:
         raise ValueError(f"output directory {run_dir} exists and is not empty; choose another or use --resume")
     validate_vocab(cfg)
     f = cfg.failures
-    schedule = build_schedule(f.schedule, f.mttr_s, f.mtbf_s, f.seed, f.step_time_s, workers, cfg.train.steps)
-    if f.mtbf_s > 0 or f.mttr_s > 0:
+    schedule = build_schedule(
+        f.schedule, f.mttr_s, f.mtbf_s, f.seed, f.step_time_s, workers, cfg.train.steps, f.scenario, f.scenario_hours
+    )
+    if f.mtbf_s > 0 or f.mttr_s > 0 or f.scenario:
         # The resolved config names every event, so the run (and its workers) see exactly what is injected.
-        cfg = replace(cfg, failures=replace(f, schedule=schedule.describe(), mtbf_s=0.0, mttr_s=0.0))
+        cfg = replace(cfg, failures=replace(f, schedule=schedule.describe(), mtbf_s=0.0, mttr_s=0.0, scenario=""))
     sock = bind_listen_socket(host, port)
     try:
         from unbroken.data import check_vocab, prepare_corpus
@@ -242,6 +244,7 @@ class Launcher:
             return
         try:
             self.store.set(key, value)
+            ring(self.store)
         except RuntimeError:
             self.store = None  # the coordinator is gone; nothing left to tell
 

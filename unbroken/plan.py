@@ -26,6 +26,8 @@ class Assignment:
     num_microbatches: int
     members: tuple[int, ...]
     ids: Mapping[int, tuple[int, ...]]
+    # ids to compute in MeCeFO's efficient mode (attention skipped in backward, low-rank FFN weight gradient)
+    efficient: frozenset[int] = frozenset()
 
     def ids_for(self, worker: int) -> tuple[int, ...]:
         return self.ids.get(worker, ())
@@ -125,3 +127,58 @@ def recovery_plan(
     assigned again, so over the whole step every id is computed and counted exactly once.
     """
     return plan_ids(step, members, missing_ids(held_counts), len(held_counts), policy, seconds_per_microbatch)
+
+
+def next_alive(ring: Sequence[int], worker: int, alive: Sequence[int]) -> int:
+    """The first alive worker after ``worker`` in ring order (MeCeFO's neighbour), skipping dead ones."""
+    order = sorted(set(ring))
+    assert worker in order and alive, (worker, order, alive)
+    start = order.index(worker)
+    for k in range(1, len(order) + 1):
+        candidate = order[(start + k) % len(order)]
+        if candidate in alive:
+            return candidate
+    raise AssertionError("unreachable: alive is a non-empty subset of the ring")
+
+
+def mecefo_plan(
+    step: int,
+    ring: Sequence[int],
+    members: Sequence[int],
+    num_microbatches: int,
+    todo: Sequence[int] | range | None = None,
+    spread: bool = False,
+) -> Assignment:
+    """MeCeFO's assignment: every id keeps its failure-free owner (the ``even`` plan over the whole ring of
+    configured workers); the ids of a dead owner go to its neighbour, the next alive worker in ring order.
+
+    The neighbour computes its own and the adopted ids in efficient mode (the paper's Neighbor-Do-Both).
+    With ``spread`` (our hybrid), the orphaned ids are spread evenly over all members instead, and only they
+    run in efficient mode. ``todo`` restricts the plan to the ids still to compute in this step (after an
+    in-step failure); ids computed before it stay as they were, exact. Several dead workers, including
+    adjacent ones, are handled: each orphan goes to the first alive successor of its owner.
+    """
+    alive = tuple(sorted(set(members)))
+    assert alive and set(alive) <= set(ring), (alive, ring)
+    base = plan_step(step, ring, num_microbatches).owner_of()
+    todo = sorted(set(range(num_microbatches) if todo is None else todo))
+    ids: dict[int, list[int]] = {w: [j for j in todo if base[j] == w] for w in alive}
+    orphans = [j for j in todo if base[j] not in alive]
+    if spread:
+        for worker, extra in plan_ids(step, alive, orphans, num_microbatches).ids.items():
+            ids[worker] += extra
+        efficient = frozenset(orphans)
+    else:
+        adopters = set()
+        for j in orphans:
+            neighbour = next_alive(ring, base[j], alive)
+            ids[neighbour].append(j)
+            adopters.add(neighbour)
+        efficient = frozenset(j for w in adopters for j in ids[w])
+    return Assignment(
+        step=step,
+        num_microbatches=num_microbatches,
+        members=alive,
+        ids={w: tuple(sorted(js)) for w, js in ids.items()},
+        efficient=efficient,
+    )

@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,14 @@ from unbroken.comm import (
     form_group,
     wait_all,
 )
-from unbroken.config import RunConfig, TrainConfig, config_from_toml_text, to_toml
-from unbroken.coordinator import CoordinatorClient, connect_store
+from unbroken.config import MECEFO_POLICIES, RunConfig, TrainConfig, config_from_toml_text, to_toml
+from unbroken.coordinator import CoordinatorClient, connect_store, ring
 from unbroken.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_corpus
+from unbroken.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.failures import FailureKind, FailureSchedule, Phase
 from unbroken.metrics import init_logger
 from unbroken.model import Transformer, model_args
-from unbroken.plan import missing_ids, plan_step, recovery_plan
+from unbroken.plan import Assignment, mecefo_plan, missing_ids, plan_ids
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class StepOutcome:
     recomputed: int = 0  # microbatches recomputed by survivors because their first owner died
     dropped: int = 0  # microbatches skipped (``drop`` policy)
     recoveries: int = 0  # group re-formations during the step
+    efficient: int = 0  # microbatches computed in MeCeFO's efficient mode
 
 
 class Interrupted(Exception):
@@ -147,11 +150,22 @@ class Worker:
         self.sampler = MicrobatchSampler(corpus.train, cfg.data.seq_len, cfg.data.microbatch_size, self.M, tc.seed)
         self.eval_sampler = EvalSampler(corpus.val, cfg.data.seq_len, cfg.data.microbatch_size, tc.eval_microbatches)
         self.exact = cfg.recovery.reduction == "exact"
+        # Reduced with the gradients, per microbatch id: loss, "computed" count, "computed in efficient mode"
+        # count; then each worker's seconds per microbatch, then the exact mode's overflow flag.
+        self.speeds_at = 3 * self.M
         self.reducer = GradientReducer(
-            self.params, int(cfg.comm.bucket_mb * 2**20), 2 * self.M + SPEED_SLOTS + 1, exact=self.exact
+            self.params, int(cfg.comm.bucket_mb * 2**20), self.speeds_at + SPEED_SLOTS + 1, exact=self.exact
         )
         self.tokens_per_step = self.M * cfg.data.microbatch_size * cfg.data.seq_len
         self.policy = cfg.recovery.policy
+        self.efficient_backward = (
+            apply_efficient_backward(self.model, EfficientConfig(cfg.mecefo.rank, cfg.mecefo.refresh_every))
+            if self.policy in MECEFO_POLICIES
+            else None
+        )
+        self.efficient_ids: frozenset[int] = frozenset()  # this step's ids to compute in efficient mode
+        self.done_efficient: list[int] = []
+        self.ring: tuple[int, ...] = ()  # the configured workers in ring order (MeCeFO's neighbours)
         self.schedule = FailureSchedule.parse(cfg.failures.schedule)
         self.client: CoordinatorClient | None = None
         self.group: Group | None = None
@@ -238,6 +252,8 @@ class Worker:
             )
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.efficient_backward is not None and "mecefo_bases" in state:
+            self.efficient_backward.load_bases(state["mecefo_bases"])
         self.publish({"type": "resume", "step": loaded.step, "path": str(loaded.path)})
         log.info("resumed from %s (step %d)", loaded.path, loaded.step)
         return int(state["step"])
@@ -253,6 +269,8 @@ class Worker:
             header[4 + w] = seconds
         self._wait([broadcast_async(self.group, header, src_rank)])
         tensors = state_tensors(self.model, self.optimizer)
+        if self.efficient_backward is not None:
+            tensors += self.efficient_backward.bases()
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         self._wait([broadcast_async(self.group, flat, src_rank)])
         if self.group.rank != src_rank:
@@ -309,6 +327,7 @@ class Worker:
             "config": to_toml(self.cfg),
             "flavour": self.cfg.model.flavour,
             "vocab_size": self.args.vocab_size,
+            **({"mecefo_bases": self.efficient_backward.bases()} if self.efficient_backward is not None else {}),
         }
 
     # -- failure injection --------------------------------------------------------------------------
@@ -357,8 +376,14 @@ class Worker:
     def begin_step(self) -> None:
         """Fresh local state for ``self.step``: no microbatch done, empty accumulators."""
         self.done = []
+        self.done_efficient = []
         self.local_losses = torch.zeros(self.M, dtype=torch.float64)
         self.reducer.reset_local()
+        eb = self.efficient_backward
+        if eb is not None and self.step >= 0 and self.step % eb.config.refresh_every == 0:
+            # The projection bases follow the weights at steps 0, tau, 2 tau, ...: every member computes them
+            # from identical weights; a joiner receives them with the state.
+            eb.refresh(self.step)
         if self.exact:
             self.reducer.set_bounds(self.exact_bounds(), self.M)
 
@@ -373,14 +398,19 @@ class Worker:
                 self.reducer.arm(self.group)  # overlap the reduction with this last backward
             t0 = time.perf_counter()
             inputs, targets = self.sampler.microbatch(self.step, j)
-            loss = self.microbatch_loss(inputs, targets)
-            (loss / self.M).backward()
+            efficient = j in self.efficient_ids
+            assert not efficient or self.efficient_backward is not None
+            with self.efficient_backward.enabled() if efficient else nullcontext():
+                loss = self.microbatch_loss(inputs, targets)
+                (loss / self.M).backward()
             if self.exact:
                 self.reducer.fold()
             for h in handles:
                 h.remove()
             self.local_losses[j] = float(loss.item())
             self.done.append(j)
+            if efficient:
+                self.done_efficient.append(j)
             elapsed = time.perf_counter() - t0
             if factor > 1.0:
                 time.sleep((factor - 1.0) * elapsed)  # an injected slow-down: this worker computes `factor`x slower
@@ -390,12 +420,14 @@ class Worker:
     def reduce(self) -> torch.Tensor:
         """Reduce the local contribution and the extras over the group; raises Interrupted."""
         assert self.group is not None
-        extras = torch.zeros(2 * self.M + SPEED_SLOTS + 1, dtype=torch.float64)
+        extras = torch.zeros(self.speeds_at + SPEED_SLOTS + 1, dtype=torch.float64)
         extras[: self.M] = self.local_losses
         for j in self.done:
             extras[self.M + j] += 1
+        for j in self.done_efficient:
+            extras[2 * self.M + j] += 1
         if self.wid < SPEED_SLOTS:
-            extras[2 * self.M + self.wid] = self.my_speed
+            extras[self.speeds_at + self.wid] = self.my_speed
         extras[-1] = 1.0 if self.reducer.overflowed else 0.0
         self.reducer.launch(self.group, extras)
         self.inject(Phase.REDUCTION)
@@ -447,10 +479,37 @@ class Worker:
                 )
             if self.policy == "drop" and old_epoch > 0:
                 return []
-            plan = recovery_plan(self.step, self.group.members, held.tolist(), self.cfg.recovery.workload, self.speeds)
+            plan = self.plan(missing)
             if len(missing) == self.M:
                 self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
             return list(plan.ids_for(self.wid))
+
+    def plan(self, todo: list[int] | None = None) -> Assignment:
+        """The assignment of ``todo`` (default: all M ids) of the current step over the group's members;
+        every member computes the same one. Sets the ids this worker runs in efficient mode (MeCeFO)."""
+        assert self.group is not None
+        if self.efficient_backward is not None:
+            ring = sorted(set(self.ring) | set(self.group.members))
+            spread = self.policy == "mecefo-spread"
+            plan = mecefo_plan(self.step, ring, self.group.members, self.M, todo, spread=spread)
+        else:
+            ids = range(self.M) if todo is None else todo
+            plan = plan_ids(self.step, self.group.members, ids, self.M, self.cfg.recovery.workload, self.speeds)
+        self.efficient_ids = plan.efficient
+        return plan
+
+    @torch.no_grad()
+    def normalise_attention(self, contributed: int, counted: int) -> None:
+        """MeCeFO: attention parameters got gradients only from the exact microbatches; average over those
+        (``contributed``) instead of over every counted one. With none, their gradient is zero this step."""
+        assert self.efficient_backward is not None
+        for p in self.efficient_backward.attention_parameters():
+            if p.grad is None:
+                continue
+            if contributed > 0:
+                p.grad.mul_(counted / contributed)
+            else:
+                p.grad.zero_()
 
     def train_step(self) -> StepOutcome | None:
         """Run ``self.step`` to its commit, recovering in-step from any membership change. Returns None if
@@ -465,7 +524,7 @@ class Worker:
             recoveries += 1
         else:
             self.inject(Phase.START)
-            plan = plan_step(step, self.group.members, self.M, self.cfg.recovery.workload, self.speeds)
+            plan = self.plan()
             self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
             todo = list(plan.ids_for(self.wid))
         while True:
@@ -484,28 +543,27 @@ class Worker:
                 self.bound_boost *= 2.0**16
                 log.warning("step %d: fixed-point overflow; redoing the step with larger bounds", step)
                 self.begin_step()
-                todo = list(
-                    plan_step(step, self.group.members, self.M, self.cfg.recovery.workload, self.speeds).ids_for(
-                        self.wid
-                    )
-                )
+                todo = list(self.plan().ids_for(self.wid))
                 continue
             break
         counts = reduced[self.M : 2 * self.M]
         counted = int(counts.sum())
+        efficient = int(reduced[2 * self.M : 3 * self.M].sum())
         if self.policy == "drop":
             assert bool((counts <= 1).all()) and counted >= 1, counts.tolist()
         else:
             assert bool((counts == 1).all()), f"step {step}: counts {counts.tolist()} are not all one"
         self.speeds = {
-            w: float(reduced[2 * self.M + w])
+            w: float(reduced[self.speeds_at + w])
             for w in self.group.members
-            if w < SPEED_SLOTS and reduced[2 * self.M + w] > 0
+            if w < SPEED_SLOTS and reduced[self.speeds_at + w] > 0
         }
         self.inject(Phase.OPTIMIZER)
         # Commit: the normaliser is M (each microbatch loss was scaled by 1/M); under `drop` the gradient is
         # renormalised by what was computed, as torchft does.
         self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
+        if efficient:
+            self.normalise_attention(counted - efficient, counted)
         tc = self.cfg.train
         if tc.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip, foreach=True))
@@ -516,7 +574,7 @@ class Worker:
             group["lr"] = lr
         self.optimizer.step()
         loss = float(sum(float(reduced[j]) for j in range(self.M) if counts[j] > 0)) / counted
-        self.last = StepOutcome(loss, grad_norm, lr, recomputed, self.M - counted, recoveries)
+        self.last = StepOutcome(loss, grad_norm, lr, recomputed, self.M - counted, recoveries, efficient)
         self.step = step + 1
         self.begin_step()
         return self.last
@@ -548,6 +606,7 @@ class Worker:
     def train(self, client: CoordinatorClient) -> None:
         """Join, agree on the starting state (resume or rejoin), then step until the end of the run."""
         self.client = client
+        self.ring = tuple(range(int(client.store.get("expected"))))
         tc = self.cfg.train
         self.resume_pending = client.resume() and not client.late
         if client.late:
@@ -588,6 +647,7 @@ class Worker:
                     "recomputed": outcome.recomputed,
                     "dropped": outcome.dropped,
                     "recoveries": outcome.recoveries,
+                    "efficient": outcome.efficient,
                     "quotas": {str(w): n for w, n in self.quotas.items()},
                 }
             )
@@ -634,6 +694,7 @@ class Worker:
                 }
             )
             store.set("done", "ok")
+            ring(store)
 
 
 def run_worker(address: str, worker_id: int | None, run_dir: str | None = None) -> int:
@@ -654,6 +715,7 @@ def run_worker(address: str, worker_id: int | None, run_dir: str | None = None) 
         log.error("stopping: %s", e)
         if e.fatal and client.stopped is None:
             client.store.set("stop", f"worker {client.worker_id}: {e}")
+            ring(client.store)
         return 3
     finally:
         client.close()

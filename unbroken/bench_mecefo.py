@@ -1,0 +1,445 @@
+"""Benchmarks of MeCeFO's efficient mode (``unbroken.efficient``) on one process, no collectives.
+
+``bench_microbatch``: one efficient microbatch against one exact microbatch (forward, loss, backward) on
+the same model and tokens: wall time (alternating exact / efficient after warm-up) and activation
+memory, i.e. the bytes of unique storages that autograd saves for backward (parameters and buffers
+excluded), in total and inside the transformer blocks; with the analytic expectation of both ratios
+(``expected_ratios``).
+
+``gradient_errors``: the relative error of the efficient microbatch's gradient against the exact one for
+several ranks r, to choose ``efficient.DEFAULT_RANK``.
+
+Data: real token windows of the embedded Shakespeare corpus (``data.prepare_corpus``; its cache is built on
+first use), or random tokens with ``data="random"``. ``python -m unbroken.bench_mecefo`` prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from unbroken.config import DataConfig
+from unbroken.data import MicrobatchSampler, check_vocab, prepare_corpus
+from unbroken.efficient import DEFAULT_RANK, EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.failures import build_schedule
+from unbroken.model import ModelArgs, Transformer, model_args
+from unbroken.plan import mecefo_plan
+
+FULL_RANK = 1 << 30  # a rank above every width: exact FFN weight gradients
+
+
+def expected_ratios(args: ModelArgs, seq_len: int, batch: int, rank: int) -> dict[str, float]:
+    """Analytic efficient / exact ratios of FLOPs and saved activation memory for one microbatch.
+
+    FLOPs, matmuls only, per token (d = dim, f = FFN hidden, kv = kv width, T = seq_len, V = vocab,
+    L = layers, N = tokens of the microbatch):
+    attention forward A = 2d(2d + 2kv) + 4Td (projections, QK^T and PV unmasked as in ``flops_per_token``),
+    FFN forward M = 6df, head forward O = 2dV. Exact = 3 (L(A + M) + O) (backward = 2x forward).
+    Efficient = forward L(A + M) + O, head backward 2O, and per layer no attention backward but the FFN
+    recompute of gate and up (4df), its input gradients (6df) and the weight gradients, per matrix
+    (out m, in n) 2rn + 2rm + 2rmn/N instead of 2mn (exact when r >= n).
+
+    Saved activations, floats per token, counted from the ops of ``model.py`` in float32 (SDPA on CPU keeps
+    q, k, v, its output and a logsumexp per head; RoPE multiplies by buffers, so it keeps nothing of its
+    own): exact block = attention_norm (its input, normalised value and output: 3d, + 1 rsqrt) + q, k, v
+    after RoPE and ``repeat_kv`` (3d) + the SDPA output (d, a view of which feeds wo) + heads + ffn_norm (3d + 1) +
+    FFN (gate, up, activation, product: 4f); efficient block = the FFN sub-block input (d). The head,
+    the same in both modes: final norm (3d + 1) and the log-softmax of the logits (V).
+    """
+    d, f, n_layers, vocab = args.dim, args.ffn_hidden, args.n_layers, args.vocab_size
+    kv = args.n_kv_heads * args.head_dim
+    tokens = seq_len * batch
+    attention = 2 * d * (2 * d + 2 * kv) + 4 * seq_len * d
+    ffn = 6 * d * f
+    head = 2 * d * vocab
+
+    def wgrad(m: int, n: int) -> float:
+        return 2 * m * n if rank >= n else 2 * rank * n + 2 * rank * m + 2 * rank * m * n / tokens
+
+    exact_flops = 3 * (n_layers * (attention + ffn) + head)
+    efficient_flops = (
+        n_layers * (attention + ffn) + 3 * head + n_layers * (4 * d * f + 6 * d * f + 2 * wgrad(f, d) + wgrad(d, f))
+    )
+    exact_block = (3 * d + 1) + 3 * d + d + args.n_heads + (3 * d + 1) + 4 * f
+    efficient_block = d
+    head_memory = 3 * d + 1 + vocab
+    return {
+        "flops": efficient_flops / exact_flops,
+        "memory": (n_layers * efficient_block + head_memory) / (n_layers * exact_block + head_memory),
+        "block_memory": efficient_block / exact_block,
+        "exact_block_floats_per_token": float(exact_block),
+        "head_floats_per_token": float(head_memory),
+    }
+
+
+def bench_microbatch(
+    flavour: str = "small",
+    seq_len: int = 128,
+    batch: int = 4,
+    rank: int = DEFAULT_RANK,
+    repeats: int = 9,
+    warmup: int = 2,
+    seed: int = 0,
+    data: str = "shakespeare",
+) -> dict[str, float | int | str]:
+    """Time and activation memory of one efficient microbatch against one exact microbatch.
+
+    Returns times in ms (median, min, max over ``repeats``), saved activation bytes (total and inside the
+    blocks) and the measured and expected (``expected_ratios``) efficient / exact ratios.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats = {repeats} must be >= 1 and warmup = {warmup} >= 0")
+    args = model_args(flavour, max_seq_len=max(seq_len, model_args(flavour).max_seq_len))
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    eb = apply_efficient_backward(model, EfficientConfig(rank=rank))
+    x, y = _microbatch(args, seq_len, batch, seed, data)
+
+    def step(efficient: bool) -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with eb.enabled(efficient):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        return time.perf_counter() - start
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(warmup + repeats):
+        for efficient in (False, True) if i % 2 == 0 else (True, False):
+            seconds = step(efficient)
+            if i >= warmup:
+                times[efficient].append(seconds * 1e3)
+    memory = {efficient: _saved_bytes(model, eb, efficient, x, y) for efficient in (False, True)}
+    expected = expected_ratios(args, seq_len, batch, rank)
+    result: dict[str, float | int | str] = {"flavour": flavour, "seq_len": seq_len, "batch": batch, "rank": rank}
+    result["data"] = data
+    result["threads"] = torch.get_num_threads()
+    for efficient, name in ((False, "exact"), (True, "efficient")):
+        ms = times[efficient]
+        result.update({f"{name}_ms": statistics.median(ms), f"{name}_ms_min": min(ms), f"{name}_ms_max": max(ms)})
+        result[f"{name}_saved_bytes"], result[f"{name}_block_saved_bytes"] = memory[efficient]
+    result["time_ratio"] = result["efficient_ms"] / result["exact_ms"]
+    result["memory_ratio"] = result["efficient_saved_bytes"] / result["exact_saved_bytes"]
+    result["block_memory_ratio"] = result["efficient_block_saved_bytes"] / result["exact_block_saved_bytes"]
+    result["expected_flops_ratio"] = expected["flops"]
+    result["expected_memory_ratio"] = expected["memory"]
+    result["expected_block_memory_ratio"] = expected["block_memory"]
+    return result
+
+
+def gradient_errors(
+    flavour: str = "small",
+    seq_len: int = 128,
+    batch: int = 4,
+    ranks: tuple[int, ...] = (8, 16, 32, 64, 128, FULL_RANK),
+    train_steps: int = 300,
+    microbatches: int = 4,
+    lr: float = 3e-3,
+    seed: int = 0,
+    data: str = "shakespeare",
+) -> list[dict[str, float | int]]:
+    """Relative gradient errors ||g~ - g|| / ||g|| of an efficient microbatch, per rank.
+
+    The model is first trained ``train_steps`` exact AdamW steps (constant ``lr``, weight decay 0.01,
+    clip 1.0) on one microbatch per step; the errors are then averaged over the next ``microbatches``
+    microbatches, each compared with its own exact gradient. Per rank: ``ffn_projection`` (FFN weights,
+    g~ at rank r against g~ at full rank: the projection alone), ``ffn`` (FFN weights against the exact
+    microbatch), ``model`` (every parameter but the attention ones, which efficient mode leaves out)
+    and ``model_with_attention`` (attention gradients counted as zero).
+    """
+    args = model_args(flavour, max_seq_len=max(seq_len, model_args(flavour).max_seq_len))
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    batches = _batches(args, seq_len, batch, seed, data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    for _ in range(train_steps):
+        x, y = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    measured = [next(batches) for _ in range(microbatches)]
+    names = [n for n, _ in model.named_parameters()]
+
+    def grads(eb: EfficientBackward | None) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for x, y in measured:
+            model.zero_grad(set_to_none=True)
+            with eb.enabled() if eb is not None else nullcontext():
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            out.append(
+                {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            )
+        return out
+
+    def error(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]], keep: Callable[[str], bool]) -> float:
+        kept = [n for n in names if keep(n)]
+        errors = [
+            math.sqrt(sum(float((ga[n] - gb[n]).square().sum()) for n in kept))
+            / math.sqrt(sum(float(gb[n].square().sum()) for n in kept))
+            for ga, gb in zip(a, b, strict=True)
+        ]
+        return statistics.mean(errors)
+
+    exact = grads(None)
+    per_rank = {}
+    for r in sorted(set(ranks) | {FULL_RANK}):
+        eb = apply_efficient_backward(model, EfficientConfig(rank=r))
+        per_rank[r] = grads(eb)
+        attention = {id(p) for p in eb.attention_parameters()}
+        eb.remove()
+    is_attention = {n: id(p) in attention for n, p in model.named_parameters()}
+
+    def is_ffn(n: str) -> bool:
+        return ".feed_forward." in n
+
+    return [
+        {
+            "rank": r,
+            "ffn_projection": error(per_rank[r], per_rank[FULL_RANK], is_ffn),
+            "ffn": error(per_rank[r], exact, is_ffn),
+            "model": error(per_rank[r], exact, lambda n: not is_attention[n]),
+            "model_with_attention": error(per_rank[r], exact, lambda n: True),
+        }
+        for r in ranks
+    ]
+
+
+def scenario_membership(scenario: str, workers: int, steps: int, run_hours: float, seed: int) -> list[tuple[int, ...]]:
+    """The alive workers at each step under MeCeFO's ``scenario``, by the launcher's own rule and generator
+    (``failures.build_schedule`` at one second per step): a kill at step s takes its victim out from s, and it
+    is back ``rejoin`` steps later."""
+    schedule = build_schedule("", 0.0, 0.0, seed, 1.0, workers, steps, scenario, run_hours)
+    down = [set() for _ in range(steps)]
+    for e in schedule.events:
+        back = steps if e.rejoin_after_s is None else min(steps, e.step + max(1, math.ceil(e.rejoin_after_s)))
+        for s in range(e.step, back):
+            down[s].add(e.worker)
+    return [tuple(w for w in range(workers) if w not in down[s]) for s in range(steps)]
+
+
+def gradient_error_run(
+    flavour: str = "small",
+    seq_len: int = 128,
+    batch: int = 4,
+    microbatches: int = 8,
+    workers: int = 4,
+    steps: int = 200,
+    scenario: str = "high",
+    run_hours: float = 64.0,
+    rank: int = DEFAULT_RANK,
+    refresh_every: int = 100,
+    spread: bool = False,
+    lr: float = 3e-3,
+    seed: int = 0,
+    data: str = "shakespeare",
+) -> dict[str, object]:
+    """The relative error ||g~ - g|| / ||g|| of MeCeFO's step gradient over a whole run, in one process.
+
+    The run follows MeCeFO's trajectory: at each step the real planner (``plan.mecefo_plan``) says which of
+    the M microbatches run in efficient mode given the scenario's membership; the committed gradient g~
+    sums exact and efficient microbatch gradients with attention normalised by the exact ones, as the
+    trainer does, and AdamW (clip 1.0) steps with it. On each step with a failure, g (every microbatch
+    exact) is computed too. Reported per failure step: the step error (all parameters), the error without
+    the attention parameters, and the mean per-microbatch error of the efficient microbatches alone (the
+    neighbour's own estimate, the quantity closest to the paper's Assumption 3).
+    """
+    args = model_args(flavour, max_seq_len=max(seq_len, model_args(flavour).max_seq_len))
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    eb = apply_efficient_backward(model, EfficientConfig(rank=rank, refresh_every=refresh_every))
+    attention = {id(p) for p in eb.attention_parameters()}
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    corpus = None if data == "random" else prepare_corpus(DataConfig(seq_len=seq_len, microbatch_size=batch))
+    if corpus is not None:
+        check_vocab(corpus, args.vocab_size)
+        sampler = MicrobatchSampler(corpus.train, seq_len, batch, microbatches, seed)
+    ring = list(range(workers))
+    membership = scenario_membership(scenario, workers, steps, run_hours, seed)
+
+    def tokens(step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if corpus is not None:
+            return sampler.microbatch(step, j)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step * microbatches + j)
+        t = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=gen)
+        return t[:, :-1], t[:, 1:]
+
+    def grad_of(step: int, j: int, efficient: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        x, y = tokens(step, j)
+        with eb.enabled(efficient):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / microbatches
+        loss.backward()
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+
+    def norm(tensors: list[torch.Tensor], keep: list[bool]) -> float:
+        return math.sqrt(sum(float(t.square().sum()) for t, k in zip(tensors, keep, strict=True) if k))
+
+    every = [True] * len(params)
+    no_attention = [id(p) not in attention for p in params]
+    rows = []
+    for step in range(steps):
+        eb.refresh(step)
+        alive = membership[step]
+        efficient = mecefo_plan(step, ring, alive, microbatches, spread=spread).efficient
+        approx = [torch.zeros_like(p) for p in params]
+        exact = [torch.zeros_like(p) for p in params] if efficient else None
+        per_microbatch = []
+        for j in range(microbatches):
+            g = grad_of(step, j, False) if (exact is not None or j not in efficient) else None
+            if exact is not None:
+                torch._foreach_add_(exact, g)
+            if j in efficient:
+                g_eff = grad_of(step, j, True)
+                per_microbatch.append(norm(torch._foreach_sub(g_eff, g), no_attention) / norm(g, no_attention))
+                torch._foreach_add_(approx, g_eff)
+            else:
+                torch._foreach_add_(approx, g)
+        if efficient:
+            contributed = microbatches - len(efficient)
+            for t, p in zip(approx, params, strict=True):
+                if id(p) in attention:
+                    t.mul_(microbatches / contributed if contributed else 0.0)
+            diff = torch._foreach_sub(approx, exact)
+            rows.append(
+                {
+                    "step": step,
+                    "alive": len(alive),
+                    "efficient": len(efficient),
+                    "error": norm(diff, every) / norm(exact, every),
+                    "error_without_attention": norm(diff, no_attention) / norm(exact, no_attention),
+                    "microbatch_error": statistics.mean(per_microbatch),
+                }
+            )
+        for p, g in zip(params, approx, strict=True):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+    return {
+        "flavour": flavour,
+        "scenario": scenario,
+        "steps": steps,
+        "workers": workers,
+        "microbatches": microbatches,
+        "rank": rank,
+        "spread": spread,
+        "failure_steps": rows,
+    }
+
+
+def _batches(args: ModelArgs, seq_len: int, batch: int, seed: int, data: str) -> Iterator[tuple[torch.Tensor, ...]]:
+    if data == "random":
+        gen = torch.Generator().manual_seed(seed)
+        while True:
+            tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=gen)
+            yield tokens[:, :-1], tokens[:, 1:]
+    if data != "shakespeare":
+        raise ValueError(f'data = {data!r} must be "shakespeare" or "random"')
+    corpus = prepare_corpus(DataConfig(seq_len=seq_len, microbatch_size=batch))
+    check_vocab(corpus, args.vocab_size)
+    sampler = MicrobatchSampler(corpus.train, seq_len, batch, 1, seed)
+    step = 0
+    while True:
+        yield sampler.microbatch(step, 0)
+        step += 1
+
+
+def _microbatch(args: ModelArgs, seq_len: int, batch: int, seed: int, data: str) -> tuple[torch.Tensor, ...]:
+    return next(_batches(args, seq_len, batch, seed, data))
+
+
+def _saved_bytes(
+    model: Transformer, eb: EfficientBackward, efficient: bool, x: torch.Tensor, y: torch.Tensor
+) -> tuple[int, int]:
+    """Unique storage bytes autograd saves during one forward + loss: (total, inside the blocks)."""
+    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved: dict[int, int] = {}
+    in_blocks: set[int] = set()
+    inside = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded:
+            saved[ptr] = storage.nbytes()
+            if inside[0]:
+                in_blocks.add(ptr)
+        return t
+
+    def enter(*_: object) -> None:
+        inside[0] = True
+
+    def leave(*_: object) -> None:
+        inside[0] = False
+
+    hooks = [h for b in model.layers for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+    try:
+        with eb.enabled(efficient), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    finally:
+        for h in hooks:
+            h.remove()
+    del loss
+    return sum(saved.values()), sum(saved[p] for p in in_blocks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m unbroken.bench_mecefo", description=__doc__.split("\n")[0])
+    parser.add_argument("--flavour", default="small")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=DEFAULT_RANK)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--data", default="shakespeare", choices=("shakespeare", "random"))
+    parser.add_argument("--ranks", default="", help="also run gradient_errors for these ranks, e.g. 8,16,32,full")
+    parser.add_argument("--train-steps", type=int, default=300, help="exact steps before measuring gradient errors")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    a = parser.parse_args(argv)
+    common = {"flavour": a.flavour, "seq_len": a.seq_len, "batch": a.batch, "data": a.data}
+    result = bench_microbatch(rank=a.rank, repeats=a.repeats, **common)
+    rows: list[dict[str, float | int]] = []
+    if a.ranks:
+        ranks = tuple(FULL_RANK if r.strip() == "full" else int(r) for r in a.ranks.split(","))
+        rows = gradient_errors(ranks=ranks, train_steps=a.train_steps, **common)
+        for row in rows:
+            timed = bench_microbatch(rank=int(row["rank"]), repeats=a.repeats, **common)
+            row.update(efficient_ms=timed["efficient_ms"], exact_ms=timed["exact_ms"], time_ratio=timed["time_ratio"])
+    if a.json:
+        print(json.dumps({"microbatch": result, "ranks": rows}, indent=2))
+        return
+    print(f"{a.flavour}, seq_len {a.seq_len}, batch {a.batch}, rank {a.rank}, {a.data} tokens", end="")
+    print(f", {result['threads']} threads")
+    for name in ("exact", "efficient"):
+        print(
+            f"  {name:9s} {result[f'{name}_ms']:8.1f} ms (min {result[f'{name}_ms_min']:.1f}, "
+            f"max {result[f'{name}_ms_max']:.1f})   saved {result[f'{name}_saved_bytes'] / 2**20:7.2f} MiB, "
+            f"in blocks {result[f'{name}_block_saved_bytes'] / 2**20:7.2f} MiB"
+        )
+    print(
+        f"  time ratio {result['time_ratio']:.3f} (expected from FLOPs {result['expected_flops_ratio']:.3f}); "
+        f"memory ratio {result['memory_ratio']:.3f} (expected {result['expected_memory_ratio']:.3f}), "
+        f"in blocks {result['block_memory_ratio']:.4f} (expected {result['expected_block_memory_ratio']:.4f})"
+    )
+    if rows:
+        print(f"gradient errors after {a.train_steps} exact steps (relative, mean of 4 microbatches):")
+        print("  rank   ffn_projection   ffn     model   model+attn   efficient ms   time ratio")
+        for row in rows:
+            r = "full" if row["rank"] == FULL_RANK else str(row["rank"])
+            print(
+                f"  {r:>5s}  {row['ffn_projection']:10.3f}  {row['ffn']:8.3f}  {row['model']:7.3f}  "
+                f"{row['model_with_attention']:9.3f}  {row['efficient_ms']:11.1f}  {row['time_ratio']:10.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
