@@ -505,6 +505,65 @@ def bench_mecefo(steps: int) -> str:
 
 
 BENCHES = ("ddp", "recovery", "policies", "mecefo", "convergence")
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def machine() -> str:
+    """One line naming the machine the figures come from."""
+    import platform
+
+    import torch
+
+    mem = ""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+        mem = f", {kib / 2**20:.0f} GiB"
+    cpu = platform.processor() or platform.machine()
+    accel = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}){mem}, {accel}; torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
+
+
+def record(name: str, command: str, body: str, doc: Path = DOC) -> None:
+    """Replace (or append) section ``name`` of docs/benchmarks.md: the command, when, where, the table.
+
+    A section lies between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; text outside the markers
+    (the discussion) is kept. Written atomically (temporary file, rename)."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    section = f"{start}\n```sh\n{command}\n```\n\n{stamp}, {machine()}\n\n{body}\n{end}"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if start in text and end in text:
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip("\n") + f"\n\n{section}\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    tmp = doc.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, doc)
+
+
+def run_one(
+    what: str, config: str | None, worker_counts: list[int], repeats: int, overrides: list[str], steps: int | None
+) -> str:
+    """The markdown figures of benchmark ``what``."""
+    if what == "ddp":
+        cfg = _bench_config(config, overrides)
+        return format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg)
+    if what == "recovery":
+        return format_recovery(bench_recovery(config, max(worker_counts), 12 * repeats, overrides))
+    if what == "policies":
+        return format_policies(bench_policies(config, max(worker_counts), overrides))
+    if what == "mecefo":
+        return bench_mecefo(steps or 200)
+    assert what == "convergence", what
+    result = bench_convergence(
+        config, max(worker_counts), steps or 300, ("low", "mid", "high"), CONVERGENCE_POLICIES, overrides
+    )
+    return format_convergence(result)
 
 
 def run_bench(
@@ -514,27 +573,22 @@ def run_bench(
     repeats: int,
     overrides: list[str],
     steps: int | None = None,
+    record_doc: bool = False,
+    command: str = "",
 ) -> int:
-    if what not in BENCHES:
-        raise ValueError(f"unknown benchmark {what!r}; allowed: {', '.join(BENCHES)}")
+    """``unbroken bench WHAT``: print the figures; with ``record_doc`` (always for ``all``) also write them
+    into their section of docs/benchmarks.md under the command that produced them."""
+    if what != "all" and what not in BENCHES:
+        raise ValueError(f"unknown benchmark {what!r}; allowed: all, {', '.join(BENCHES)}")
     if repeats < 1 or any(w < 1 for w in worker_counts):
         raise ValueError("--repeats and every --workers count must be >= 1")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps = {steps} must be >= 1")
-    if what == "ddp":
-        cfg = _bench_config(config, overrides)
-        print(format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg))
-    elif what == "recovery":
-        print(format_recovery(bench_recovery(config, max(worker_counts), 12 * repeats, overrides)))
-    elif what == "policies":
-        print(format_policies(bench_policies(config, max(worker_counts), overrides)))
-    elif what == "mecefo":
-        print(bench_mecefo(steps or 200))
-    else:
-        result = bench_convergence(
-            config, max(worker_counts), steps or 300, ("low", "mid", "high"), CONVERGENCE_POLICIES, overrides
-        )
-        print(format_convergence(result))
+    for name in BENCHES if what == "all" else (what,):
+        body = run_one(name, config, worker_counts, repeats, overrides, steps)
+        print(body, flush=True)
+        if record_doc or what == "all":
+            record(name, command.replace(" all", f" {name}", 1) if what == "all" else command, body)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The ``unbroken`` command line: ``train``, ``coordinator``, ``worker`` and ``bench``.
+"""The ``unbroken`` command line: ``train``, ``coordinator``, ``worker``, ``bench`` and ``report``.
 
 One machine, the embedded default (Shakespeare, the ``small`` model), 4 worker processes:
     unbroken train configs/default.toml --workers 4
@@ -6,6 +6,8 @@ Override any config key:
     unbroken train configs/default.toml --workers 2 --train.steps=50 --data.source=my_corpus/
 Continue an interrupted run (reproduces the uninterrupted losses):
     unbroken train --resume runs/default-20261122-101500
+Plots and a markdown summary of a run, optionally against a reference run (written to RUN_DIR/report):
+    unbroken report runs/default-20261122-101500 [REFERENCE_RUN_DIR]
 Several hosts (the coordinator binds to 127.0.0.1 unless --host says otherwise):
     host A:  unbroken coordinator configs/default.toml --workers 8 --host 0.0.0.0 --port 29400
     each:    unbroken worker --coordinator hostA:29400
@@ -16,9 +18,15 @@ User mistakes (bad config, bad data, port in use, ...) print one line and exit w
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
+
+# c10d logs a warning line (with a C++ stack trace) for every store wait that times out and for every call
+# on a connection a finished peer closed; our processes do both by design (bounded waits, shutdown). Keep
+# c10's errors; set TORCH_CPP_LOG_LEVEL yourself to see its warnings. Must precede the first torch import.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from unbroken.config import RunConfig, dump_config, load_config
 
@@ -118,7 +126,19 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         [int(w) for w in args.workers.split(",")],
         args.repeats,
         _split_overrides(extra),
+        args.steps,
+        args.record,
+        " ".join(["unbroken", *sys.argv[1:]]) if args.record or args.what == "all" else "",
     )
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.report import write_report
+
+    if extra:
+        raise ValueError(f"unrecognised arguments {' '.join(extra)}")
+    print(write_report(Path(args.run_dir), Path(args.reference) if args.reference else None, args.out))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,11 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
-    bench.add_argument("what", choices=["ddp", "recovery", "policies"])
+    bench.add_argument("what", choices=["all", "ddp", "recovery", "policies", "mecefo", "convergence"])
     bench.add_argument("config", nargs="?")
     bench.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
     bench.add_argument("--repeats", type=int, default=2, help="alternating rounds of each system (default 2)")
+    bench.add_argument("--steps", type=int, help="steps per run (mecefo: 200, convergence: 300)")
+    bench.add_argument("--record", action="store_true", help="also write the figures into docs/benchmarks.md")
     bench.set_defaults(func=cmd_bench)
+
+    report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("reference", nargs="?", metavar="REFERENCE_RUN_DIR", help="compare the losses with this run")
+    report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
     return parser
 
 
