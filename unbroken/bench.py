@@ -558,7 +558,7 @@ def run_one(
     if what == "policies":
         return format_policies(bench_policies(config, max(worker_counts), overrides))
     if what == "mecefo":
-        return bench_mecefo(steps or 200)
+        return bench_mecefo(steps or 100)
     assert what == "convergence", what
     result = bench_convergence(
         config, max(worker_counts), steps or 300, ("low", "mid", "high"), CONVERGENCE_POLICIES, overrides

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,17 +48,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def _write_atomic(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> None:
+    # One temporary name per process: two writers of the same step never share a half-written file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        if midway is not None:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            midway()
+            f.write(data[len(data) // 2 :])
+        else:
+            f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write the checkpoint of ``step`` atomically, then delete all but the ``keep`` newest ones."""
+def save_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], keep: int, midway: Callable[[], None] | None = None
+) -> Path:
+    """Write the checkpoint of ``step`` atomically, then delete all but the ``keep`` newest ones.
+
+    ``midway`` (failure injection) is called with half of the data file written."""
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -65,7 +77,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     data = buffer.getvalue()
     name = f"step_{step:08d}"
     data_path = directory / f"{name}.pt"
-    _write_atomic(data_path, data)
+    _write_atomic(data_path, data, midway)
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -138,18 +150,36 @@ def _verify_and_load(manifest_path: Path) -> tuple[int, dict[str, Any]]:
     return step, state
 
 
-def load_latest(run_dir: Path) -> LoadedCheckpoint | None:
-    """The newest checkpoint that verifies; newer ones that fail are logged and skipped. None if none."""
+def load_latest(run_dir: Path, log_rejections: bool = True) -> LoadedCheckpoint | None:
+    """The newest checkpoint that verifies; newer ones that fail are skipped (and logged). None if none."""
     skipped: list[str] = []
     for step in list_checkpoints(run_dir):
         manifest_path = checkpoint_dir(run_dir) / f"step_{step:08d}.json"
         try:
             loaded_step, state = _verify_and_load(manifest_path)
         except ValueError as e:
-            log.warning("checkpoint of step %d rejected: %s; trying the previous one", step, e)
+            if log_rejections:
+                log.warning("checkpoint of step %d rejected: %s; trying the previous one", step, e)
             skipped.append(f"step {step}: {e}")
             continue
         return LoadedCheckpoint(loaded_step, manifest_path.with_suffix(".pt"), state, tuple(skipped))
-    for line in skipped:
+    for line in skipped if log_rejections else []:
         log.warning("no usable checkpoint: %s", line)
     return None
+
+
+def verify_all(run_dir: Path) -> tuple[list[str], list[Path]]:
+    """Every checkpoint that has a manifest must verify: (one line per one that does not, leftover files
+    of interrupted saves: temporary files and data files without a manifest, which loading ignores)."""
+    directory = checkpoint_dir(run_dir)
+    problems: list[str] = []
+    if not directory.is_dir():
+        return problems, []
+    for manifest in sorted(directory.glob("step_*.json")):
+        try:
+            _verify_and_load(manifest)
+        except ValueError as e:
+            problems.append(f"{manifest.name}: {e}")
+    leftovers = sorted(directory.glob("*.tmp"))
+    leftovers += [p for p in sorted(directory.glob("step_*.pt")) if not p.with_suffix(".json").exists()]
+    return problems, leftovers

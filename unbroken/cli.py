@@ -8,6 +8,8 @@ Continue an interrupted run (reproduces the uninterrupted losses):
     unbroken train --resume runs/default-20261122-101500
 Plots and a markdown summary of a run, optionally against a reference run (written to RUN_DIR/report):
     unbroken report runs/default-20261122-101500 [REFERENCE_RUN_DIR]
+Simulate a cluster (no torch; policies side by side; tables printed, plots written with --out):
+    unbroken simulate configs/sim/recover_512.toml [--run.policies=recover,restart] [--out DIR]
 Several hosts (the coordinator binds to 127.0.0.1 unless --host says otherwise):
     host A:  unbroken coordinator configs/default.toml --workers 8 --host 0.0.0.0 --port 29400
     each:    unbroken worker --coordinator hostA:29400
@@ -77,9 +79,11 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.coordinator import Coordinator, bind_listen_socket, run_coordinator
+    from unbroken.gateway import require_token
     from unbroken.metrics import init_logger
 
     init_logger("coordinator")
+    token = require_token()  # refuse before writing anything: an unauthenticated store is never served
     if args.listen_fd is not None:  # started by the launcher, which validated and wrote the run dir
         sock = socket.socket(fileno=args.listen_fd)
         run_dir = Path(args.run_dir)
@@ -105,6 +109,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         cfg.comm.join_timeout_s,
         resume=args.resume,
         parent_pid=args.parent_pid,
+        token=token,
     )
     return run_coordinator(coordinator, Path(args.address_file) if args.address_file else None)
 
@@ -139,6 +144,24 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}")
     print(write_report(Path(args.run_dir), Path(args.reference) if args.reference else None, args.out))
     return 0
+
+
+def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.chaos import default_config, run_campaign, run_churn
+
+    overrides = _split_overrides(extra)
+    config = args.config or default_config()
+    load_config(config, overrides)  # a bad config or override is a one-line error before any run
+    out = Path(args.out) if args.out else None
+    if args.churn:
+        return run_churn(config, args.churn, args.workers, args.steps or 100000, out, overrides)
+    return run_campaign(config, args.trials, args.seed, args.workers, args.steps or 40, out, args.keep, overrides)
+
+
+def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.sim_report import run_simulate
+
+    return run_simulate(args.scenario, _split_overrides(extra), Path(args.out) if args.out else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +210,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("reference", nargs="?", metavar="REFERENCE_RUN_DIR", help="compare the losses with this run")
     report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
+
+    chaos = sub.add_parser("chaos", help="a seeded campaign of short runs with random faults, each run checked")
+    chaos.add_argument("config", nargs="?", help="TOML config (default: configs/tiny.toml)")
+    chaos.add_argument("--trials", type=int, default=10, help="runs in the campaign (default 10)")
+    chaos.add_argument("--seed", type=int, default=0, help="first trial's seed; trial SEED is reproducible alone")
+    chaos.add_argument("--workers", type=int, default=4, help="workers per run (default 4)")
+    chaos.add_argument("--steps", type=int, help="steps per run (default 40; churn: until stopped)")
+    chaos.add_argument("--out", help="keep the runs here (default: a temporary folder, kept on a violation)")
+    chaos.add_argument("--keep", action="store_true", help="keep every run, not only those with a violation")
+    churn_help = "instead: one run with this many membership changes, sampling memory, threads and descriptors"
+    chaos.add_argument("--churn", type=int, metavar="CHANGES", help=churn_help)
+    chaos.set_defaults(func=cmd_chaos)
+    simulate = sub.add_parser("simulate", help="discrete-event model of a cluster: recovery policies side by side")
+    simulate.add_argument("scenario", metavar="SCENARIO.toml", help="e.g. configs/sim/recover_512.toml")
+    simulate.add_argument("--out", help="also write scenario.toml, summary.md, results.json and plots here")
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 

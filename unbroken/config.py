@@ -235,19 +235,6 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
-_SECTION_TYPES = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "comm": CommConfig,
-    "recovery": RecoveryConfig,
-    "mecefo": MecefoConfig,
-    "failures": FailureConfig,
-    "checkpoint": CheckpointConfig,
-    "metrics": MetricsConfig,
-}
-
-
 def _field_type(cls: type, name: str) -> type:
     hints = typing.get_type_hints(cls)
     return hints[name]
@@ -258,6 +245,11 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
     origin = typing.get_origin(expected)
     if origin in (types.UnionType, typing.Union):
         raise AssertionError(f"union field types are not supported in config ({key})")
+    if origin is tuple:  # tuple[str, ...]: a TOML array of strings
+        assert typing.get_args(expected) == (str, Ellipsis), f"unsupported config field type {expected} for {key}"
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ValueError(f"{key} = {value!r} has the wrong type; expected a list of strings")
     if expected is bool:
         if isinstance(value, bool):
             return value
@@ -276,9 +268,11 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
 
 
 def _parse_override_value(key: str, text: str, expected: type) -> Any:
-    """Parse the text of ``--key=text`` into the field's type."""
+    """Parse the text of ``--key=text`` into the field's type (a list of strings is comma-separated)."""
     if expected is str:
         return text
+    if typing.get_origin(expected) is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     if expected is bool:
         lowered = text.strip().lower()
         if lowered in ("true", "1", "yes", "on"):
@@ -296,13 +290,19 @@ def _parse_override_value(key: str, text: str, expected: type) -> Any:
     raise AssertionError(f"unsupported config field type {expected} for {key}")
 
 
-def _build(raw: dict[str, Any], where: str) -> RunConfig:
+def _section_types(root: type) -> dict[str, type]:
+    """Section name -> section dataclass of a config tree such as ``RunConfig``."""
+    return typing.get_type_hints(root)
+
+
+def _build(raw: dict[str, Any], where: str, root: type = RunConfig) -> Any:
+    section_types = _section_types(root)
     sections: dict[str, Any] = {}
     for section_name, section_values in raw.items():
-        if section_name not in _SECTION_TYPES:
-            allowed = ", ".join(_SECTION_TYPES)
+        if section_name not in section_types:
+            allowed = ", ".join(section_types)
             raise ValueError(f"unknown config section [{section_name}] in {where}; allowed: {allowed}")
-        cls = _SECTION_TYPES[section_name]
+        cls = section_types[section_name]
         if not isinstance(section_values, dict):
             raise ValueError(f"{section_name} in {where} must be a table [{section_name}], not a value")
         names = {f.name for f in fields(cls)}
@@ -315,7 +315,7 @@ def _build(raw: dict[str, Any], where: str) -> RunConfig:
                 )
             kwargs[key] = _coerce(f"{section_name}.{key}", value, _field_type(cls, key))
         sections[section_name] = cls(**kwargs)
-    return RunConfig(**sections)
+    return root(**sections)
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
@@ -337,6 +337,12 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
         ValueError: the file is missing or malformed, a section or key is unknown, a value has the wrong
             type or is out of range. The message is one line and names the key or path.
     """
+    return load_tree(RunConfig, path, overrides)
+
+
+def load_tree(root: type, path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> Any:
+    """``load_config`` for any frozen dataclass tree whose fields are its sections (the simulator's scenario)."""
+    section_types = _section_types(root)
     raw: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -351,9 +357,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
         except UnicodeDecodeError:
             raise ValueError(f"config file {where} is not UTF-8 text") from None
     for section, values in parse_overrides(overrides or []).items():
-        if section not in _SECTION_TYPES:
-            raise ValueError(f"unknown config section in override --{section}.*; allowed: {', '.join(_SECTION_TYPES)}")
-        cls = _SECTION_TYPES[section]
+        if section not in section_types:
+            raise ValueError(f"unknown config section in override --{section}.*; allowed: {', '.join(section_types)}")
+        cls = section_types[section]
         names = {f.name for f in fields(cls)}
         for key, text in values.items():
             if key not in names:
@@ -365,7 +371,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
             if not isinstance(raw[section], dict):
                 raise ValueError(f"{section} in {where} must be a table [{section}], not a value")
             raw[section][key] = _parse_override_value(f"{section}.{key}", text, _field_type(cls, key))
-    return _build(raw, where)
+    return _build(raw, where, root)
 
 
 def config_from_toml_text(text: str) -> RunConfig:
@@ -373,10 +379,11 @@ def config_from_toml_text(text: str) -> RunConfig:
     return _build(tomllib.loads(text), "resolved config")
 
 
-def to_toml(cfg: RunConfig) -> str:
-    """The resolved config as TOML text: every section and every field, so a run can be reproduced."""
+def to_toml(cfg: Any) -> str:
+    """The resolved config (a ``RunConfig`` or another tree ``load_tree`` reads) as TOML text: every section
+    and every field, so a run can be reproduced."""
     lines: list[str] = []
-    for section_name in _SECTION_TYPES:
+    for section_name in (f.name for f in fields(cfg)):
         section = getattr(cfg, section_name)
         lines.append(f"[{section_name}]")
         for f in fields(section):
@@ -393,6 +400,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         return f'"{escaped}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise AssertionError(f"cannot write {value!r} as TOML")
 
 

@@ -1,9 +1,14 @@
 """The coordinator (one small process per job, never a training worker) and the workers' client of it.
 
-Owns membership. The coordinator hosts the rendezvous store (torch.distributed's TCPStore, listening on
-a socket it binds itself, 127.0.0.1 unless told otherwise), admits workers, watches their heartbeats and
-the launcher's process-exit reports, and publishes a new membership epoch whenever a worker dies or
-joins. It also drains the metrics the workers publish into ``RUN_DIR/metrics.jsonl``.
+Owns membership. The coordinator hosts the rendezvous store (torch.distributed's TCPStore), admits
+workers, watches their heartbeats and the launcher's process-exit reports, and publishes a new membership
+epoch whenever a worker dies or joins. It also drains the metrics the workers publish into
+``RUN_DIR/metrics.jsonl``.
+
+The store itself listens on 127.0.0.1 on an internal port; the job's public address (127.0.0.1 unless
+told otherwise) is served by ``gateway.Gateway``, which admits only clients that prove they hold the
+job's token (``UNBROKEN_TOKEN``) and pipes them to the store. Clients connect with ``connect_store``
+through an authenticated local tunnel, so every worker in a process group was admitted by the gateway.
 
 Store keys (all under the job's store):
   config, run_dir, expected        the resolved config (TOML), the run directory, workers expected
@@ -38,6 +43,8 @@ from typing import Any
 
 from torch.distributed import DistStoreError, TCPStore
 
+from unbroken.gateway import Gateway, Tunnel, TunnelError, require_token
+
 log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 30.0
@@ -58,18 +65,23 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S) -> TCPStore:
-    """A client connection to the coordinator's store at ``HOST:PORT``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"--coordinator {address!r} is malformed; expected HOST:PORT")
-    return TCPStore(
-        host.strip("[]"),
-        int(port),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | None = None) -> TCPStore:
+    """A client connection to the coordinator's store at ``HOST:PORT``, through an authenticated tunnel.
+
+    ``token`` defaults to ``UNBROKEN_TOKEN``. Raises ValueError (no token, malformed address) or
+    ``TunnelError`` (unreachable, or the coordinator refused the token)."""
+    tunnel = Tunnel(address, token if token is not None else require_token(), timeout_s)
+    try:
+        return TCPStore(
+            "127.0.0.1",
+            tunnel.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except RuntimeError:
+        tunnel.close()
+        raise
 
 
 def ring(store: TCPStore) -> None:
@@ -117,20 +129,24 @@ class Coordinator:
         join_timeout_s: float,
         resume: bool,
         parent_pid: int | None = None,
+        token: str | None = None,
     ) -> None:
-        self.sock = sock  # kept open for the store's lifetime
+        self.sock = sock  # the public socket, served by the gateway
         host, port = sock.getsockname()[:2]
         self.address = f"{host}:{port}"
         self.port = port
+        self.internal = bind_listen_socket("127.0.0.1", 0)  # kept open for the store's lifetime
+        internal_port = self.internal.getsockname()[1]
         self.store = TCPStore(
-            host,
-            port,
+            "127.0.0.1",
+            internal_port,
             is_master=True,
             wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
+            master_listen_fd=self.internal.fileno(),
             use_libuv=True,
             timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
         )
+        self.gateway = Gateway(sock, ("127.0.0.1", internal_port), token if token is not None else require_token())
         self.run_dir = run_dir
         self.expected = expected_workers
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -277,6 +293,17 @@ class Coordinator:
                     self.rung = _get_int(self.store, "bell/seq")
         finally:
             self._drain_metrics()
+            gw = self.gateway
+            self.emit(
+                {
+                    "type": "gateway",
+                    "admitted": gw.admitted,
+                    "rejected": gw.rejected,
+                    "timed_out": gw.timed_out,
+                    "dropped": gw.dropped,
+                    "time": time.time(),
+                }
+            )
             self.metrics_file.close()
         return 0 if self.store.check(["done"]) else 1
 
@@ -296,15 +323,31 @@ def run_coordinator(coordinator: Coordinator, address_file: Path | None) -> int:
     code = coordinator.run()
     # Let workers read the final keys before the store goes away.
     time.sleep(0.5)
+    coordinator.gateway.close()
     return code
 
 
 class CoordinatorClient:
-    """A worker's view of the coordinator: registration, heartbeats, the current epoch, metrics."""
+    """A worker's view of the coordinator: registration, heartbeats, the current epoch, metrics.
 
-    def __init__(self, address: str, worker_id: int | None, heartbeat_interval_s: float = 0.05) -> None:
+    When the connection fails, the watcher finds out why (``lost``): ``"coordinator"`` if the coordinator
+    cannot be reached any more (dead or unresponsive: the job must stop), ``"cut"`` if it still answers
+    (only this worker's connection was cut: this worker leaves, the job goes on without it).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker_id: int | None,
+        heartbeat_interval_s: float = 0.05,
+        heartbeat_timeout_s: float = 2.0,
+    ) -> None:
         self.address = address
-        self.store = connect_store(address)
+        self.token = require_token()
+        self.lost: str | None = None
+        self._lost_event = threading.Event()
+        self._probe_timeout_s = max(1.0, heartbeat_timeout_s)
+        self.store = connect_store(address, token=self.token)
         seq = self.store.add("register/seq", 1)
         request = {
             "worker_id": -1 if worker_id is None else worker_id,
@@ -317,8 +360,16 @@ class CoordinatorClient:
         self.worker_id = int(self.store.get(f"register/{seq}/id"))
         self.late = self.store.get(f"register/{seq}/late") == b"1"  # joined a running job: it must catch up
         self.latest_epoch = int(self.store.get("epoch"))
+        # Epochs that removed workers, as (epoch, removed ids), kept by the watcher: a collective is abandoned
+        # only when one of its members was removed. A join alone never interrupts one (every member is alive,
+        # so it completes), which keeps all members' collective sequences matched.
+        self.removals: list[tuple[int, frozenset[int]]] = []
+        self._seen_epoch = self.latest_epoch
+        self._seen_members = frozenset(self.epoch_record(self._seen_epoch).members) if self._seen_epoch else frozenset()
         self.stopped: str | None = None
-        self._watch_store = connect_store(address)
+        # Its ops time out within the heartbeat bound, so an unresponsive coordinator is noticed as fast as
+        # a dead one.
+        self._watch_store = connect_store(address, max(1.0, heartbeat_timeout_s), token=self.token)
         self._hb_interval = heartbeat_interval_s
         self._watch_stop = threading.Event()
         self._watch_thread = threading.Thread(target=self._watch, name="heartbeat+epoch", daemon=True)
@@ -336,11 +387,51 @@ class CoordinatorClient:
                 store.add(f"hb/{self.worker_id}", 1)
                 if self.stopped is None and store.check(["stop"]):
                     self.stopped = store.get("stop").decode()
-                if wait_key(store, f"epoch/{self.latest_epoch + 1}", self._hb_interval):
-                    self.latest_epoch = max(self.latest_epoch + 1, int(store.get("epoch")))
+                awaited = self._seen_epoch + 1
+                if wait_key(store, f"epoch/{awaited}", self._hb_interval):
+                    self._advance(store, max(awaited, int(store.get("epoch"))))
             except RuntimeError:
-                self.stopped = self.stopped or "lost the connection to the coordinator"
+                if self._watch_stop.is_set():
+                    return
+                self._diagnose()
                 return
+
+    def _advance(self, store: TCPStore, newest: int) -> None:
+        """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch."""
+        for epoch in range(self._seen_epoch + 1, newest + 1):
+            members = frozenset(read_json(store, f"epoch/{epoch}")["members"])
+            if self._seen_members - members:
+                self.removals.append((epoch, self._seen_members - members))
+            self._seen_epoch, self._seen_members = epoch, members
+        self.latest_epoch = max(self.latest_epoch, newest)  # after the removals: readers check both
+
+    def removed_since(self, epoch: int, members: tuple[int, ...]) -> bool:
+        """True if an epoch newer than ``epoch`` removed one of ``members`` (cheap: the watcher's cache)."""
+        return any(e > epoch and not removed.isdisjoint(members) for e, removed in self.removals)
+
+    def _diagnose(self) -> None:
+        """The connection failed: is the coordinator gone, or only our connection? (one fresh handshake)"""
+        self.lost = "coordinator"
+        reason = f"the coordinator at {self.address} is gone (its connection failed and it does not answer)"
+        deadline = time.monotonic() + self._probe_timeout_s
+        while time.monotonic() < deadline:  # a few tries: a cut in progress may sever the first probe too
+            try:
+                Tunnel(self.address, self.token, self._probe_timeout_s).close()
+            except (TunnelError, OSError):
+                time.sleep(0.2)
+                continue
+            self.lost = "cut"
+            reason = "this worker's connection to the coordinator was cut"
+            break
+        log.error("%s", reason)
+        self.stopped = self.stopped or reason
+        self._lost_event.set()
+
+    def wait_lost(self, timeout_s: float) -> str | None:
+        """After a store call failed: wait (bounded) for the watcher's verdict; None if it saw nothing."""
+        if self._watch_thread.is_alive():
+            self._lost_event.wait(timeout_s)
+        return self.lost
 
     def config_toml(self) -> str:
         return self.store.get("config").decode()
@@ -375,6 +466,7 @@ class CoordinatorClient:
                 return None
             epoch = self.current_epoch()
             if epoch > after:
+                self.latest_epoch = max(self.latest_epoch, epoch)  # the watcher may not have seen it yet
                 record = self.epoch_record(epoch)
                 if self.worker_id in record.members:
                     return record
@@ -391,4 +483,4 @@ class CoordinatorClient:
         """Stop the watcher (it wakes within a heartbeat interval); joined so that no thread is inside a
         store call while the interpreter shuts down."""
         self._watch_stop.set()
-        self._watch_thread.join(timeout=max(1.0, 4 * self._hb_interval))
+        self._watch_thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)

@@ -4,12 +4,22 @@ Grammar (events separated by ``;``):
 
     kill:worker=2,step=10,phase=backward[,rejoin=5]   SIGKILL at that point; restart after 5 s to rejoin
     hang:worker=1,step=5[,phase=start][,rejoin=5]     SIGSTOP (the heartbeat timeout must catch it)
+    pause:worker=1,step=5,seconds=0.5[,phase=..][,rejoin=5]
+                                                      SIGSTOP, then SIGCONT 0.5 s later; if the pause
+                                                      outlasted the heartbeat timeout the worker was
+                                                      excluded, leaves, and (rejoin=) is restarted
+    cut:worker=1,step=5[,phase=..][,rejoin=5]         the worker shuts down every TCP connection it has
+                                                      (its store tunnel and its gloo sockets), as a cut
+                                                      link would; it leaves, and (rejoin=) is restarted
     slow:worker=1,factor=3,steps=5-20                 the worker computes 3x slower during steps 5..20
 
 Phases of a step, in order: ``start`` (before any compute), ``forward`` (inside the first microbatch's
 forward), ``backward`` (inside the last local microbatch's backward, with part of the reduction already
 started), ``reduction`` (all collectives started, none finished), ``optimizer`` (after the reduction,
-before the optimizer step).
+before the optimizer step). Two more phases are not part of every step and fire the first time they
+happen at or after ``step``: ``receive`` (while the worker receives the training state to rejoin, between
+the header and the tensors) and ``checkpoint`` (half-way through writing a checkpoint file, on the
+leader). Kills and hangs are real signals sent by the launcher; a cut is done by the worker itself.
 
 Schedules are validated against the run before anything starts. Random schedules from an MTBF/MTTR are
 generated with a seeded RNG into the same type, and so are MeCeFO's failure scenarios (``SCENARIOS``).
@@ -26,6 +36,8 @@ from enum import StrEnum
 class FailureKind(StrEnum):
     KILL = "kill"
     HANG = "hang"
+    PAUSE = "pause"
+    CUT = "cut"
     SLOW = "slow"
 
 
@@ -35,6 +47,12 @@ class Phase(StrEnum):
     BACKWARD = "backward"
     REDUCTION = "reduction"
     OPTIMIZER = "optimizer"
+    RECEIVE = "receive"
+    CHECKPOINT = "checkpoint"
+
+
+STEP_PHASES = (Phase.START, Phase.FORWARD, Phase.BACKWARD, Phase.REDUCTION, Phase.OPTIMIZER)
+AT_OR_AFTER = frozenset({Phase.RECEIVE, Phase.CHECKPOINT})  # fire at their first occurrence from `step` on
 
 
 @dataclass(frozen=True)
@@ -46,17 +64,22 @@ class FailureEvent:
     rejoin_after_s: float | None = None  # kill/hang: restart the worker this long after it was killed
     factor: float = 1.0  # slow: compute time multiplier
     last_step: int = -1  # slow: last step affected (inclusive)
+    seconds: float = 0.0  # pause: how long the worker stays stopped
 
     def describe(self) -> str:
         if self.kind is FailureKind.SLOW:
             return f"slow:worker={self.worker},factor={self.factor:g},steps={self.step}-{self.last_step}"
         text = f"{self.kind}:worker={self.worker},step={self.step},phase={self.phase}"
+        if self.kind is FailureKind.PAUSE:
+            text += f",seconds={self.seconds:g}"
         return text + (f",rejoin={self.rejoin_after_s:g}" if self.rejoin_after_s is not None else "")
 
 
 _ALLOWED_KEYS = {
     FailureKind.KILL: {"worker", "step", "phase", "rejoin"},
     FailureKind.HANG: {"worker", "step", "phase", "rejoin"},
+    FailureKind.PAUSE: {"worker", "step", "phase", "rejoin", "seconds"},
+    FailureKind.CUT: {"worker", "step", "phase", "rejoin"},
     FailureKind.SLOW: {"worker", "factor", "steps"},
 }
 
@@ -120,7 +143,14 @@ def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEven
         phases = ", ".join(p.value for p in Phase)
         raise ValueError(f"failure event {text!r}: unknown phase {phase_text!r}; allowed: {phases}") from None
     rejoin = _float(fields["rejoin"], "rejoin", text) if "rejoin" in fields else default_rejoin_s
-    return FailureEvent(kind, worker, _int(fields["step"], "step", text), phase, rejoin)
+    seconds = 0.0
+    if kind is FailureKind.PAUSE:
+        if "seconds" not in fields:
+            raise ValueError(f"failure event {text!r}: pause needs seconds= (how long the worker stays stopped)")
+        seconds = _float(fields["seconds"], "seconds", text)
+        if seconds <= 0:
+            raise ValueError(f"failure event {text!r}: seconds must be > 0")
+    return FailureEvent(kind, worker, _int(fields["step"], "step", text), phase, rejoin, seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -146,7 +176,7 @@ class FailureSchedule:
                 )
             if not 0 <= e.step < steps or (e.kind is FailureKind.SLOW and e.last_step >= steps):
                 raise ValueError(f"failure event {e.describe()!r}: step past the end of the run (steps 0..{steps - 1})")
-        fatal = [e for e in self.events if e.kind is not FailureKind.SLOW]
+        fatal = [e for e in self.events if e.kind in (FailureKind.KILL, FailureKind.HANG, FailureKind.CUT)]
         never_back = {e.worker for e in fatal if e.rejoin_after_s is None}
         if fatal and never_back >= set(range(num_workers)):
             raise ValueError(
@@ -155,17 +185,28 @@ class FailureSchedule:
             )
         by_step: dict[int, set[int]] = {}
         for e in fatal:
-            by_step.setdefault(e.step, set()).add(e.worker)
+            if e.phase not in AT_OR_AFTER:
+                by_step.setdefault(e.step, set()).add(e.worker)
         for step, workers in by_step.items():
             if len(workers) >= num_workers:
                 raise ValueError(f"the failure schedule kills every worker at step {step}; nobody would hold the state")
 
+    def injections(self, worker: int, step: int, phase: Phase) -> list[FailureEvent]:
+        """The events (not ``slow``) that match ``worker`` at (step, phase), in schedule order. Events of
+        the ``receive`` and ``checkpoint`` phases match from their step on; the caller fires each once."""
+        return [
+            e
+            for e in self.events
+            if e.kind is not FailureKind.SLOW
+            and e.worker == worker
+            and e.phase == phase
+            and (e.step == step or (phase in AT_OR_AFTER and e.step <= step))
+        ]
+
     def injection(self, worker: int, step: int, phase: Phase) -> FailureEvent | None:
-        """The kill or hang event that fires for ``worker`` at (step, phase), if any."""
-        for e in self.events:
-            if e.kind is not FailureKind.SLOW and (e.worker, e.step, e.phase) == (worker, step, phase):
-                return e
-        return None
+        """The first event that matches ``worker`` at (step, phase), if any."""
+        matching = self.injections(worker, step, phase)
+        return matching[0] if matching else None
 
     def slow_factor(self, worker: int, step: int) -> float:
         factor = 1.0
@@ -188,7 +229,7 @@ def random_schedule(
     events: list[FailureEvent] = []
     down_until: dict[int, float] = {}
     t = 0.0
-    phases = list(Phase)
+    phases = list(STEP_PHASES)
     while True:
         t += rng.expovariate(1.0 / mtbf_s)
         step = int(t / step_time_s)
@@ -252,3 +293,33 @@ def build_schedule(
         parsed = parsed.merged(random_schedule(num_workers, steps, between_s, repair_s, step_time_s, seed))
     parsed.validate(num_workers, steps)
     return parsed
+
+
+def cut_connections() -> int:
+    """Shut down every connected TCP socket of this process (its store tunnel and its gloo connections), as a cut
+    network link would; returns how many. Linux only (/proc); elsewhere nothing is cut."""
+    import os
+    import socket
+
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    num_cut = 0
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.getpeername()  # connected sockets only: a listener shut down makes gloo abort the process
+                sock.shutdown(socket.SHUT_RDWR)
+                num_cut += 1
+        except OSError:
+            pass  # a listening or never-connected socket
+        finally:
+            sock.close()
+    return num_cut

@@ -6,6 +6,11 @@ error before anything starts) and the workers, reports each worker's exit to the
 fastest failure detector there is), shows progress from ``metrics.jsonl``, and on Ctrl-C stops every
 process it started. Checkpoints are written atomically by the workers, so an interrupted run keeps its
 last good checkpoint.
+
+The job's secret token (``UNBROKEN_TOKEN``, generated here unless the environment already has one) goes
+to the coordinator and the workers through their environment; every store connection is authenticated
+with it (``gateway``). If the coordinator dies, the workers checkpoint the last committed step and exit;
+the launcher then exits non-zero with a one-line hint naming ``--resume``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken import checkpoint as ckpt
 from unbroken.config import RunConfig, dump_config, replace
 from unbroken.coordinator import bind_listen_socket, connect_store, ring
 from unbroken.failures import FailureKind, build_schedule, parse_event
+from unbroken.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.metrics import format_step
 
 POLL_S = 0.005
@@ -65,6 +72,53 @@ def validate_vocab(cfg: RunConfig) -> None:
         )
 
 
+def check_resumable(cfg: RunConfig, run_dir: Path, corpus: Any) -> None:
+    """ValueError (one line) unless RUN_DIR has a checkpoint that verifies and fits this model and data."""
+    import hashlib
+
+    import torch
+
+    from unbroken.model import Transformer, model_args
+
+    loaded = ckpt.load_latest(run_dir, log_rejections=False)  # the workers report rejections in the metrics
+    if loaded is None:
+        rejected = ckpt.list_checkpoints(run_dir)
+        if not rejected:
+            raise ValueError(
+                f"--resume {run_dir}: no checkpoint in {ckpt.checkpoint_dir(run_dir)} "
+                "(the run stopped before its first one); start the run again"
+            )
+        raise ValueError(
+            f"--resume {run_dir}: none of the {len(rejected)} checkpoints is usable "
+            f"(newest: step {rejected[0]} is damaged or incomplete); the files are left as they are"
+        )
+    args = model_args(
+        cfg.model.flavour,
+        vocab_size=cfg.model.vocab_size or corpus.vocab_size,
+        n_kv_heads=cfg.model.n_kv_heads,
+        max_seq_len=cfg.data.seq_len,
+    )
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    model_state = loaded.state.get("model")
+    found = {k: tuple(v.shape) for k, v in model_state.items()} if isinstance(model_state, dict) else {}
+    if found != expected:
+        diff = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+        first = diff[0] if diff else "model"
+        raise ValueError(
+            f"--resume {run_dir}: checkpoint step {loaded.step} is for a different model shape "
+            f"({first}: checkpoint {found.get(first)}, config {expected.get(first)}); resume with the run's own config"
+        )
+    saved_sha = loaded.state.get("tokenizer_sha256")
+    if saved_sha is not None:
+        sha = hashlib.sha256(Path(corpus.tokenizer_path).read_bytes()).hexdigest()
+        if sha != saved_sha:
+            raise ValueError(
+                f"--resume {run_dir}: checkpoint step {loaded.step} was trained with another tokenizer "
+                f"(sha256 {saved_sha[:12]}, the data now uses {sha[:12]}); resume with the run's own data settings"
+            )
+
+
 def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host: str, port: int) -> LaunchPlan:
     """Validate the launch; raises ValueError (one line) and writes nothing if anything is wrong."""
     if workers < 1:
@@ -88,6 +142,8 @@ def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host:
 
         corpus = prepare_corpus(cfg.data)  # ValueError on bad data, before the run directory exists
         check_vocab(corpus, cfg.model.vocab_size)
+        if resume:
+            check_resumable(cfg, run_dir, corpus)
     except BaseException:
         sock.close()
         raise
@@ -117,6 +173,10 @@ class Launcher:
         self.restarts = 0
         self.sock = plan.sock
         self.resume = plan.resume
+        self.token = token_from_env() or new_token()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
+        self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
+        self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
 
     # -- processes ----------------------------------------------------------------------------------
     def _python(self) -> list[str]:
@@ -149,7 +209,7 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 pass_fds=(fd,),
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=self.env,
             )
         self.sock.close()  # the coordinator holds its own copy of the listening socket
         address_file = self.run_dir / "coordinator.json"
@@ -159,13 +219,13 @@ class Launcher:
                 raise RuntimeError(f"the coordinator did not start; see {logs / 'coordinator.log'}")
             time.sleep(POLL_S)
         self.address = json.loads(address_file.read_text())["address"]
-        self.store = connect_store(self.address)
+        self.store = connect_store(self.address, token=self.token)
         for event in self.fired:
             self.store.set(f"fired/{event}", "1")
 
     def start_worker(self, worker_id: int) -> None:
         log_path = self.run_dir / "logs" / f"worker-{worker_id}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UNBROKEN_LOCAL_WORKERS": str(self.plan.workers)}
+        env = {**self.env, "UNBROKEN_LOCAL_WORKERS": str(self.plan.workers)}
         with open(log_path, "ab") as out:
             self.workers[worker_id] = subprocess.Popen(
                 [*self._python(), "worker", "--coordinator", self.address, "--worker-id", str(worker_id)],
@@ -184,7 +244,7 @@ class Launcher:
         if not self.cfg.failures.schedule or not self._coordinator_up() or self._finished():
             return
         for wid, proc in self.workers.items():
-            if proc.poll() is not None or wid in self.down:
+            if proc.poll() is not None or wid in self.down or wid in self.pauses:
                 continue
             key = f"inject/{wid}"
             try:
@@ -193,13 +253,23 @@ class Launcher:
                 info = json.loads(self.store.get(key))
                 self.store.delete_key(key)
                 event = parse_event(info["event"])
-                self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": time.time()}))
+                now = time.time()
+                self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": now}))
                 self.store.set(f"fired/{info['event']}", "1")
                 self.fired.add(info["event"])
+                record = {"type": "injected", "worker": wid, "event": info["event"], "kind": str(event.kind)}
+                seq = self.store.add("metrics/seq", 1)
+                self.store.set(f"metrics/{seq}", json.dumps({**record, "time": now}, sort_keys=True))
             except RuntimeError:
                 self.store = None  # the coordinator is shutting down: stop asking (each failed call logs a trace)
                 return
+            self.last_event[wid] = event
+            if event.kind is FailureKind.CUT:
+                continue  # the worker cuts its own connections; its exit is handled like any other
             os.kill(proc.pid, signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
+            if event.kind is FailureKind.PAUSE:
+                self.pauses[wid] = time.monotonic() + event.seconds
+                continue
             self.down[wid] = {
                 "event": event,
                 "at": time.monotonic(),
@@ -208,8 +278,20 @@ class Launcher:
             }
 
     def _manage_down(self) -> None:
-        """Kill hung workers once the coordinator excluded them; restart downed workers after their MTTR."""
+        """Continue paused workers; kill hung workers once the coordinator excluded them; restart downed
+        workers after their MTTR (a worker that left after a pause or a cut is down from its exit on)."""
         now = time.monotonic()
+        for wid, until in list(self.pauses.items()):
+            if now >= until:
+                del self.pauses[wid]
+                if self.workers[wid].poll() is None:
+                    os.kill(self.workers[wid].pid, signal.SIGCONT)
+        for wid, event in list(self.last_event.items()):
+            proc = self.workers[wid]
+            if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
+                del self.last_event[wid]
+                if event.rejoin_after_s is not None and event.kind in (FailureKind.PAUSE, FailureKind.CUT):
+                    self.down[wid] = {"event": event, "at": now, "hung": False, "seen": len(self._records)}
         for wid, info in list(self.down.items()):
             proc = self.workers[wid]
             if info["hung"] and proc.poll() is None:
@@ -220,7 +302,7 @@ class Launcher:
                     self.reported.add(wid)  # already excluded; its exit is not news
                 continue
             rejoin = info["event"].rejoin_after_s
-            if rejoin is not None and proc.poll() is not None and now >= info["at"] + rejoin:
+            if rejoin is not None and proc.poll() is not None and now >= info["at"] + rejoin and self._coordinator_up():
                 del self.down[wid]
                 self.start_worker(wid)
 
@@ -272,7 +354,12 @@ class Launcher:
             chunk = f.read()
         complete = chunk[: chunk.rfind("\n") + 1]
         self._metrics_offset += len(complete.encode())
-        records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        records = []
+        for line in complete.splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # blank, or torn when the coordinator was killed mid-write
         self._records += records
         return records
 
@@ -281,6 +368,8 @@ class Launcher:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if not self.plan.resume:
             dump_config(self.cfg, self.run_dir)
+        else:
+            ckpt.clean_partial(self.run_dir)  # temporary files of saves that were killed half-way
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         started = time.monotonic()
         try:
@@ -354,7 +443,25 @@ class Launcher:
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
             time.sleep(POLL_S)
+        self._new_records()  # what the workers wrote themselves if the coordinator died
         done = self._finished()
+        assert self.coordinator is not None
+        died = self.coordinator.returncode is not None and self.coordinator.returncode < 0
+        lost = [r for r in self._records if r.get("type") == "coordinator_lost"]
+        if not done and (died or lost):
+            code = self.coordinator.returncode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
+            saved = (
+                f"the workers saved the state of step {lost[-1]['step']}"
+                if lost
+                else "the workers could not save; the last checkpoint on disk is kept"
+            )
+            print(
+                f"unbroken: the coordinator died ({how}); {saved}; continue with: "
+                f"unbroken train --resume {self.run_dir} --workers {self.plan.workers}",
+                file=sys.stderr,
+            )
+            return 1
         if self.show_summary:
             print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
         if self.cfg.metrics.tensorboard:

@@ -141,6 +141,22 @@ def next_alive(ring: Sequence[int], worker: int, alive: Sequence[int]) -> int:
     raise AssertionError("unreachable: alive is a non-empty subset of the ring")
 
 
+def _neighbours(ring: Sequence[int], dead: set[int], alive: set[int]) -> dict[int, int]:
+    """``next_alive`` for every worker in ``dead`` at once, in one walk around the ring."""
+    order = sorted(set(ring))
+    result: dict[int, int] = {}
+    pending: list[int] = []
+    for candidate in order + order:  # twice round, so the dead at the end find the alive at the start
+        if candidate in alive:
+            for worker in pending:
+                result[worker] = candidate
+            pending = []
+        elif candidate in dead and candidate not in result:
+            pending.append(candidate)
+    assert set(result) == dead, (dead, result)
+    return result
+
+
 def mecefo_plan(
     step: int,
     ring: Sequence[int],
@@ -159,21 +175,27 @@ def mecefo_plan(
     adjacent ones, are handled: each orphan goes to the first alive successor of its owner.
     """
     alive = tuple(sorted(set(members)))
-    assert alive and set(alive) <= set(ring), (alive, ring)
+    alive_set = set(alive)
+    assert alive and alive_set <= set(ring), (alive, ring)
     base = plan_step(step, ring, num_microbatches).owner_of()
     todo = sorted(set(range(num_microbatches) if todo is None else todo))
-    ids: dict[int, list[int]] = {w: [j for j in todo if base[j] == w] for w in alive}
-    orphans = [j for j in todo if base[j] not in alive]
+    ids: dict[int, list[int]] = {w: [] for w in alive}
+    orphans = []
+    for j in todo:  # one pass: O(M + ring), so cluster-scale simulations can call it every step
+        if base[j] in alive_set:
+            ids[base[j]].append(j)
+        else:
+            orphans.append(j)
     if spread:
         for worker, extra in plan_ids(step, alive, orphans, num_microbatches).ids.items():
             ids[worker] += extra
         efficient = frozenset(orphans)
     else:
+        neighbour_of = _neighbours(ring, {base[j] for j in orphans}, alive_set)
         adopters = set()
         for j in orphans:
-            neighbour = next_alive(ring, base[j], alive)
-            ids[neighbour].append(j)
-            adopters.add(neighbour)
+            ids[neighbour_of[base[j]]].append(j)
+            adopters.add(neighbour_of[base[j]])
         efficient = frozenset(j for w in adopters for j in ids[w])
     return Assignment(
         step=step,

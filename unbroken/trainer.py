@@ -11,6 +11,7 @@ This is the only module that knows the model, the data, the collectives and the 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -41,7 +42,8 @@ from unbroken.config import MECEFO_POLICIES, RunConfig, TrainConfig, config_from
 from unbroken.coordinator import CoordinatorClient, connect_store, ring
 from unbroken.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_corpus
 from unbroken.efficient import EfficientConfig, apply_efficient_backward
-from unbroken.failures import FailureKind, FailureSchedule, Phase
+from unbroken.failures import FailureKind, FailureSchedule, Phase, cut_connections
+from unbroken.gateway import TunnelError
 from unbroken.metrics import init_logger
 from unbroken.model import Transformer, model_args
 from unbroken.plan import Assignment, mecefo_plan, missing_ids, plan_ids
@@ -55,6 +57,11 @@ class StopRun(Exception):
     def __init__(self, reason: str, fatal: bool = True) -> None:
         super().__init__(reason)
         self.fatal = fatal
+
+
+EXIT_STOPPED = 3  # this worker stopped (excluded, cut off, or the job was stopped)
+EXIT_COORDINATOR_LOST = 4  # the coordinator is gone; the state was checkpointed for --resume
+RECENT_RECORDS = 64  # metrics records a worker keeps, to write them itself if the coordinator dies
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -137,6 +144,7 @@ class Worker:
         )
         corpus = prepare_corpus(cfg.data)
         check_vocab(corpus, cfg.model.vocab_size)
+        self.tokenizer_sha256 = hashlib.sha256(Path(corpus.tokenizer_path).read_bytes()).hexdigest()
         self.args = model_args(
             cfg.model.flavour,
             vocab_size=cfg.model.vocab_size or corpus.vocab_size,
@@ -154,7 +162,7 @@ class Worker:
         # count; then each worker's seconds per microbatch, then the exact mode's overflow flag.
         self.speeds_at = 3 * self.M
         self.reducer = GradientReducer(
-            self.params, int(cfg.comm.bucket_mb * 2**20), self.speeds_at + SPEED_SLOTS + 1, exact=self.exact
+            self.params, int(cfg.comm.bucket_mb * 2**20), self.speeds_at + SPEED_SLOTS + 2, exact=self.exact
         )
         self.tokens_per_step = self.M * cfg.data.microbatch_size * cfg.data.seq_len
         self.policy = cfg.recovery.policy
@@ -177,8 +185,13 @@ class Worker:
         self.done: list[int] = []
         self.local_losses = torch.zeros(self.M, dtype=torch.float64)
         self.pending_todo: list[int] | None = None
+        # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
+        # they all take in joiners at the same step boundary (a join interrupts no collective).
+        self.switch_epoch = 0
         self.quotas: dict[int, int] = {}  # microbatches per worker in the step's plan (for the metrics)
         self.resume_pending = False
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
+        self.last_counts = torch.ones(self.M, dtype=torch.float64)
 
     @property
     def wid(self) -> int:
@@ -187,9 +200,12 @@ class Worker:
 
     # -- membership -------------------------------------------------------------------------------
     def interrupted(self) -> bool:
-        """True when the current group is stale (a newer epoch) or the run is being stopped (cached, cheap)."""
+        """True when a member of the current group was removed (a newer epoch without it) or the run is being
+        stopped (cached, cheap). A join does not interrupt: the group's collectives complete, and the joiner
+        is taken in at the next step boundary."""
         assert self.client is not None and self.group is not None
-        return self.client.latest_epoch != self.group.epoch or self.client.stopped is not None
+        group = self.group
+        return self.client.stopped is not None or self.client.removed_since(group.epoch, group.members)
 
     def _wait(self, pending: list[Pending]) -> None:
         if not wait_all(pending, self.cfg.comm.op_timeout_s, self.interrupted):
@@ -216,7 +232,7 @@ class Worker:
                 self.backend,
                 self.cfg.comm.op_timeout_s,
                 self.device,
-                lambda e=epoch.epoch: client.latest_epoch != e or client.stopped is not None,
+                lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
             )
             if group is not None:
                 self.group = group
@@ -231,7 +247,9 @@ class Worker:
     def publish(self, record: dict[str, Any]) -> None:
         if self.leader:
             assert self.client is not None
-            self.client.publish_metrics({**record, "time": time.time()})
+            record = {**record, "time": time.time()}
+            self.recent.append(record)
+            self.client.publish_metrics(record)
 
     # -- state ------------------------------------------------------------------------------------
     def load_checkpoint(self) -> int:
@@ -268,6 +286,8 @@ class Worker:
         for w, seconds in self.speeds.items():
             header[4 + w] = seconds
         self._wait([broadcast_async(self.group, header, src_rank)])
+        if self.group.rank != src_rank:
+            self.inject(Phase.RECEIVE, step=int(header[0]))
         tensors = state_tensors(self.model, self.optimizer)
         if self.efficient_backward is not None:
             tensors += self.efficient_backward.bases()
@@ -283,40 +303,47 @@ class Worker:
             self.last = StepOutcome(float(header[1]), float(header[2]), float(header[3]))
         self.speeds = {w: float(header[4 + w]) for w in range(SPEED_SLOTS) if header[4 + w] > 0}
 
-    def sync_state(self) -> None:
+    def sync_state(self) -> bool:
         """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was
-        cut short while others committed) receives the state of the lowest-ranked worker that is ahead."""
+        cut short while others committed) receives the state of the lowest-ranked worker that is ahead.
+        True if this worker was behind."""
         assert self.group is not None
         steps = torch.zeros(self.group.size, dtype=torch.float64)
         steps[self.group.rank] = self.step
         self._wait([allreduce_async(self.group, steps)])
         ahead = float(steps.max())
         if float(steps.min()) == ahead:
-            return
+            return False
         src = int((steps == ahead).nonzero()[0])
         was_behind = self.step < ahead
         self.broadcast_state(src)
         if was_behind:
             self.begin_step()
-            if self.leader and ahead >= 1 and not math.isnan(self.last.loss):
-                # The committed step's record may have been lost with the old leader; re-publish it.
-                self.publish(
-                    {
-                        "type": "step",
-                        "step": int(ahead) - 1,
-                        "loss": self.last.loss,
-                        "lr": self.last.lr,
-                        "grad_norm": self.last.grad_norm,
-                        "step_time_s": float("nan"),
-                        "tokens": self.tokens_per_step,
-                        "tokens_per_s": float("nan"),
-                        "alive": self.group.size,
-                        "epoch": self.group.epoch,
-                        "microbatches": self.M,
-                        "committed": True,
-                        "republished": True,
-                    }
-                )
+        return was_behind
+
+    def republish_last_step(self) -> None:
+        """The last committed step's record may have been lost with the old leader (killed between its
+        commit and its publish): the new leader publishes it again, marked ``republished``."""
+        if not self.leader or self.step < 1 or math.isnan(self.last.loss):
+            return
+        assert self.group is not None
+        self.publish(
+            {
+                "type": "step",
+                "step": self.step - 1,
+                "loss": self.last.loss,
+                "lr": self.last.lr,
+                "grad_norm": self.last.grad_norm,
+                "step_time_s": float("nan"),
+                "tokens": self.tokens_per_step,
+                "tokens_per_s": float("nan"),
+                "alive": self.group.size,
+                "epoch": self.group.epoch,
+                "microbatches": self.M,
+                "committed": True,
+                "republished": True,
+            }
+        )
 
     def checkpoint_state(self, next_step: int) -> dict[str, Any]:
         return {
@@ -327,22 +354,39 @@ class Worker:
             "config": to_toml(self.cfg),
             "flavour": self.cfg.model.flavour,
             "vocab_size": self.args.vocab_size,
+            "tokenizer_sha256": self.tokenizer_sha256,
             **({"mecefo_bases": self.efficient_backward.bases()} if self.efficient_backward is not None else {}),
         }
 
     # -- failure injection --------------------------------------------------------------------------
-    def inject(self, phase: Phase) -> None:
+    def inject(self, phase: Phase, step: int | None = None) -> None:
         """If the schedule says so, tell the launcher we reached (step, phase) and wait to be signalled.
 
-        The kill itself is a real SIGKILL (or SIGSTOP) from the launcher; without one (a worker started
-        by hand), the worker delivers the signal to itself after a few seconds.
+        A kill, hang or pause is a real signal from the launcher (SIGKILL, SIGSTOP, SIGSTOP + SIGCONT);
+        without one (a worker started by hand), the worker acts on itself after a few seconds. A cut is
+        done here once the launcher has recorded it: every TCP connection of this process is shut down.
         """
-        event = self.schedule.injection(self.wid, self.step, phase)
-        if event is None or self.client is None or self.client.store.check([f"fired/{event.describe()}"]):
-            return  # each event fires once per run, also when a restart replays its step
+        step = self.step if step is None else step
+        candidates = self.schedule.injections(self.wid, step, phase)
+        if not candidates or self.client is None:
+            return
+        # Each event fires once per run, also when a restart replays its step.
+        event = next((e for e in candidates if not self.client.store.check([f"fired/{e.describe()}"])), None)
+        if event is None:
+            return
         log.warning("injection point reached: %s", event.describe())
-        self.client.store.set(f"inject/{self.wid}", json.dumps({"event": event.describe(), "time": time.time()}))
+        store, key = self.client.store, f"inject/{self.wid}"
+        store.set(key, json.dumps({"event": event.describe(), "time": time.time()}))
         deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and store.check([key]):
+            time.sleep(0.005)  # the launcher takes the key, then signals
+        if event.kind is FailureKind.CUT:
+            log.warning("cutting %d connections", cut_connections())
+            return
+        if event.kind is FailureKind.PAUSE:
+            # SIGSTOP arrives within the launcher's poll period; after SIGCONT this sleep ends at once.
+            time.sleep(0.5 if not store.check([key]) else event.seconds)
+            return
         while time.monotonic() < deadline:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
@@ -420,7 +464,7 @@ class Worker:
     def reduce(self) -> torch.Tensor:
         """Reduce the local contribution and the extras over the group; raises Interrupted."""
         assert self.group is not None
-        extras = torch.zeros(self.speeds_at + SPEED_SLOTS + 1, dtype=torch.float64)
+        extras = torch.zeros(self.speeds_at + SPEED_SLOTS + 2, dtype=torch.float64)
         extras[: self.M] = self.local_losses
         for j in self.done:
             extras[self.M + j] += 1
@@ -428,6 +472,8 @@ class Worker:
             extras[2 * self.M + j] += 1
         if self.wid < SPEED_SLOTS:
             extras[self.speeds_at + self.wid] = self.my_speed
+        if self.leader:
+            extras[self.speeds_at + SPEED_SLOTS] = self.client.latest_epoch  # see switch_epoch
         extras[-1] = 1.0 if self.reducer.overflowed else 0.0
         self.reducer.launch(self.group, extras)
         self.inject(Phase.REDUCTION)
@@ -440,9 +486,11 @@ class Worker:
     def recover(self) -> list[int]:
         """Join the next membership epoch: form its group, agree on the step and state (whoever is behind
         receives it), find the current step's microbatches that no member holds, and return this worker's
-        share of them (none under ``drop``). Every member runs exactly this sequence of collectives after
-        every membership change (start, failure, join), wherever it was, so the collectives always match.
+        share of them (none under ``drop`` when a member died). Every member runs exactly this sequence of
+        collectives after every membership change (start, failure, join), wherever it was, so the collectives
+        always match.
         """
+        old_members = self.group.members if self.group is not None else ()  # before any re-formation
         while True:
             t0 = time.monotonic()
             old_epoch = self.group.epoch if self.group is not None else 0
@@ -457,12 +505,14 @@ class Worker:
                     if self.leader:
                         self.step = self.load_checkpoint()
                         self.begin_step()
-                self.sync_state()
+                was_behind = self.sync_state()
                 held = torch.zeros(self.M, dtype=torch.float64)
                 held[self.done] = 1.0
                 self._wait([allreduce_async(self.group, held)])
             except Interrupted:
-                continue  # another change while recovering: go again from the newest epoch
+                continue  # another change while recovering: go again from the newest epoch (the handler ends here)
+            if was_behind or (old_members and old_members[0] not in self.group.members):
+                self.republish_last_step()
             missing = missing_ids(held.tolist())
             if old_epoch > 0:
                 self.publish(
@@ -477,7 +527,8 @@ class Worker:
                         "time_reformed": time.time(),
                     }
                 )
-            if self.policy == "drop" and old_epoch > 0:
+            if self.policy == "drop" and old_epoch > 0 and not set(old_members) <= set(self.group.members):
+                # Someone died: their microbatches are lost. (A join alone loses nothing: plan as usual.)
                 return []
             plan = self.plan(missing)
             if len(missing) == self.M:
@@ -519,7 +570,8 @@ class Worker:
         recoveries = recomputed = 0
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
-        elif self.client.latest_epoch != self.group.epoch:  # a join or a death between steps
+        elif self.client.removed_since(self.group.epoch, self.group.members) or self.switch_epoch > self.group.epoch:
+            # A death between steps, or a join the group agreed on in the last reduction.
             todo = self.recover()
             recoveries += 1
         else:
@@ -535,6 +587,10 @@ class Worker:
                 self.compute(todo)
                 reduced = self.reduce()
             except Interrupted:
+                reduced = None
+            if reduced is None:
+                # Recover outside the handler: the exception's traceback holds the abandoned collectives,
+                # which keep the old group's connections open, so peers still waiting on them would hang.
                 todo = self.recover()
                 recoveries += 1
                 recomputed += len(todo)
@@ -558,6 +614,7 @@ class Worker:
             for w in self.group.members
             if w < SPEED_SLOTS and reduced[self.speeds_at + w] > 0
         }
+        self.switch_epoch = int(reduced[self.speeds_at + SPEED_SLOTS])
         self.inject(Phase.OPTIMIZER)
         # Commit: the normaliser is M (each microbatch loss was scaled by 1/M); under `drop` the gradient is
         # renormalised by what was computed, as torchft does.
@@ -575,6 +632,7 @@ class Worker:
         self.optimizer.step()
         loss = float(sum(float(reduced[j]) for j in range(self.M) if counts[j] > 0)) / counted
         self.last = StepOutcome(loss, grad_norm, lr, recomputed, self.M - counted, recoveries, efficient)
+        self.last_counts = counts
         self.step = step + 1
         self.begin_step()
         return self.last
@@ -595,10 +653,11 @@ class Worker:
                 self._wait([allreduce_async(self.group, total)])
                 return float(total[0] / total[1])
             except Interrupted:
-                # A failure during evaluation: skip this evaluation and take part in the recovery now,
-                # keeping this worker's share of the next step for when it starts.
-                self.pending_todo = self.recover()
-                return None
+                pass
+            # A failure during evaluation: skip this evaluation and take part in the recovery now (outside the
+            # handler, see train_step), keeping this worker's share of the next step for when it starts.
+            self.pending_todo = self.recover()
+            return None
 
     def should(self, every: int, step: int) -> bool:
         return step + 1 == self.cfg.train.steps or (every > 0 and (step + 1) % every == 0)
@@ -644,6 +703,9 @@ class Worker:
                     "epoch": self.group.epoch,
                     "microbatches": self.M,
                     "committed": True,
+                    # each id's count in the reduced vector: every one must be 1 (0 only under `drop`)
+                    "counted": int(self.last_counts.sum()),
+                    "counted_once": bool((self.last_counts == 1).all()),
                     "recomputed": outcome.recomputed,
                     "dropped": outcome.dropped,
                     "recoveries": outcome.recoveries,
@@ -665,12 +727,51 @@ class Worker:
             if self.leader and self.should(self.cfg.checkpoint.every, committed):
                 t1 = time.perf_counter()
                 path = ckpt.save_checkpoint(
-                    self.run_dir, self.step, self.checkpoint_state(self.step), self.cfg.checkpoint.keep
+                    self.run_dir,
+                    self.step,
+                    self.checkpoint_state(self.step),
+                    self.cfg.checkpoint.keep,
+                    midway=lambda s=self.step: self.inject(Phase.CHECKPOINT, step=s),
                 )
                 self.publish(
                     {"type": "checkpoint", "step": self.step, "path": str(path), "seconds": time.perf_counter() - t1}
                 )
         self.finish()
+
+    def stop_without_coordinator(self) -> str:
+        """The coordinator is gone: no membership can change any more, so the job stops. The leader of this
+        worker's group checkpoints the last committed state (every member holds it, bitwise) and writes the
+        metrics records the coordinator did not drain. Returns the line to log."""
+        hint = f"continue with: unbroken train --resume {self.run_dir}"
+        if self.group is None or not self.leader or self.step <= 0:
+            return f"the coordinator is gone; stopping (the leader checkpoints the last committed step); {hint}"
+        saved = ckpt.list_checkpoints(self.run_dir)
+        if saved and saved[0] >= self.step:
+            path = ckpt.checkpoint_dir(self.run_dir) / f"step_{saved[0]:08d}.pt"
+        else:
+            path = ckpt.save_checkpoint(
+                self.run_dir, self.step, self.checkpoint_state(self.step), self.cfg.checkpoint.keep
+            )
+        self._append_undrained({"type": "coordinator_lost", "step": self.step, "path": str(path), "time": time.time()})
+        return f"the coordinator is gone; saved the state of step {self.step} ({path}); {hint}"
+
+    def _append_undrained(self, closing: dict[str, Any]) -> None:
+        """Append to metrics.jsonl the recent records the coordinator never wrote, then ``closing``."""
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            with open(path, "a+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - 2**18))
+                tail = f.read().decode(errors="replace")
+                lines = set(tail.splitlines())
+                out = "" if not tail or tail.endswith("\n") else "\n"  # after a line torn by the kill
+                for record in [*self.recent, closing]:
+                    line = json.dumps(record, sort_keys=True)
+                    if line not in lines:
+                        out += line + "\n"
+                f.write(out.encode())
+        except OSError as e:
+            log.warning("could not append to %s: %s", path, e)
 
     def finish(self) -> None:
         """Publish this worker's parameter checksum; the leader records all of them and marks the run done."""
@@ -682,7 +783,8 @@ class Worker:
                 self._wait([allreduce_async(self.group, torch.zeros(1))])
                 break
             except Interrupted:
-                self.recover()
+                pass
+            self.recover()  # outside the handler (see train_step)
         if self.leader:
             checksums = {str(w): store.get(f"final/{w}").decode() for w in self.group.members}
             self.publish(
@@ -700,23 +802,39 @@ class Worker:
 def run_worker(address: str, worker_id: int | None, run_dir: str | None = None) -> int:
     """Entry point of ``unbroken worker``: build the model and data, join the job at ``address``, train."""
     init_logger(f"worker {worker_id if worker_id is not None else '?'}")
-    probe = connect_store(address)
-    cfg = config_from_toml_text(probe.get("config").decode())
-    directory = Path(run_dir) if run_dir else Path(probe.get("run_dir").decode())
+    try:
+        probe = connect_store(address)
+        cfg = config_from_toml_text(probe.get("config").decode())
+        directory = Path(run_dir) if run_dir else Path(probe.get("run_dir").decode())
+    except (TunnelError, RuntimeError) as e:
+        log.error("cannot join the job: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return EXIT_STOPPED
     del probe
     local_workers = int(os.environ.get("UNBROKEN_LOCAL_WORKERS", "1"))
     torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)))
     worker = Worker(cfg, directory)  # ready to train before registering, so a joiner never stalls the others
-    client = CoordinatorClient(address, worker_id, cfg.comm.heartbeat_interval_s)
+    comm = cfg.comm
+    client = CoordinatorClient(address, worker_id, comm.heartbeat_interval_s, comm.heartbeat_timeout_s)
     init_logger(f"worker {client.worker_id}")
     try:
         worker.train(client)
-    except StopRun as e:
+    except (StopRun, RuntimeError) as e:
+        # A store call that fails (RuntimeError) means the connection to the coordinator broke; the
+        # watcher says whether the coordinator is gone or only this worker was cut off.
+        lost = client.lost if isinstance(e, StopRun) else client.wait_lost(2 * comm.heartbeat_timeout_s + 1.0)
+        if lost == "coordinator":
+            log.error("%s", worker.stop_without_coordinator())
+            return EXIT_COORDINATOR_LOST
+        if lost == "cut":
+            log.error("stopping: %s; leaving the job (the others go on without this worker)", client.stopped)
+            return EXIT_STOPPED
+        if not isinstance(e, StopRun):
+            raise
         log.error("stopping: %s", e)
         if e.fatal and client.stopped is None:
             client.store.set("stop", f"worker {client.worker_id}: {e}")
             ring(client.store)
-        return 3
+        return EXIT_STOPPED
     finally:
         client.close()
     return 0

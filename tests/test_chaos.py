@@ -1,0 +1,55 @@
+"""The chaos campaign: trials are reproducible from their seed, and a small campaign of real runs with
+random faults (a cut connection, kills while rejoining, during a checkpoint and two at once) keeps every
+invariant (see unbroken/chaos.py; the long campaign's figures are in docs/reliability.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from runner import TINY
+
+from unbroken.chaos import KINDS, churn_schedule, make_trial
+from unbroken.failures import FailureKind, FailureSchedule
+
+
+@pytest.mark.timeout(30)
+def test_trials_are_seeded_valid_and_cover_every_kind() -> None:
+    assert make_trial(7, 4, 40) == make_trial(7, 4, 40)
+    assert make_trial(7, 4, 40) != make_trial(8, 4, 40)
+    seen = set()
+    for seed in range(3 * len(KINDS)):
+        trial = make_trial(seed, 4, 40)
+        schedule = FailureSchedule.parse(trial.schedule)
+        schedule.validate(4, 40)
+        assert all(e.worker != 3 for e in schedule.events)  # the last worker is never touched
+        assert all(e.kind is FailureKind.SLOW or e.rejoin_after_s is not None for e in schedule.events)
+        seen |= set(trial.labels.values())
+    assert seen == set(KINDS)
+
+
+@pytest.mark.timeout(30)
+def test_churn_schedule_makes_the_requested_changes() -> None:
+    schedule = FailureSchedule.parse(churn_schedule(50, 4))
+    kills = [e for e in schedule.events if e.kind is FailureKind.KILL]
+    # 3 first kills (3 changes), 8 kills while rejoining per victim (2 changes each), 3 final joins: 54;
+    # one more per victim in case two joins land in one epoch
+    assert len(kills) == 3 * (1 + 8 + 1) and 3 + 2 * 3 * 8 + 3 >= 50
+    assert all(e.worker != 0 for e in kills)
+
+
+@pytest.mark.timeout(400)
+def test_small_campaign_keeps_every_invariant(tmp_path: Path, data_cache_dir: Path) -> None:
+    # Seed 68: a worker's connections cut, a kill while the leader writes a checkpoint, a kill in the
+    # optimizer step; seed 69: a kill, then another while that worker receives the state to rejoin, and
+    # two workers killed at once.
+    cmd = [sys.executable, "-m", "unbroken", "chaos", TINY, "--trials", "2", "--seed", "68", "--steps", "30"]
+    cmd += ["--out", str(tmp_path / "chaos"), f"--data.cache_dir={data_cache_dir}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    table = result.stdout
+    assert "with a violation: 0" in table, table
+    total = next(line for line in table.splitlines() if line.startswith("total")).split()
+    assert int(total[1]) >= 3 and total[1] == total[2], table

@@ -1,0 +1,193 @@
+"""The coordinator end to end: a locked-down store under attack during a real run, and the coordinator's own
+death (SIGKILL) followed by ``--resume``, which must reproduce the uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from runner import ROOT, TINY, final_params, train
+from torch.distributed import TCPStore
+
+from unbroken import checkpoint as ckpt
+from unbroken.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
+from unbroken.metrics import read_metrics, step_losses
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 24
+COMMON = [f"--train.steps={STEPS}", "--checkpoint.every=0", "--recovery.reduction=exact"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("coordinator") / "reference"
+    result = train(out, data_cache_dir, *COMMON, workers=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _start(out: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
+    cmd += [f"--data.cache_dir={cache}", *COMMON, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc: subprocess.Popen[str], out: Path, step: int) -> None:
+    deadline = time.monotonic() + 200
+    while not any(r["step"] >= step for r in read_metrics(out, "step")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended too early"
+        time.sleep(0.02)
+
+
+def test_attackers_cannot_join_or_disturb_a_run(tmp_path: Path, data_cache_dir: Path, reference: Path) -> None:
+    out = tmp_path / "attacked"
+    proc = _start(out, data_cache_dir)
+    _wait_for_step(proc, out, 1)
+    host, port = json.loads((out / "coordinator.json").read_text())["address"].rsplit(":", 1)
+    results: dict[str, object] = {}
+
+    def garbage() -> None:
+        s = socket.create_connection((host, int(port)))
+        s.recv(len(MAGIC) + NONCE_BYTES)
+        s.sendall(os.urandom(4096))
+        s.settimeout(10)
+        try:
+            results["garbage"] = s.recv(10)
+        except OSError as e:
+            results["garbage"] = e
+        s.close()
+
+    def silent() -> None:
+        s = socket.create_connection((host, int(port)))
+        s.settimeout(15)
+        data = b""
+        try:
+            while chunk := s.recv(100):
+                data += chunk
+        except OSError:
+            pass
+        results["silent"] = data  # only the greeting, then the gateway (or the run's end) closes it
+        s.close()
+
+    def wrong_token() -> None:
+        try:
+            Tunnel(f"{host}:{port}", new_token(), 5.0)
+            results["wrong_token"] = "admitted"
+        except TunnelError as e:
+            results["wrong_token"] = str(e)
+
+    def raw_store() -> None:
+        try:
+            raw = TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=3)
+            )
+            raw.set("stop", "pwned")
+            results["raw"] = "connected"
+        except RuntimeError as e:
+            results["raw"] = str(e)
+
+    threads = [threading.Thread(target=f) for f in (garbage, silent, wrong_token, raw_store)]
+    for t in threads:
+        t.start()
+    stdout, stderr = proc.communicate(timeout=240)
+    for t in threads:
+        t.join(timeout=30)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert results["garbage"] in (b"",) or isinstance(results["garbage"], OSError)
+    assert results["silent"].startswith(MAGIC) and len(results["silent"]) == len(MAGIC) + NONCE_BYTES
+    assert "refused" in str(results["wrong_token"])
+    assert results["raw"] != "connected"
+    # Nobody joined, nobody left, nothing was stopped: one epoch, two workers, no failures.
+    assert [tuple(m["members"]) for m in read_metrics(out, "membership")] == [(0, 1)]
+    assert not read_metrics(out, "failure")
+    gateway = read_metrics(out, "gateway")[-1]
+    assert gateway["rejected"] >= 2 and gateway["admitted"] == 1 + 2 * 3  # launcher + 3 connections per worker
+    final = read_metrics(out, "final")[0]
+    assert final["identical"]
+    ref_final = read_metrics(reference, "final")[0]
+    assert set(final["checksums"].values()) == set(ref_final["checksums"].values())
+
+
+def test_coordinator_sigkill_checkpoints_and_resume_reproduces(
+    tmp_path: Path, data_cache_dir: Path, reference: Path
+) -> None:
+    out = tmp_path / "orphaned"
+    proc = _start(out, data_cache_dir)
+    _wait_for_step(proc, out, 8)
+    pid = json.loads((out / "coordinator.json").read_text())["pid"]
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "coordinator died (killed by SIGKILL)" in lines[0] and f"--resume {out}" in lines[0], lines[0]
+    # Every worker noticed at once (connection reset) and stopped cleanly with a clear message.
+    for wid in (0, 1):
+        log = (out / "logs" / f"worker-{wid}.log").read_text()
+        assert "the coordinator is gone" in log and "Traceback" not in log, log[-2000:]
+    lost = read_metrics(out, "coordinator_lost")[0]
+    assert lost["time"] - killed_at < 2.0 + 5.0  # detection within the heartbeat bound, plus the save
+    assert lost["step"] >= 9 and not read_metrics(out, "final")
+    saved = ckpt.load_latest(out)
+    assert saved is not None and saved.step == lost["step"]
+    problems, leftovers = ckpt.verify_all(out)
+    assert not problems and not leftovers
+    # The steps committed before the death are all in the metrics (the leader wrote what was not drained).
+    assert sorted(step_losses(out)) == list(range(lost["step"]))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "unbroken", "train", "--resume", str(out), "--workers", "2", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_metrics(out, "resume")[-1]["step"] == lost["step"]
+    ref_losses, losses = step_losses(reference), step_losses(out)
+    assert sorted(losses) == list(range(STEPS))
+    assert all(losses[s] == ref_losses[s] for s in range(STEPS)), "losses differ from the uninterrupted run"
+    ref_params, params = final_params(reference), final_params(out)
+    assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "token", "message"),
+    [
+        (["coordinator", "--workers", "2", "--host", "0.0.0.0", "--port", "0"], None, "UNBROKEN_TOKEN is not set"),
+        (["coordinator", "--workers", "2", "--port", "0"], "short", "use at least 16"),
+        (["worker", "--coordinator", "127.0.0.1:1"], None, "UNBROKEN_TOKEN is not set"),
+    ],
+)
+def test_standalone_processes_need_the_token(
+    tmp_path: Path, command: list[str], token: str | None, message: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "UNBROKEN_TOKEN"}
+    if token is not None:
+        env["UNBROKEN_TOKEN"] = token
+    run_dir = tmp_path / "run"
+    args = [*command, "--run-dir", str(run_dir)] if command[0] == "coordinator" else command
+    result = _cli(*args, env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not run_dir.exists()

@@ -1,0 +1,187 @@
+"""The coordinator's gateway on real sockets: only holders of the job's token reach the store.
+
+The store is a real TCPStore listening on 127.0.0.1; the gateway serves a public port in front of it, as
+the coordinator does. Attackers are real clients: garbage bytes, a wrong token, silence, a flood, a raw
+TCPStore client, and another process racing for a worker's local tunnel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from torch.distributed import TCPStore
+
+from unbroken.gateway import MAGIC, MAX_PENDING, NONCE_BYTES, Gateway, Tunnel, TunnelError, new_token
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Served:
+    store: TCPStore  # the coordinator's own (master) handle
+    gateway: Gateway
+    address: str
+    token: str
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    internal = socket.socket()
+    internal.bind(("127.0.0.1", 0))
+    internal.listen(128)
+    port = internal.getsockname()[1]
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=internal.fileno(),
+        use_libuv=True,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    public = socket.socket()
+    public.bind(("127.0.0.1", 0))
+    public.listen(1024)
+    token = new_token()
+    gateway = Gateway(public, ("127.0.0.1", port), token, handshake_timeout_s=1.0)
+    store.set("epoch", "1")
+    yield Served(store, gateway, f"127.0.0.1:{public.getsockname()[1]}", token)
+    gateway.close()
+    internal.close()
+
+
+def client(served: Served, token: str | None = None) -> TCPStore:
+    tunnel = Tunnel(served.address, token or served.token, 5.0)
+    return TCPStore(
+        "127.0.0.1", tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the peer closes ``sock`` within ``seconds`` (whatever it sent before)."""
+    sock.settimeout(seconds)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if sock.recv(4096) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset
+    return False
+
+
+def test_token_holder_reaches_the_store(served: Served) -> None:
+    c = client(served)
+    assert c.get("epoch") == b"1"
+    c.set("hb/0", "1")
+    assert served.store.get("hb/0") == b"1"
+    assert served.gateway.admitted == 1
+
+
+@pytest.mark.parametrize("payload", [b"\x00" * 64, os.urandom(64), os.urandom(2**20), b"GET / HTTP/1.1\r\n\r\n" * 4])
+def test_garbage_is_refused_and_the_store_is_untouched(served: Served, payload: bytes) -> None:
+    keys = served.store.num_keys()
+    sock = socket.create_connection(("127.0.0.1", served.port))
+    greeting = sock.recv(len(MAGIC) + NONCE_BYTES)
+    assert greeting.startswith(MAGIC)  # the greeting carries only a random challenge
+    try:
+        sock.sendall(payload)
+    except OSError:
+        pass  # the gateway may close before a large payload is fully sent
+    assert closed_within(sock, 3.0)
+    sock.close()
+    assert served.store.num_keys() == keys
+    assert served.gateway.rejected >= 1 and served.gateway.admitted == 0
+    assert client(served).get("epoch") == b"1"  # and the gateway still serves
+
+
+def test_wrong_token_is_refused(served: Served) -> None:
+    with pytest.raises(TunnelError, match="refused this process's UNBROKEN_TOKEN"):
+        Tunnel(served.address, new_token(), 5.0)
+    assert served.gateway.rejected == 1 and served.gateway.admitted == 0
+
+
+def test_client_must_not_trust_a_coordinator_without_the_token(served: Served) -> None:
+    # A fake coordinator that greets correctly but cannot prove the token: the client hangs up.
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen(1)
+
+    import threading
+
+    def impostor() -> None:
+        conn, _ = fake.accept()
+        conn.sendall(MAGIC + os.urandom(NONCE_BYTES))
+        conn.recv(64)
+        conn.sendall(os.urandom(32))
+        time.sleep(0.5)
+        conn.close()
+
+    threading.Thread(target=impostor, daemon=True).start()
+    with pytest.raises(TunnelError, match="does not hold the job's token"):
+        Tunnel(f"127.0.0.1:{fake.getsockname()[1]}", served.token, 5.0)
+    fake.close()
+
+
+def test_silent_client_is_closed_after_the_handshake_timeout(served: Served) -> None:
+    sock = socket.create_connection(("127.0.0.1", served.port))
+    c = client(served)  # others are served meanwhile
+    c.set("x", "1")
+    assert closed_within(sock, 4.0)
+    assert served.gateway.timed_out == 1
+
+
+def test_a_flood_of_silent_connections_does_not_lock_workers_out(served: Served) -> None:
+    flood = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(MAX_PENDING + 50)]
+    time.sleep(0.2)
+    assert client(served).get("epoch") == b"1"
+    assert served.gateway.dropped >= 50
+    for s in flood:
+        s.close()
+
+
+def test_raw_tcpstore_client_gets_nothing(served: Served) -> None:
+    keys = served.store.num_keys()
+    with pytest.raises(RuntimeError):
+        raw = TCPStore(
+            "127.0.0.1",
+            served.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=2),
+        )
+        raw.get("epoch")
+    assert served.store.num_keys() == keys and served.gateway.admitted == 0
+
+
+def test_another_process_cannot_take_over_a_local_tunnel(served: Served) -> None:
+    tunnel = Tunnel(served.address, served.token, 5.0)
+    # Another process connects to the tunnel's local port before our store client does.
+    script = (
+        "import socket,sys\n"
+        f"s=socket.create_connection(('127.0.0.1',{tunnel.port}))\n"
+        "s.settimeout(3)\n"
+        "s.sendall(b'x'*16)\n"
+        "try:\n    data=s.recv(100)\nexcept OSError:\n    data=b''\n"
+        "sys.exit(0 if data==b'' else 1)\n"
+    )
+    intruder = subprocess.run([sys.executable, "-c", script], timeout=30)
+    assert intruder.returncode == 0, "the intruder was given a connection to the store"
+    c = TCPStore(
+        "127.0.0.1", tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
+    assert c.get("epoch") == b"1"

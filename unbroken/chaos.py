@@ -1,0 +1,460 @@
+"""The chaos campaign behind ``unbroken chaos``: many short real runs with seeded random faults, each checked
+against the invariants a fault-tolerant run must keep; and the churn run that measures leaks.
+
+Owns fault campaigns, not fault mechanics: every fault goes through the failure-schedule grammar and the
+launcher's injection (``failures``, ``launcher``), on real processes with real signals. A trial is fully
+determined by its seed (``unbroken chaos --seed S --trials 1`` reproduces trial S). Each run is compared
+with one failure-free reference run of the same configuration in exact-reduction mode.
+
+Invariants checked after every run (a violation names the trial's seed):
+  finished      the run exited 0 and published its final record, within the trial timeout (no hang)
+  detection     every failure was detected within ``comm.heartbeat_timeout_s`` + ``DETECTION_SLACK_S``
+  progress      no gap between consecutive committed steps longer than the heartbeat timeout + ``STALL_SLACK_S``
+  counted once  every step 0..N-1 was committed, and each committed step counted each of its M microbatches
+                exactly once (the reduced count vector, recorded in the step's metrics)
+  identical     every live worker ended with the same parameters (the final checksum record)
+  reference     the final parameters and every step's loss equal the failure-free run's, bit for bit
+  checkpoints   every checkpoint with a manifest verifies (size, sha256, loads); partial files are ignored
+
+The churn run (``unbroken chaos --churn 50``) makes workers die and rejoin until the membership changed
+that many times and samples, from /proc, the memory (RSS), threads, open file descriptors and sockets of
+the coordinator and of a worker that lives through all of it; it stops the run once every worker is back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken import checkpoint as ckpt
+from unbroken.failures import STEP_PHASES, FailureSchedule
+from unbroken.metrics import read_metrics
+
+KINDS = (
+    "kill",
+    "double-kill",
+    "pause",
+    "hang",
+    "slow",
+    "cut",
+    "kill-while-receiving",
+    "kill-during-checkpoint",
+    "kill-during-optimizer",
+)
+DETECTION_SLACK_S = 1.5  # the coordinator's tick, the launcher's poll and a loaded 2-core machine
+STALL_SLACK_S = 10.0  # a step of 4 workers on 2 shared cores takes up to ~1-2 s under load
+CHECKPOINT_EVERY = 5
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Trial:
+    """One run's faults: the schedule, and which campaign fault each event belongs to."""
+
+    seed: int
+    events: list[str]
+    labels: dict[str, str]  # event text -> fault kind (KINDS)
+    primary: str
+
+    @property
+    def schedule(self) -> str:
+        return "; ".join(self.events)
+
+
+def make_trial(seed: int, workers: int, steps: int) -> Trial:
+    """The faults of trial ``seed``: its primary kind is ``KINDS[seed % len(KINDS)]``, plus 0-2 random
+    others. The last worker is never touched, so someone always holds the state; every fault rejoins."""
+    assert workers >= 3 and steps >= 12
+    rng = random.Random(seed)
+    primary = KINDS[seed % len(KINDS)]
+    kinds = [primary] + [rng.choice(KINDS) for _ in range(rng.randint(0, 2))]
+    victims = list(range(workers - 1))
+    busy: dict[int, list[int]] = {}  # worker -> steps it has faults at (kept apart so each can fire)
+    events: list[str] = []
+    labels: dict[str, str] = {}
+
+    def free(worker: int, step: int) -> bool:
+        return all(abs(step - s) >= 6 for s in busy.get(worker, []))
+
+    def add(text: str, label: str, worker: int, step: int) -> None:
+        events.append(text)
+        labels[text] = label
+        busy.setdefault(worker, []).append(step)
+
+    # Early enough that a killed worker (about 3-5 s to restart here) can rejoin before the run ends.
+    last = max(3, int(steps * 0.5))
+    for kind in kinds:
+        for _attempt in range(20):
+            step = rng.randint(2, last // 2 if kind == "kill-while-receiving" else last)
+            worker = 0 if kind == "kill-during-checkpoint" else rng.choice(victims)
+            if free(worker, step):
+                break
+        else:
+            continue
+        phase = rng.choice(STEP_PHASES)
+        rejoin = f"rejoin={rng.uniform(0.2, 2.0):.1f}"
+        if kind == "kill":
+            add(f"kill:worker={worker},step={step},phase={phase},{rejoin}", kind, worker, step)
+        elif kind == "kill-during-optimizer":
+            add(f"kill:worker={worker},step={step},phase=optimizer,{rejoin}", kind, worker, step)
+        elif kind == "kill-during-checkpoint":
+            add(f"kill:worker={worker},step={step},phase=checkpoint,{rejoin}", kind, worker, step)
+        elif kind == "double-kill":
+            others = [w for w in victims if w != worker and free(w, step)]
+            if not others:
+                continue
+            second = rng.choice(others)
+            for w in (worker, second):
+                add(f"kill:worker={w},step={step},phase={phase},{rejoin}", kind, w, step)
+        elif kind == "kill-while-receiving":
+            add(f"kill:worker={worker},step={step},phase={phase},{rejoin}", "kill", worker, step)
+            add(f"kill:worker={worker},step={step},phase=receive,{rejoin}", kind, worker, step)
+        elif kind == "pause":
+            seconds = rng.uniform(0.2, 2.0 * HEARTBEAT_TIMEOUT_S)
+            add(f"pause:worker={worker},step={step},phase={phase},seconds={seconds:.1f},{rejoin}", kind, worker, step)
+        elif kind == "hang":
+            add(f"hang:worker={worker},step={step},phase={phase},{rejoin}", kind, worker, step)
+        elif kind == "cut":
+            add(f"cut:worker={worker},step={step},phase={phase},{rejoin}", kind, worker, step)
+        elif kind == "slow":
+            end = min(steps - 1, step + rng.randint(3, 10))
+            add(f"slow:worker={worker},factor={rng.randint(2, 6)},steps={step}-{end}", kind, worker, step)
+    # Normalise the texts the way the launcher reports them (describe()), so injections map to labels.
+    schedule = FailureSchedule.parse("; ".join(events))
+    schedule.validate(workers, steps)
+    normalised = [e.describe() for e in schedule.events]
+    return Trial(seed, normalised, {n: labels[t] for n, t in zip(normalised, events, strict=True)}, primary)
+
+
+@dataclass
+class Reference:
+    losses: dict[int, float]
+    checksum: str
+    wall_s: float
+
+
+@dataclass
+class Outcome:
+    trial: Trial
+    code: int | None
+    wall_s: float
+    injected: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+    max_detection_s: float = 0.0
+    max_stall_s: float = 0.0
+    leftovers: int = 0
+
+
+def _train_cmd(config: str, out: Path, workers: int, steps: int, overrides: list[str], schedule: str) -> list[str]:
+    cmd = [sys.executable, "-m", "unbroken", "train", config, "--workers", str(workers), "--out", str(out)]
+    cmd += [
+        "--quiet",
+        "--recovery.reduction=exact",
+        f"--train.steps={steps}",
+        f"--checkpoint.every={CHECKPOINT_EVERY}",
+        f"--comm.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+        *overrides,
+    ]
+    if schedule:
+        cmd.append(f"--failures.schedule={schedule}")
+    return cmd
+
+
+def _run(cmd: list[str], timeout_s: float) -> tuple[int | None, float]:
+    """Run ``cmd``; on timeout, Ctrl-C it (the launcher stops what it started), then kill it. None: hung."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.communicate(timeout=timeout_s)
+        return proc.returncode, time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        return None, time.monotonic() - t0
+
+
+def reference_run(config: str, out: Path, workers: int, steps: int, overrides: list[str]) -> Reference:
+    """The failure-free run every trial is compared with."""
+    code, wall = _run(_train_cmd(config, out, workers, steps, overrides, ""), 600)
+    final = read_metrics(out, "final")
+    if code != 0 or not final:
+        raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
+    losses = {r["step"]: r["loss"] for r in read_metrics(out, "step")}
+    return Reference(losses, next(iter(final[-1]["checksums"].values())), wall)
+
+
+def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, microbatches: int) -> None:
+    """Fill ``outcome`` with what was injected and every invariant the run broke (see the module doc)."""
+    v = outcome.violations
+    if outcome.code is None:
+        v.append(f"hang: no exit within the trial timeout ({outcome.wall_s:.0f} s)")
+    elif outcome.code != 0:
+        v.append(f"exit status {outcome.code}")
+    records = read_metrics(run_dir)
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_type.setdefault(str(r.get("type")), []).append(r)
+    for r in by_type.get("injected", []):
+        outcome.injected[outcome.trial.labels.get(r["event"], "other")] += 1
+    committed = {r["step"] for r in by_type.get("step", [])}
+    for text, label in outcome.trial.labels.items():
+        if label == "slow":
+            first, last = (int(x) for x in text.rsplit("=", 1)[1].split("-"))
+            if any(first <= s <= last for s in committed):
+                outcome.injected[label] += 1
+    final = by_type.get("final", [])
+    if not final:
+        v.append("the run did not finish (no final record)")
+    else:
+        checksums = final[-1]["checksums"]
+        if not final[-1]["identical"]:
+            v.append(f"live workers hold different parameters: {checksums}")
+        if set(checksums.values()) != {ref.checksum}:
+            v.append("final parameters differ from the failure-free reference")
+    bound = HEARTBEAT_TIMEOUT_S + DETECTION_SLACK_S
+    for f in by_type.get("failure", []):
+        if "detection_s" in f:
+            outcome.max_detection_s = max(outcome.max_detection_s, f["detection_s"])
+            if f["detection_s"] > bound:
+                v.append(f"worker {f['worker']}: detected after {f['detection_s']:.2f} s (bound {bound:.1f} s)")
+    missing = sorted(set(range(steps)) - committed)
+    if missing:
+        v.append(f"steps never committed: {missing[:10]}")
+    times = sorted(r["time"] for r in by_type.get("step", []) if not r.get("republished"))
+    stalls = [b - a for a, b in zip(times, times[1:], strict=False)]
+    outcome.max_stall_s = max(stalls, default=0.0)
+    if outcome.max_stall_s > HEARTBEAT_TIMEOUT_S + STALL_SLACK_S:
+        v.append(f"no step committed for {outcome.max_stall_s:.1f} s")
+    for r in by_type.get("step", []):
+        if "counted" in r and (r["counted"] != microbatches or not r["counted_once"] or r["dropped"]):
+            v.append(f"step {r['step']}: microbatches counted {r['counted']} (once each: {r['counted_once']})")
+        if r["step"] in ref.losses and r["loss"] != ref.losses[r["step"]]:
+            v.append(f"step {r['step']}: loss {r['loss']!r} != failure-free {ref.losses[r['step']]!r}")
+    problems, leftovers = ckpt.verify_all(run_dir)
+    v += [f"damaged checkpoint {p}" for p in problems]
+    outcome.leftovers = len(leftovers)
+
+
+def run_trial(
+    config: str, out: Path, seed: int, workers: int, steps: int, overrides: list[str], ref: Reference
+) -> Outcome:
+    trial = make_trial(seed, workers, steps)
+    run_dir = out / f"trial-{seed}"
+    timeout = 3 * ref.wall_s + 90
+    code, wall = _run(_train_cmd(config, run_dir, workers, steps, overrides, trial.schedule), timeout)
+    outcome = Outcome(trial, code, wall)
+    check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
+    return outcome
+
+
+def _microbatches(config: str, overrides: list[str]) -> int:
+    from unbroken.config import load_config
+
+    return load_config(config, overrides).train.microbatches
+
+
+def print_table(outcomes: list[Outcome], header: str) -> None:
+    injected: Counter[str] = Counter()
+    survived: Counter[str] = Counter()
+    broken: Counter[str] = Counter()
+    for o in outcomes:
+        injected.update(o.injected)
+        (broken if o.violations else survived).update(o.injected)
+    print(header)
+    print(f"{'fault':<24} {'injected':>9} {'survived':>9} {'in runs with a violation':>25}")
+    for kind in (*KINDS, *sorted(set(injected) - set(KINDS))):
+        print(f"{kind:<24} {injected[kind]:>9} {survived[kind]:>9} {broken[kind]:>25}")
+    total, ok = sum(injected.values()), sum(survived.values())
+    print(f"{'total':<24} {total:>9} {ok:>9} {total - ok:>25}")
+    bad = [o for o in outcomes if o.violations]
+    detection = max((o.max_detection_s for o in outcomes), default=0.0)
+    stall = max((o.max_stall_s for o in outcomes), default=0.0)
+    leftovers = sum(o.leftovers for o in outcomes)
+    print(
+        f"runs: {len(outcomes)}, with a violation: {len(bad)}; slowest detection {detection:.2f} s; "
+        f"longest wait between two commits {stall:.2f} s; partial checkpoint files left (ignored): {leftovers}"
+    )
+    for o in bad:
+        print(f"VIOLATION seed {o.trial.seed} (schedule: {o.trial.schedule}):")
+        for line in o.violations[:8]:
+            print(f"    {line}")
+
+
+def run_campaign(
+    config: str, trials: int, seed: int, workers: int, steps: int, out: Path | None, keep: bool, overrides: list[str]
+) -> int:
+    """Run ``trials`` trials (seeds ``seed`` .. ``seed + trials - 1``); 0 if no invariant was broken."""
+    if trials < 1 or workers < 3 or steps < 12:
+        raise ValueError(
+            f"chaos needs --trials >= 1, --workers >= 3 and --steps >= 12 (got {trials}, {workers}, {steps})"
+        )
+    base = Path(tempfile.mkdtemp(prefix="unbroken-chaos-")) if out is None else out
+    base.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    ref = reference_run(config, base / "reference", workers, steps, overrides)
+    print(f"reference run: {steps} steps in {ref.wall_s:.1f} s", flush=True)
+    outcomes = []
+    for s in range(seed, seed + trials):
+        o = run_trial(config, base, s, workers, steps, overrides, ref)
+        outcomes.append(o)
+        status = "ok" if not o.violations else f"{len(o.violations)} VIOLATION(S)"
+        faults = ", ".join(f"{k} x{n}" for k, n in sorted(o.injected.items())) or "none fired"
+        print(f"trial seed {s}: {o.wall_s:.1f} s, injected {faults}: {status}", flush=True)
+        if not o.violations and not keep:
+            shutil.rmtree(base / f"trial-{s}", ignore_errors=True)
+    header = (
+        f"chaos campaign: {trials} runs (seeds {seed}..{seed + trials - 1}), {workers} workers, {steps} steps, "
+        f"exact reduction, {time.monotonic() - t0:.0f} s"
+    )
+    print_table(outcomes, header)
+    summary = {
+        "seeds": [seed, seed + trials - 1],
+        "workers": workers,
+        "steps": steps,
+        "outcomes": [
+            {
+                "seed": o.trial.seed,
+                "schedule": o.trial.schedule,
+                "injected": dict(o.injected),
+                "violations": o.violations,
+                "wall_s": o.wall_s,
+                "max_detection_s": o.max_detection_s,
+                "max_stall_s": o.max_stall_s,
+                "leftovers": o.leftovers,
+            }
+            for o in outcomes
+        ],
+    }
+    (base / "chaos.json").write_text(json.dumps(summary, indent=1))
+    if any(o.violations for o in outcomes):
+        print(f"reproduce one: unbroken chaos --seed SEED --trials 1 (runs kept in {base})")
+        return 1
+    if out is None and not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Churn: leaks under many membership changes
+
+
+def proc_sample(pid: int) -> dict[str, int] | None:
+    """RSS (KiB), threads, open file descriptors and sockets of ``pid`` from /proc; None if it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            continue
+    return {
+        "rss_kib": int(fields["VmRSS"].split()[0]),
+        "threads": int(fields["Threads"]),
+        "fds": len(fds),
+        "sockets": sockets,
+    }
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").split("\0")
+    except OSError:
+        return []
+
+
+def default_config() -> str:
+    """``configs/tiny.toml`` of a source checkout; ValueError if there is none."""
+    path = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+    if not path.is_file():
+        raise ValueError("give a CONFIG (chaos runs many short runs; a tiny model such as configs/tiny.toml)")
+    return str(path)
+
+
+def churn_schedule(changes: int, workers: int) -> str:
+    """Workers 1..W-1 are killed at step 2, then again each time they receive the state to rejoin, until the
+    membership changed about ``changes`` times; worker 0 lives through all of it. Each kill while receiving
+    is two changes (joined, died)."""
+    victims = list(range(1, workers))
+    per_victim = -(-changes // len(victims))  # first death and last join, then 2 per kill while rejoining
+    rekills = max(0, -(-(per_victim - 2) // 2)) + 1  # +1: two joins in one epoch are one change
+    events = [f"kill:worker={w},step=2,phase=start,rejoin=0.2" for w in victims]
+    for k in range(rekills):
+        events += [f"kill:worker={w},step={k},phase=receive,rejoin=0.2" for w in victims]
+    return "; ".join(events)
+
+
+def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | None, overrides: list[str]) -> int:
+    """One run with about ``changes`` membership changes; samples the coordinator and worker 0 every 0.5 s
+    and stops the run (Ctrl-C) once every worker is back after the last change."""
+    base = Path(tempfile.mkdtemp(prefix="unbroken-churn-")) if out is None else out
+    run_dir = base / "churn"
+    schedule = churn_schedule(changes, workers)
+    cmd = _train_cmd(config, run_dir, workers, steps, overrides, schedule)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples: dict[str, list[tuple[float, int, dict[str, int]]]] = {"coordinator": [], "worker 0": []}
+    t0 = time.monotonic()
+    settled_at: float | None = None
+    while proc.poll() is None:
+        time.sleep(0.5)
+        memberships = read_metrics(run_dir, "membership")
+        for child in _children(proc.pid):
+            args = _cmdline(child)
+            name = "coordinator" if "coordinator" in args else "worker 0" if args[-2:] == ["--worker-id", "0"] else ""
+            if name:
+                sample = proc_sample(child)
+                if sample is not None:
+                    samples[name].append((time.monotonic() - t0, len(memberships), sample))
+        if memberships and len(memberships[-1]["members"]) == workers and len(memberships) > 1:
+            quiet = time.time() - memberships[-1]["time"]
+            if settled_at is None and (len(memberships) > changes or quiet > 30.0):
+                settled_at = time.monotonic()
+        if settled_at is not None and time.monotonic() > settled_at + 10.0:
+            proc.send_signal(signal.SIGINT)  # enough: every worker is back, 10 s of samples after the last change
+            break
+    proc.communicate(timeout=120)
+    memberships = read_metrics(run_dir, "membership")
+    steps_done = len({r["step"] for r in read_metrics(run_dir, "step")})
+    print(
+        f"churn run: {len(memberships) - 1} membership changes, {steps_done} steps, "
+        f"{time.monotonic() - t0:.0f} s (exit {proc.returncode})"
+    )
+    report: dict[str, Any] = {"changes": len(memberships) - 1, "steps": steps_done, "schedule": schedule}
+    for name, rows in samples.items():
+        if not rows:
+            continue
+        warm = [r for r in rows if r[1] >= 5] or rows  # after the first changes, when everything is loaded
+        first, last = warm[0][2], rows[-1][2]
+        peak = {k: max(r[2][k] for r in rows) for k in first}
+        report[name] = {"after_first_changes": first, "peak": peak, "at_end": last, "samples": rows}
+        print(f"{name:<12} " + "; ".join(f"{k} {first[k]} -> {last[k]} (peak {peak[k]})" for k in first))
+    (base / "churn.json").write_text(json.dumps(report, indent=1))
+    print(f"samples in {base / 'churn.json'}")
+    return 0 if settled_at is not None else 1
