@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import statistics
@@ -35,6 +36,7 @@ from unbroken.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.metrics import format_step
 
 POLL_S = 0.005
+IDLE_WAIT_S = 0.025  # the main loop's period without injections; a process exit wakes it at once
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -394,7 +396,8 @@ class Launcher:
                     assert self.coordinator is not None
                     if self.coordinator.poll() is not None:
                         break
-                    time.sleep(POLL_S)
+                    # Injections need a prompt answer (the worker waits at its phase to be signalled).
+                    self._wait_for_exit(POLL_S if self.cfg.failures.schedule else IDLE_WAIT_S)
                 for record in self._new_records():
                     progress.update(record)
             return self._finish(time.monotonic() - started)
@@ -435,6 +438,21 @@ class Launcher:
         failures = sum(1 for r in self._records if r.get("type") == "failure")
         exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.down)
         return failures > self.failures_handled or exited
+
+    def _wait_for_exit(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s``, waking as soon as a process we started exits (Linux pidfds; elsewhere
+        a plain sleep). The workers share the machine's cores: a busy launcher would slow them down."""
+        procs = [p for p in (*self.workers.values(), self.coordinator) if p is not None and p.returncode is None]
+        fds: list[int] = []
+        try:
+            for p in procs:
+                fds.append(os.pidfd_open(p.pid))
+            select.select(fds, [], [], timeout_s)
+        except (AttributeError, OSError):
+            time.sleep(timeout_s)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
