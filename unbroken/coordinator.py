@@ -433,6 +433,11 @@ class CoordinatorClient:
             self._lost_event.wait(timeout_s)
         return self.lost
 
+    def new_connection(self) -> TCPStore:
+        """Another authenticated connection to the store, for a blocking user such as a group's rendezvous:
+        a wait abandoned on it cannot hold up this client's own store calls, which share one socket."""
+        return connect_store(self.address, token=self.token)
+
     def config_toml(self) -> str:
         return self.store.get("config").decode()
 

@@ -188,6 +188,7 @@ class Worker:
         # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
         # they all take in joiners at the same step boundary (a join interrupts no collective).
         self.switch_epoch = 0
+        self.recovering = False  # inside recover(): see interrupted()
         self.quotas: dict[int, int] = {}  # microbatches per worker in the step's plan (for the metrics)
         self.resume_pending = False
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
@@ -204,8 +205,12 @@ class Worker:
         stopped (cached, cheap). A join does not interrupt: the group's collectives complete, and the joiner
         is taken in at the next step boundary."""
         assert self.client is not None and self.group is not None
-        group = self.group
-        return self.client.stopped is not None or self.client.removed_since(group.epoch, group.members)
+        group, client = self.group, self.client
+        if client.stopped is not None or client.removed_since(group.epoch, group.members):
+            return True
+        # While recovering, any newer epoch interrupts: members may skip an epoch that is already superseded,
+        # so a collective on it might never be matched.
+        return self.recovering and client.latest_epoch > group.epoch
 
     def _wait(self, pending: list[Pending]) -> None:
         if not wait_all(pending, self.cfg.comm.op_timeout_s, self.interrupted):
@@ -225,7 +230,7 @@ class Worker:
                     raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
                 raise StopRun(reason or "no new membership epoch was published in time")
             group = form_group(
-                client.store,
+                client.new_connection(),  # its own: an abandoned rendezvous may block in a store wait
                 epoch.epoch,
                 epoch.members,
                 self.wid,
@@ -491,6 +496,13 @@ class Worker:
         always match.
         """
         old_members = self.group.members if self.group is not None else ()  # before any re-formation
+        self.recovering = True
+        try:
+            return self._recover(old_members)
+        finally:
+            self.recovering = False
+
+    def _recover(self, old_members: tuple[int, ...]) -> list[int]:
         while True:
             t0 = time.monotonic()
             old_epoch = self.group.epoch if self.group is not None else 0
@@ -818,7 +830,7 @@ def run_worker(address: str, worker_id: int | None, run_dir: str | None = None) 
     init_logger(f"worker {client.worker_id}")
     try:
         worker.train(client)
-    except (StopRun, RuntimeError) as e:
+    except (StopRun, RuntimeError, TunnelError) as e:
         # A store call that fails (RuntimeError) means the connection to the coordinator broke; the
         # watcher says whether the coordinator is gone or only this worker was cut off.
         lost = client.lost if isinstance(e, StopRun) else client.wait_lost(2 * comm.heartbeat_timeout_s + 1.0)
