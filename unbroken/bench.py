@@ -398,9 +398,13 @@ def bench_convergence(
                     *overrides,
                 ],
             )
-            rows.append(_convergence_row(scenario, policy, _run_with_schedule(cfg, workers), workers))
-    for row in rows:
-        row["ppl_vs_reference"] = row["val_ppl"] / reference["val_ppl"] - 1.0
+            try:
+                row = _convergence_row(scenario, policy, _run_with_schedule(cfg, workers), workers)
+                row["ppl_vs_reference"] = row["val_ppl"] / reference["val_ppl"] - 1.0
+            except RuntimeError as e:  # e.g. every worker down at once: the job stops, as a real one would
+                row = {"scenario": scenario, "policy": policy, "error": str(e).splitlines()[0]}
+            print(json.dumps(row), file=sys.stderr, flush=True)  # progress: a long benchmark
+            rows.append(row)
     return {"workers": workers, "steps": steps, "step_time_s": step_time, "reference": reference, "rows": rows}
 
 
@@ -435,6 +439,9 @@ def format_convergence(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['scenario']} | {r['policy']} | run failed: {r['error']} |" + " |" * 10)
+            continue
         ratio = r["step_time_down_s"] / r["step_time_up_s"]
         lines.append(
             f"| {r['scenario']} | {r['policy']} | {r['kills']} | {r['steps_degraded']} | {r['efficient_microbatches']} "
@@ -527,13 +534,26 @@ def machine() -> str:
     )
 
 
+def _commit(where: Path) -> str:
+    """``, commit abc1234`` (``+`` if the tree has changes) in a git checkout; empty elsewhere."""
+    try:
+        run = lambda *args: subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=10)  # noqa: E731
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return ""
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return f", commit {head.stdout.strip()}{'+' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def record(name: str, command: str, body: str, doc: Path = DOC) -> None:
     """Replace (or append) section ``name`` of docs/benchmarks.md: the command, when, where, the table.
 
     A section lies between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; text outside the markers
     (the discussion) is kept. Written atomically (temporary file, rename)."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + _commit(doc.parent)
     section = f"{start}\n```sh\n{command}\n```\n\n{stamp}, {machine()}\n\n{body}\n{end}"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if start in text and end in text:

@@ -295,6 +295,29 @@ def print_table(outcomes: list[Outcome], header: str) -> None:
             print(f"    {line}")
 
 
+def _write_summary(path: Path, outcomes: list[Outcome], workers: int, steps: int) -> None:
+    summary = {
+        "workers": workers,
+        "steps": steps,
+        "outcomes": [
+            {
+                "seed": o.trial.seed,
+                "schedule": o.trial.schedule,
+                "injected": dict(o.injected),
+                "violations": o.violations,
+                "wall_s": o.wall_s,
+                "max_detection_s": o.max_detection_s,
+                "max_stall_s": o.max_stall_s,
+                "leftovers": o.leftovers,
+            }
+            for o in outcomes
+        ],
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)
+
+
 def run_campaign(
     config: str, trials: int, seed: int, workers: int, steps: int, out: Path | None, keep: bool, overrides: list[str]
 ) -> int:
@@ -314,33 +337,19 @@ def run_campaign(
         outcomes.append(o)
         status = "ok" if not o.violations else f"{len(o.violations)} VIOLATION(S)"
         faults = ", ".join(f"{k} x{n}" for k, n in sorted(o.injected.items())) or "none fired"
-        print(f"trial seed {s}: {o.wall_s:.1f} s, injected {faults}: {status}", flush=True)
+        print(
+            f"trial seed {s}: {o.wall_s:.1f} s, injected {faults}; slowest detection {o.max_detection_s:.2f} s, "
+            f"longest wait between commits {o.max_stall_s:.2f} s: {status}",
+            flush=True,
+        )
         if not o.violations and not keep:
             shutil.rmtree(base / f"trial-{s}", ignore_errors=True)
+        _write_summary(base / "chaos.json", outcomes, workers, steps)  # after each trial, for a stopped campaign
     header = (
         f"chaos campaign: {trials} runs (seeds {seed}..{seed + trials - 1}), {workers} workers, {steps} steps, "
         f"exact reduction, {time.monotonic() - t0:.0f} s"
     )
     print_table(outcomes, header)
-    summary = {
-        "seeds": [seed, seed + trials - 1],
-        "workers": workers,
-        "steps": steps,
-        "outcomes": [
-            {
-                "seed": o.trial.seed,
-                "schedule": o.trial.schedule,
-                "injected": dict(o.injected),
-                "violations": o.violations,
-                "wall_s": o.wall_s,
-                "max_detection_s": o.max_detection_s,
-                "max_stall_s": o.max_stall_s,
-                "leftovers": o.leftovers,
-            }
-            for o in outcomes
-        ],
-    }
-    (base / "chaos.json").write_text(json.dumps(summary, indent=1))
     if any(o.violations for o in outcomes):
         print(f"reproduce one: unbroken chaos --seed SEED --trials 1 (runs kept in {base})")
         return 1

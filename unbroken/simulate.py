@@ -28,7 +28,6 @@ against real runs and the papers' figures are in docs/simulation.md.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +40,6 @@ from unbroken.failures import SCENARIOS, FailureKind, FailureSchedule, Phase
 from unbroken.flavours import FLAVOURS, flops_per_token, model_args, num_params
 from unbroken.sim_engine import Engine, NeedLongerTimeline, makespan
 from unbroken.sim_timeline import HOUR, Timeline, build_timeline, failure_rate_per_s, read_trace
-
-log = logging.getLogger(__name__)
 
 GIVE_UP_S = 10 * 365 * 24 * HOUR  # run.steps only: a policy that has not finished after ten simulated years
 MODELLED_KINDS = (FailureKind.KILL, FailureKind.HANG, FailureKind.CUT)  # a replica stops; the rest is not modelled
@@ -426,12 +423,6 @@ def simulate(sc: Scenario) -> SimResult:
     full_work = np.array([len(full.ids[k]) for k in range(replicas)]) * costs.microbatch_s
     step_s = makespan(full_work, sc.cluster.shared_cores) + costs.allreduce_s(replicas)
     check_finishes(sc, costs, step_s)
-    if any(p.startswith("mecefo") for p in sc.run.policies) and replicas * sc.model.microbatches > 10**7:
-        log.warning(
-            "plan.mecefo_plan takes time proportional to replicas x M (%d x %d) per membership: expect minutes",
-            replicas,
-            sc.model.microbatches,
-        )
     cap_s = GIVE_UP_S
     end_s = sc.run.hours * HOUR if sc.run.hours > 0 else cap_s
     horizon = end_s if sc.run.hours > 0 else min(cap_s, max(HOUR, 2.0 * sc.run.steps * step_s))

@@ -539,8 +539,10 @@ class Worker:
                         "time_reformed": time.time(),
                     }
                 )
-            if self.policy == "drop" and old_epoch > 0 and not set(old_members) <= set(self.group.members):
-                # Someone died: their microbatches are lost. (A join alone loses nothing: plan as usual.)
+            died = not set(old_members) <= set(self.group.members)
+            if self.policy == "drop" and old_epoch > 0 and died and len(missing) < self.M:
+                # Someone died mid-step: their microbatches are lost. (A join alone loses nothing, and a step
+                # nobody had started yet is planned as usual.)
                 return []
             plan = self.plan(missing)
             if len(missing) == self.M:
