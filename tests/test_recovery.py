@@ -49,7 +49,10 @@ def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(runs: 
     memberships = [tuple(m["members"]) for m in read_metrics(run, "membership")]
     assert memberships == [(0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 2, 3)]  # worker 2 came back
     recoveries = read_metrics(run, "recovery")
-    assert {r["step"] for r in recoveries} >= {5, 15}
+    # Worker 1 dies in step 15's reduction: the survivors recover in step 15, or in 16 when its contribution
+    # had already gone out and they committed 15 before noticing.
+    steps_recovered = {r["step"] for r in recoveries}
+    assert 5 in steps_recovered and steps_recovered & {15, 16}
     ref_losses, losses = step_losses(ref), step_losses(run)
     assert sorted(losses) == list(range(50))
     assert all(losses[s] == ref_losses[s] for s in ref_losses), "losses differ from the failure-free run"
@@ -60,7 +63,7 @@ def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(runs: 
     # every committed step counted each of its M microbatches exactly once; recomputation happened
     steps = read_metrics(run, "step")
     assert all(r["dropped"] == 0 for r in steps)
-    assert sum(r["recomputed"] for r in steps) >= 2
+    assert sum(r["recomputed"] for r in steps) >= 1  # 2 when worker 1's contribution had not gone out
 
 
 def test_fp32_mode_with_failures_is_within_tolerance(runs: dict[str, Path]) -> None:
