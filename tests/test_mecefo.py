@@ -12,7 +12,7 @@ import pytest
 import torch
 from runner import final_params, train
 
-from unbroken.metrics import read_metrics, step_losses
+from unbroken.metrics import committed_steps, read_metrics, step_losses
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,7 +52,7 @@ def test_kill_and_rejoin_under_mecefo(runs: dict[str, Path], name: str) -> None:
     assert [f["worker"] for f in read_metrics(run, "failure")] == [2]
     memberships = [tuple(m["members"]) for m in read_metrics(run, "membership")]
     assert memberships == [(0, 1, 2, 3), (0, 1, 3), (0, 1, 2, 3)]
-    steps = {r["step"]: r for r in read_metrics(run, "step") if not r.get("republished")}
+    steps = committed_steps(read_metrics(run))
     assert sorted(steps) == list(range(40))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps.values())
     final = read_metrics(run, "final")[-1]

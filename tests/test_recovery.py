@@ -71,11 +71,12 @@ def test_fp32_mode_with_failures_is_within_tolerance(runs: dict[str, Path]) -> N
     assert sorted(losses) == list(range(50))
     assert max(abs(losses[s] - ref_losses[s]) for s in ref_losses) <= 1e-5
     # fp32 sums in another order differ in the last bit; AdamW's m / sqrt(v) turns that into a visible part
-    # of one update on embedding rows of rare tokens (tiny v). Bound it well below one update (lr = 3e-3);
+    # of one update on embedding rows of rare tokens (tiny v): 1.9e-4 to 2.9e-4 at worst over 6 runs, the
+    # larger when the reduction kill is noticed in step 16. Bound it below a third of one update (lr = 3e-3);
     # the exact mode above is the bitwise answer.
     ref_params, params = final_params(runs["fp32_ref"]), final_params(runs["fp32_failures"])
     for name, tensor in ref_params.items():
-        torch.testing.assert_close(params[name], tensor, rtol=1e-3, atol=3e-4)
+        torch.testing.assert_close(params[name], tensor, rtol=1e-3, atol=1e-3)
         close = torch.isclose(params[name], tensor, rtol=1e-5, atol=1e-5).float().mean()
         assert close > 0.9999, (name, float(close))
 
@@ -130,6 +131,26 @@ def test_last_survivor_finishes_alone(tmp_path: Path, data_cache_dir: Path) -> N
     assert [tuple(m["members"]) for m in read_metrics(out, "membership")][-1] == (0,)
     final = read_metrics(out, "final")[0]
     assert list(final["checksums"]) == ["0"]
+
+
+def test_a_scheduled_kill_of_the_last_alive_member_is_skipped(tmp_path: Path, data_cache_dir: Path) -> None:
+    """Worker 0 is down (back only after the run) when worker 1's kill comes: killing it would lose the
+    training state, so the launcher spares it, records why, and the run finishes on worker 1."""
+    out = tmp_path / "spared"
+    result = train(
+        out,
+        data_cache_dir,
+        "--train.steps=10",
+        "--checkpoint.every=0",
+        "--failures.schedule=kill:worker=0,step=2,phase=backward,rejoin=600; kill:worker=1,step=5,phase=forward",
+        workers=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(step_losses(out)) == list(range(10))
+    assert [f["worker"] for f in read_metrics(out, "failure")] == [0]
+    skipped = read_metrics(out, "injection_skipped")
+    assert [(s["worker"], s["event"]) for s in skipped] == [(1, "kill:worker=1,step=5,phase=forward")]
+    assert [tuple(m["members"]) for m in read_metrics(out, "membership")] == [(0, 1), (1,)]
 
 
 @pytest.mark.parametrize(

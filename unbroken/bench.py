@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.config import RunConfig, load_config, replace, to_toml
+from unbroken.metrics import committed_steps
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
@@ -318,10 +319,10 @@ def bench_policies(config: str | None, workers: int, overrides: list[str]) -> li
     for policy in ("recover", "drop", "restart"):
         cfg = load_config(config or _tiny_config(), [*base, f"--recovery.policy={policy}", *overrides])
         records = _run_with_schedule(cfg, workers)
-        steps = [r for r in records if r["type"] == "step" and not r.get("republished")]
+        steps = [r for r in records if r["type"] == "step" and not r.get("republished")]  # every commit, timed
+        final = committed_steps(records)
         start = min(r["time"] - r["step_time_s"] for r in steps)
-        wall = max(r["time"] for r in steps) - start
-        final = {r["step"]: r for r in steps}
+        wall = max(r["time"] for r in final.values()) - start
         m = cfg.train.microbatches
         committed = sum(r["tokens"] * (m - r["dropped"]) / m for r in final.values())
         redone_steps = len(steps) - len(final)  # steps committed again after a rollback to a checkpoint
@@ -409,10 +410,11 @@ def bench_convergence(
 
 
 def _convergence_row(scenario: str, policy: str, records: list[dict[str, Any]], workers: int) -> dict[str, Any]:
-    steps = {r["step"]: r for r in records if r["type"] == "step" and not r.get("republished")}
+    steps = committed_steps(records)
     final_eval = max((r for r in records if r["type"] == "eval"), key=lambda r: r["step"])
-    down = [r["step_time_s"] for r in steps.values() if r["alive"] < workers]
-    up = [r["step_time_s"] for r in steps.values() if r["alive"] >= workers and not r["recoveries"]]
+    timed = [r for r in steps.values() if not r.get("republished")]
+    down = [r["step_time_s"] for r in timed if r["alive"] < workers]
+    up = [r["step_time_s"] for r in timed if r["alive"] >= workers and not r["recoveries"]]
     return {
         "scenario": scenario,
         "policy": policy,

@@ -10,13 +10,14 @@ next epoch's group from that intact copy.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,78 @@ class Group:
     rank: int
     pg: dist.ProcessGroup | None  # None for a group of one (every collective is the identity)
     device: torch.device
+    works: list[dist.Work] = field(default_factory=list)  # collectives started on it, not yet seen complete
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+    def track(self, work: dist.Work) -> None:
+        self.works = [w for w in self.works if not w.is_completed()]
+        self.works.append(work)
+
+    def idle(self) -> bool:
+        """No collective of this group is still running (destroying it now would not block)."""
+        return all(w.is_completed() for w in self.works)
+
+
+class _Reaper:
+    """Destroys retired process groups on its own thread, once their collectives have ended.
+
+    Destroying a gloo group joins its worker threads, and a worker thread inside a collective abandoned
+    because a peer died returns only at the group timeout: on the training thread that stalls recovery for
+    the whole timeout (seen as 60 s steps under chaos). A retired group is held here until none of its
+    collectives is running, or until ``hold_s`` has passed, and its last reference is dropped here.
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._held: collections.deque[tuple[float, Group]] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def retire(self, group: Group, hold_s: float) -> None:
+        with self._lock:
+            self._held.append((time.monotonic() + hold_s, group))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="group-reaper", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.POLL_S)
+            self._wake.clear()
+            self._release(time.monotonic())
+
+    def _release(self, now: float) -> None:
+        with self._lock:
+            done = [entry for entry in self._held if entry[0] <= now or entry[1].idle()]
+            for entry in done:
+                self._held.remove(entry)
+        # Returning drops the last references: the groups' destructors run on this thread, outside the lock.
+
+
+_reaper = _Reaper()
+
+
+def retire_group(group: Group | None, hold_s: float) -> None:
+    """Hand over a group that is being replaced: it is destroyed off this thread once it is idle (or after
+    ``hold_s``, past which no collective of it can still be running). The caller must drop its own
+    references to it."""
+    if group is not None and group.pg is not None:
+        _reaper.retire(group, hold_s)
+
+
+def retired_groups() -> int:
+    """Retired groups not yet destroyed (for tests and resource checks)."""
+    return _reaper.held()
 
 
 def form_group(
@@ -152,10 +221,12 @@ def allreduce_async(group: Group, tensor: torch.Tensor) -> Pending:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     try:
-        return Pending(group.pg.allreduce([tensor], opts))
+        work = group.pg.allreduce([tensor], opts)
     except RuntimeError as e:  # a dead group fails at once
         log.warning("allreduce could not start: %s", e)
         return _failed()
+    group.track(work)
+    return Pending(work)
 
 
 def broadcast_async(group: Group, tensor: torch.Tensor, src_rank: int) -> Pending:
@@ -166,10 +237,12 @@ def broadcast_async(group: Group, tensor: torch.Tensor, src_rank: int) -> Pendin
     opts.rootRank = src_rank
     opts.rootTensor = 0
     try:
-        return Pending(group.pg.broadcast([tensor], opts))
+        work = group.pg.broadcast([tensor], opts)
     except RuntimeError as e:
         log.warning("broadcast could not start: %s", e)
         return _failed()
+    group.track(work)
+    return Pending(work)
 
 
 class _FailedWork:
@@ -337,9 +410,12 @@ class GradientReducer:
         return self.extras.clone()
 
     def disarm(self) -> None:
-        """Forget an interrupted reduction (its buffer may be half-reduced; the local part is intact)."""
+        """Forget an interrupted reduction. Its collectives may still run on the abandoned group and write
+        into their buffers, so later reductions get fresh ones; the local contribution is intact."""
         self._group = None
         self._pending = []
+        self.flat = torch.zeros_like(self.flat)
+        self.extras = torch.zeros_like(self.extras)
 
     @torch.no_grad()
     def apply(self, scale: float = 1.0) -> None:

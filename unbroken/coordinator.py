@@ -29,6 +29,7 @@ heartbeat interval to send one. Both react to an event as soon as the store sees
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import logging
@@ -369,7 +370,11 @@ class CoordinatorClient:
         self.stopped: str | None = None
         # Its ops time out within the heartbeat bound, so an unresponsive coordinator is noticed as fast as
         # a dead one.
-        self._watch_store = connect_store(address, max(1.0, heartbeat_timeout_s), token=self.token)
+        # (Connected with the long timeout: opening a connection alone can take seconds, see new_connection.)
+        self._watch_store = connect_store(address, token=self.token)
+        self._watch_store.set_timeout(datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s)))
+        self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
+        self._spare = self._spare_pool.submit(connect_store, address, STORE_TIMEOUT_S, self.token)
         self._hb_interval = heartbeat_interval_s
         self._watch_stop = threading.Event()
         self._watch_thread = threading.Thread(target=self._watch, name="heartbeat+epoch", daemon=True)
@@ -435,8 +440,17 @@ class CoordinatorClient:
 
     def new_connection(self) -> TCPStore:
         """Another authenticated connection to the store, for a blocking user such as a group's rendezvous:
-        a wait abandoned on it cannot hold up this client's own store calls, which share one socket."""
-        return connect_store(self.address, token=self.token)
+        a wait abandoned on it cannot hold up this client's own store calls, which share one socket.
+
+        The connection was opened ahead on a background thread (and the next one is started now): torch
+        formats a new socket's addresses with getnameinfo, a reverse DNS lookup that stalls for the
+        resolver's timeout (5 s) where DNS is slow or unreachable, and recovery must not wait for that."""
+        spare = self._spare
+        self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
+        try:
+            return spare.result(timeout=STORE_TIMEOUT_S)
+        except (RuntimeError, ConnectionError, concurrent.futures.TimeoutError):
+            return connect_store(self.address, token=self.token)  # the spare failed: one more try, here
 
     def config_toml(self) -> str:
         return self.store.get("config").decode()
@@ -488,4 +502,5 @@ class CoordinatorClient:
         """Stop the watcher (it wakes within a heartbeat interval); joined so that no thread is inside a
         store call while the interpreter shuts down."""
         self._watch_stop.set()
+        self._spare_pool.shutdown(wait=False, cancel_futures=True)
         self._watch_thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)

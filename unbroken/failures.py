@@ -41,6 +41,9 @@ class FailureKind(StrEnum):
     SLOW = "slow"
 
 
+FATAL_KINDS = frozenset({FailureKind.KILL, FailureKind.HANG, FailureKind.CUT})  # the worker leaves the group
+
+
 class Phase(StrEnum):
     START = "start"
     FORWARD = "forward"
@@ -176,7 +179,7 @@ class FailureSchedule:
                 )
             if not 0 <= e.step < steps or (e.kind is FailureKind.SLOW and e.last_step >= steps):
                 raise ValueError(f"failure event {e.describe()!r}: step past the end of the run (steps 0..{steps - 1})")
-        fatal = [e for e in self.events if e.kind in (FailureKind.KILL, FailureKind.HANG, FailureKind.CUT)]
+        fatal = [e for e in self.events if e.kind in FATAL_KINDS]
         never_back = {e.worker for e in fatal if e.rejoin_after_s is None}
         if fatal and never_back >= set(range(num_workers)):
             raise ValueError(

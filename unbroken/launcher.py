@@ -31,9 +31,9 @@ from typing import Any
 from unbroken import checkpoint as ckpt
 from unbroken.config import RunConfig, dump_config, replace
 from unbroken.coordinator import bind_listen_socket, connect_store, ring
-from unbroken.failures import FailureKind, build_schedule, parse_event
+from unbroken.failures import FATAL_KINDS, FailureKind, build_schedule, parse_event
 from unbroken.gateway import TOKEN_ENV, new_token, token_from_env
-from unbroken.metrics import format_step
+from unbroken.metrics import committed_steps, format_step
 
 POLL_S = 0.005
 IDLE_WAIT_S = 0.025  # the main loop's period without injections; a process exit wakes it at once
@@ -253,9 +253,20 @@ class Launcher:
                 if not self.store.check([key]):
                     continue
                 info = json.loads(self.store.get(key))
-                self.store.delete_key(key)
                 event = parse_event(info["event"])
                 now = time.time()
+                if event.kind in FATAL_KINDS and not self._other_members_alive(wid):
+                    # A cluster never loses its last copy of the state to a scheduled failure (the paper's
+                    # 32 ranks never all fail); random schedules plan in expected time and can overlap.
+                    self.store.set(f"fired/{info['event']}", "1")
+                    self.store.set(f"skip/{wid}", "1")
+                    self.store.delete_key(key)
+                    record = {"type": "injection_skipped", "worker": wid, "event": info["event"]}
+                    record["why"] = "no other member of the group is alive: it would lose the training state"
+                    seq = self.store.add("metrics/seq", 1)
+                    self.store.set(f"metrics/{seq}", json.dumps({**record, "time": now}, sort_keys=True))
+                    continue
+                self.store.delete_key(key)
                 self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": now}))
                 self.store.set(f"fired/{info['event']}", "1")
                 self.fired.add(info["event"])
@@ -278,6 +289,14 @@ class Launcher:
                 "hung": event.kind is FailureKind.HANG,
                 "seen": len(self._records),
             }
+
+    def _other_members_alive(self, wid: int) -> bool:
+        """Whether a member of the newest epoch other than ``wid`` is alive (not killed, paused or exited)."""
+        assert self.store is not None
+        members = json.loads(self.store.get(f"epoch/{int(self.store.get('epoch'))}"))["members"]
+        return any(
+            w != wid and w not in self.down and w not in self.pauses and self.workers[w].poll() is None for w in members
+        )
 
     def _manage_down(self) -> None:
         """Continue paused workers; kill hung workers once the coordinator excluded them; restart downed
@@ -566,7 +585,7 @@ class _Progress:
 
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Run totals from the metrics records: steps, tokens, losses, throughput, failures and their cost."""
-    steps = {r["step"]: r for r in records if r.get("type") == "step" and not r.get("republished")}
+    steps = committed_steps(records)
     evals = [r for r in records if r.get("type") == "eval"]
     ordered = [steps[s] for s in sorted(steps)]
     tokens = sum(r["tokens"] for r in ordered)

@@ -42,6 +42,18 @@ def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]
     return records
 
 
+def committed_steps(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Step -> the record of its commit, in step order. A step repeated after a restart or resume keeps its
+    last record; a record re-published by a new leader (``republished``: no timing, the original was lost
+    with the old leader or never written because the leader was cut off) only fills a step otherwise missing."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("type") != "step" or (r.get("republished") and r["step"] in by_step):
+            continue
+        by_step[r["step"]] = r
+    return {s: by_step[s] for s in sorted(by_step)}
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Step -> training loss; when a resumed run repeated a step, the last record wins."""
     return {r["step"]: r["loss"] for r in read_metrics(run_dir, "step")}

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.metrics import committed_steps
+
 PLOTS = ("loss.png", "throughput.png", "membership.png")
 # The fields the report reads unconditionally, per record type (metrics.py lists the types).
 REQUIRED = {
@@ -49,12 +51,7 @@ class Run:
     def steps(self) -> list[dict[str, Any]]:
         """Committed step records in step order; a step repeated after a resume keeps its last record.
         Records re-published by a new leader carry no timing and are used only for a step otherwise missing."""
-        by_step: dict[int, dict[str, Any]] = {}
-        for r in self.of("step"):
-            if r.get("republished") and r["step"] in by_step:
-                continue
-            by_step[r["step"]] = r
-        return [by_step[s] for s in sorted(by_step)]
+        return list(committed_steps(self.records).values())
 
     @property
     def losses(self) -> dict[int, float]:

@@ -28,35 +28,40 @@ if TYPE_CHECKING:
 LOST_CAUSES = ("detection", "re-formation", "recompute", "restart", "rollback", "idle", "checkpoint", "degraded")
 
 
-def finish_offsets(work: np.ndarray, cores: int) -> np.ndarray:
+def _rates(active: np.ndarray, cores: int, penalty: float) -> np.ndarray:
+    """Speed of each of ``active`` processes processor-sharing ``cores`` cores: a core each at most, and each
+    process beyond the cores costs ``penalty`` of a core's throughput per core (context switches, caches)."""
+    oversubscribed = np.maximum(0, active - cores) / cores
+    return np.minimum(1.0, cores / active) / (1.0 + penalty * oversubscribed)
+
+
+def finish_offsets(work: np.ndarray, cores: int, penalty: float = 0.0) -> np.ndarray:
     """When each job of ``work`` seconds (at full speed) finishes if all start together: on its own device
-    (``cores`` = 0), or processor-shared on ``cores`` CPU cores, one core per job at most."""
+    (``cores`` = 0), or processor-shared on ``cores`` CPU cores (see ``_rates``)."""
     if cores == 0 or len(work) <= cores:
         return work.copy()
     order = np.argsort(work, kind="stable")
     ordered = work[order]
-    active = len(work) - np.arange(len(work))
-    rate = np.minimum(1.0, cores / active)
+    rate = _rates(len(work) - np.arange(len(work)), cores, penalty)
     out = np.empty_like(work)
     out[order] = np.cumsum(np.diff(ordered, prepend=0.0) / rate)
     return out
 
 
-def makespan(work: np.ndarray, cores: int) -> float:
+def makespan(work: np.ndarray, cores: int, penalty: float = 0.0) -> float:
     """When the last job of ``work`` finishes (see ``finish_offsets``)."""
     if cores == 0 or len(work) <= cores:
         return float(work.max()) if len(work) else 0.0
-    return float(finish_offsets(work, cores).max())
+    return float(finish_offsets(work, cores, penalty).max())
 
 
-def remaining_work(work: np.ndarray, cores: int, elapsed: float) -> np.ndarray:
+def remaining_work(work: np.ndarray, cores: int, elapsed: float, penalty: float = 0.0) -> np.ndarray:
     """The work left of each job ``elapsed`` seconds after they all started (see ``finish_offsets``)."""
     if cores == 0 or len(work) <= cores:
         return np.maximum(work - elapsed, 0.0)
     order = np.argsort(work, kind="stable")
     ordered = work[order]
-    active = len(work) - np.arange(len(work))
-    rate = np.minimum(1.0, cores / active)
+    rate = _rates(len(work) - np.arange(len(work)), cores, penalty)
     finish = np.cumsum(np.diff(ordered, prepend=0.0) / rate)
     done = int(np.searchsorted(finish, elapsed, side="right"))
     if done == len(work):
@@ -79,6 +84,7 @@ class Engine:
         self.policy, self.sc, self.c, self.tl, self.planner = policy, sc, costs, timeline, planner
         self.M = sc.model.microbatches
         self.cores = sc.cluster.shared_cores
+        self.penalty = sc.cluster.oversubscription
         self.every = sc.checkpoint.of(policy)
         self.end_s = end_s
         replicas = sc.cluster.replicas
@@ -180,7 +186,7 @@ class Engine:
             else:
                 assignment = self.planner.steady(len(self.members))
                 work = np.array(list(map(len, assignment.ids.values())), dtype=float) * self.c.microbatch_s
-            step_s = makespan(work, self.cores) + self.c.allreduce_s(len(self.members))
+            step_s = makespan(work, self.cores, self.penalty) + self.c.allreduce_s(len(self.members))
             self._steady[key] = (step_s, work, assignment)
         return self._steady[key]
 
@@ -272,7 +278,7 @@ class Engine:
             i = self._position(e.worker, members)
             if i < 0:
                 continue
-            finishes = finish_offsets(work, self.cores)
+            finishes = finish_offsets(work, self.cores, self.penalty)
             finish = float(finishes[i])
             per_mb = finish / max(1, len(self._own_ids(assignment, members, i)))
             step_end = float(finishes.max()) + self.c.allreduce_s(len(members))
@@ -336,7 +342,7 @@ class Engine:
         recomputing_since: float | None = None
         dropped = 0
         while True:
-            busy_until = phase_start + makespan(work, self.cores)
+            busy_until = phase_start + makespan(work, self.cores, self.penalty)
             if pending:
                 milestone = max(detect_ready, busy_until) + self.c.reform_s
             else:
@@ -355,7 +361,7 @@ class Engine:
                 at = max(te, phase_start)
                 if not pending and at > busy_until:  # the reduction was under way: it is redone
                     self.lost["recompute"] += at - busy_until
-                work = remaining_work(work, self.cores, at - phase_start)
+                work = remaining_work(work, self.cores, at - phase_start, self.penalty)
                 phase_start = at
                 alive[i], work[i] = False, 0.0
                 num_alive -= 1

@@ -86,6 +86,9 @@ class ClusterSection:
     # 0: every replica has its own devices (a cluster). N: the replicas time-share N CPU cores, one core each
     # at most, as the worker processes of a real CPU run on one machine do (to check the model against one).
     shared_cores: int = 0
+    # With shared_cores: each process beyond the cores costs this share of a core's throughput per core
+    # (context switches, caches); measured from a run's periods with more and with fewer processes than cores.
+    oversubscription: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_replica"):
@@ -96,6 +99,7 @@ class ClusterSection:
         )
         _check(self.spares >= 0, f"cluster.spares = {self.spares} must be >= 0")
         _check(self.shared_cores >= 0, f"cluster.shared_cores = {self.shared_cores} must be >= 0 (0 = not shared)")
+        _check(self.oversubscription >= 0, f"cluster.oversubscription = {self.oversubscription} must be >= 0")
 
     @property
     def replicas(self) -> int:
@@ -421,7 +425,7 @@ def simulate(sc: Scenario) -> SimResult:
     planner = Planner(sc.model.microbatches, replicas)
     full = planner.steady(replicas)
     full_work = np.array([len(full.ids[k]) for k in range(replicas)]) * costs.microbatch_s
-    step_s = makespan(full_work, sc.cluster.shared_cores) + costs.allreduce_s(replicas)
+    step_s = makespan(full_work, sc.cluster.shared_cores, sc.cluster.oversubscription) + costs.allreduce_s(replicas)
     check_finishes(sc, costs, step_s)
     cap_s = GIVE_UP_S
     end_s = sc.run.hours * HOUR if sc.run.hours > 0 else cap_s

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from unbroken.comm import (
     broadcast_async,
     default_backend,
     form_group,
+    retire_group,
     wait_all,
 )
 from unbroken.config import MECEFO_POLICIES, RunConfig, TrainConfig, config_from_toml_text, to_toml
@@ -128,6 +129,7 @@ class Interrupted(Exception):
 
 
 SPEED_SLOTS = 256  # per-worker seconds-per-microbatch slots in the reduced extras (worker ids below this)
+HEADER_SLOTS = 1 + len(fields(StepOutcome))  # a state transfer's header: the step, then the last StepOutcome
 
 
 class Worker:
@@ -240,6 +242,8 @@ class Worker:
                 lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
             )
             if group is not None:
+                # The old group's destructor may block until its abandoned collectives time out: not here.
+                retire_group(self.group, self.cfg.comm.op_timeout_s + 1.0)
                 self.group = group
                 return
             after = epoch.epoch
@@ -286,10 +290,10 @@ class Worker:
         parameters and optimizer state. This is how a rejoining worker catches up, and how a resume
         spreads the leader's checkpoint."""
         assert self.group is not None
-        header = torch.zeros(4 + SPEED_SLOTS, dtype=torch.float64)
-        header[:4] = torch.tensor([self.step, self.last.loss, self.last.grad_norm, self.last.lr], dtype=torch.float64)
+        header = torch.zeros(HEADER_SLOTS + SPEED_SLOTS, dtype=torch.float64)
+        header[:HEADER_SLOTS] = torch.tensor([self.step, *astuple(self.last)], dtype=torch.float64)
         for w, seconds in self.speeds.items():
-            header[4 + w] = seconds
+            header[HEADER_SLOTS + w] = seconds
         self._wait([broadcast_async(self.group, header, src_rank)])
         if self.group.rank != src_rank:
             self.inject(Phase.RECEIVE, step=int(header[0]))
@@ -305,8 +309,10 @@ class Worker:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
             self.step = int(header[0])
-            self.last = StepOutcome(float(header[1]), float(header[2]), float(header[3]))
-        self.speeds = {w: float(header[4 + w]) for w in range(SPEED_SLOTS) if header[4 + w] > 0}
+            self.last = StepOutcome(
+                float(header[1]), float(header[2]), float(header[3]), *(int(x) for x in header[4:HEADER_SLOTS])
+            )
+        self.speeds = {w: float(header[HEADER_SLOTS + w]) for w in range(SPEED_SLOTS) if header[HEADER_SLOTS + w] > 0}
 
     def sync_state(self) -> bool:
         """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was
@@ -345,6 +351,10 @@ class Worker:
                 "alive": self.group.size,
                 "epoch": self.group.epoch,
                 "microbatches": self.M,
+                "recomputed": self.last.recomputed,
+                "dropped": self.last.dropped,
+                "recoveries": self.last.recoveries,
+                "efficient": self.last.efficient,
                 "committed": True,
                 "republished": True,
             }
@@ -385,6 +395,10 @@ class Worker:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and store.check([key]):
             time.sleep(0.005)  # the launcher takes the key, then signals
+        if store.check([f"skip/{self.wid}"]):  # the launcher spares the group's last alive member
+            store.delete_key(f"skip/{self.wid}")
+            log.warning("injection skipped: no other member of the group is alive")
+            return
         if event.kind is FailureKind.CUT:
             log.warning("cutting %d connections", cut_connections())
             return

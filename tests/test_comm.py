@@ -1,0 +1,88 @@
+"""Collectives on real gloo groups in one process (a thread per rank): what recovery relies on when a
+collective is abandoned because a peer stopped answering."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+
+from unbroken.comm import GradientReducer, Group, allreduce_async, retire_group, retired_groups, wait_all
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUP_TIMEOUT_S = 6.0
+
+
+def gloo_groups(size: int) -> tuple[TCPStore, list[Group]]:
+    """``size`` ranks of one gloo group, each built on its own thread with its own store connection."""
+    server = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    pgs: list[dist.ProcessGroup | None] = [None] * size
+
+    def build(rank: int) -> None:
+        client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        pgs[rank] = dist.ProcessGroupGloo(
+            PrefixStore("pg/1", client), rank, size, datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+        )
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(pg is not None for pg in pgs)
+    return server, [Group(1, tuple(range(size)), r, pgs[r], torch.device("cpu")) for r in range(size)]
+
+
+def test_a_group_with_a_collective_stuck_on_a_silent_peer_is_retired_without_blocking() -> None:
+    """Rank 2 never joins the all-reduce (as a SIGSTOPped or dead peer): ranks 0 and 1 are stuck in it
+    until the group timeout. Destroying such a group joins gloo's threads, so it would block for that
+    long; retiring it hands the destruction to the reaper and returns at once."""
+    _server, groups = gloo_groups(3)
+    tensors = [torch.ones(1 << 16) for _ in range(2)]
+    pending = [[allreduce_async(groups[r], tensors[r]), allreduce_async(groups[r], tensors[r].clone())] for r in (0, 1)]
+    assert not wait_all(pending[0], 0.3, lambda: False)  # stuck: rank 2 is silent
+    assert not groups[0].idle()
+    before = retired_groups()
+    t0 = time.monotonic()
+    for r in (0, 1):
+        retire_group(groups[r], GROUP_TIMEOUT_S + 1.0)
+    del groups[:2], pending
+    assert time.monotonic() - t0 < 1.0
+    assert retired_groups() >= before + 2
+    # The reaper destroys them once their collectives have ended (here: at the group timeout).
+    deadline = time.monotonic() + 3 * GROUP_TIMEOUT_S
+    while retired_groups() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert retired_groups() == before
+
+
+def test_an_idle_group_is_destroyed_promptly() -> None:
+    _server, groups = gloo_groups(2)
+    work = [allreduce_async(g, torch.ones(8)) for g in groups]
+    assert all(wait_all([w], 30.0, lambda: False) for w in work)
+    assert all(g.idle() for g in groups)
+    before = retired_groups()
+    for g in groups:
+        retire_group(g, 60.0)
+    del groups, work
+    deadline = time.monotonic() + 5.0  # far less than the 60 s it may be held at most
+    while retired_groups() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert retired_groups() == before
+
+
+def test_an_interrupted_reduction_leaves_its_buffers_to_the_abandoned_collectives() -> None:
+    """A collective abandoned on the old group may still write into its buffers later; the re-issued
+    reduction must not share them."""
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(3)]
+    reducer = GradientReducer(params, bucket_bytes=64, num_extras=4)
+    flat, extras = reducer.flat, reducer.extras
+    reducer.disarm()
+    assert reducer.flat.data_ptr() != flat.data_ptr() and reducer.extras.data_ptr() != extras.data_ptr()
+    assert reducer.flat.shape == flat.shape and reducer.extras.shape == extras.shape
