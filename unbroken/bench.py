@@ -538,12 +538,15 @@ def machine() -> str:
 
 def _commit(where: Path) -> str:
     """``, commit abc1234`` (``+`` if the tree has changes) in a git checkout; empty elsewhere."""
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=10)
+
     try:
-        run = lambda *args: subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=10)  # noqa: E731
-        head = run("rev-parse", "--short", "HEAD")
+        head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return ""
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
         return f", commit {head.stdout.strip()}{'+' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):
         return ""

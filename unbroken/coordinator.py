@@ -91,6 +91,12 @@ def ring(store: TCPStore) -> None:
     store.set(f"bell/{n}", "")
 
 
+def publish_record(store: TCPStore, record: dict[str, Any]) -> None:
+    """Queue one metrics record for the coordinator to append to the run's metrics.jsonl."""
+    seq = store.add("metrics/seq", 1)
+    store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
+
+
 def wait_key(store: TCPStore, key: str, timeout_s: float) -> bool:
     """Block until ``key`` exists (True) or ``timeout_s`` passes (False); the store wakes us, no polling."""
     try:
@@ -495,8 +501,7 @@ class CoordinatorClient:
         return None
 
     def publish_metrics(self, record: dict[str, Any]) -> None:
-        seq = self.store.add("metrics/seq", 1)
-        self.store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
+        publish_record(self.store, record)
 
     def close(self) -> None:
         """Stop the watcher (it wakes within a heartbeat interval); joined so that no thread is inside a

@@ -30,7 +30,7 @@ from typing import Any
 
 from unbroken import checkpoint as ckpt
 from unbroken.config import RunConfig, dump_config, replace
-from unbroken.coordinator import bind_listen_socket, connect_store, ring
+from unbroken.coordinator import bind_listen_socket, connect_store, publish_record, ring
 from unbroken.failures import FATAL_KINDS, FailureKind, build_schedule, parse_event
 from unbroken.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.metrics import committed_steps, format_step
@@ -261,18 +261,16 @@ class Launcher:
                     self.store.set(f"fired/{info['event']}", "1")
                     self.store.set(f"skip/{wid}", "1")
                     self.store.delete_key(key)
-                    record = {"type": "injection_skipped", "worker": wid, "event": info["event"]}
-                    record["why"] = "no other member of the group is alive: it would lose the training state"
-                    seq = self.store.add("metrics/seq", 1)
-                    self.store.set(f"metrics/{seq}", json.dumps({**record, "time": now}, sort_keys=True))
+                    why = "no other member of the group is alive: it would lose the training state"
+                    record = {"type": "injection_skipped", "worker": wid, "event": info["event"], "why": why}
+                    publish_record(self.store, {**record, "time": now})
                     continue
                 self.store.delete_key(key)
                 self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": now}))
                 self.store.set(f"fired/{info['event']}", "1")
                 self.fired.add(info["event"])
                 record = {"type": "injected", "worker": wid, "event": info["event"], "kind": str(event.kind)}
-                seq = self.store.add("metrics/seq", 1)
-                self.store.set(f"metrics/{seq}", json.dumps({**record, "time": now}, sort_keys=True))
+                publish_record(self.store, {**record, "time": now})
             except RuntimeError:
                 self.store = None  # the coordinator is shutting down: stop asking (each failed call logs a trace)
                 return

@@ -36,13 +36,13 @@ import numpy as np
 
 from unbroken import plan as planlib
 from unbroken.config import POLICIES, load_tree
-from unbroken.failures import SCENARIOS, FailureKind, FailureSchedule, Phase
+from unbroken.failures import FATAL_KINDS, SCENARIOS, FailureSchedule, Phase
 from unbroken.flavours import FLAVOURS, flops_per_token, model_args, num_params
 from unbroken.sim_engine import Engine, NeedLongerTimeline, makespan
 from unbroken.sim_timeline import HOUR, Timeline, build_timeline, failure_rate_per_s, read_trace
 
 GIVE_UP_S = 10 * 365 * 24 * HOUR  # run.steps only: a policy that has not finished after ten simulated years
-MODELLED_KINDS = (FailureKind.KILL, FailureKind.HANG, FailureKind.CUT)  # a replica stops; the rest is not modelled
+MODELLED_KINDS = FATAL_KINDS  # a replica stops; the rest is not modelled
 STEP_PHASES = (Phase.START, Phase.FORWARD, Phase.BACKWARD, Phase.REDUCTION, Phase.OPTIMIZER)
 
 
