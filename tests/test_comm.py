@@ -86,3 +86,39 @@ def test_an_interrupted_reduction_leaves_its_buffers_to_the_abandoned_collective
     reducer.disarm()
     assert reducer.flat.data_ptr() != flat.data_ptr() and reducer.extras.data_ptr() != extras.data_ptr()
     assert reducer.flat.shape == flat.shape and reducer.extras.shape == extras.shape
+
+
+def test_the_reduction_starts_inside_the_armed_backward_only() -> None:
+    """A backward that only accumulates locally starts no collective; the armed (last) backward starts every
+    bucket's all-reduce before it returns; the result is the sum of the ranks' gradients."""
+    _server, groups = gloo_groups(2)
+    results: list[dict] = [{} for _ in groups]
+
+    def rank(r: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        params = list(model.parameters())
+        reducer = GradientReducer(params, bucket_bytes=300, num_extras=1)
+        x = torch.full((4, 8), float(r + 1))
+        model(x).sum().backward()
+        results[r]["unarmed"] = reducer.launched
+        reducer.arm(groups[r])
+        model(x).sum().backward()
+        results[r]["armed"] = reducer.launched
+        local = [p.grad.clone() for p in params]
+        reducer.launch_gradients(groups[r])
+        reducer.launch_extras(torch.zeros(1))
+        assert reducer.wait(30.0, lambda: False) is not None
+        reducer.apply()
+        results[r].update(buckets=len(reducer.buckets), local=local, reduced=[p.grad.clone() for p in params])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for res in results:
+        assert res["buckets"] > 1, res["buckets"]
+        assert res["unarmed"] == 0 and res["armed"] == res["buckets"]
+        for local0, local1, reduced in zip(results[0]["local"], results[1]["local"], res["reduced"], strict=True):
+            torch.testing.assert_close(reduced, local0 + local1)

@@ -113,12 +113,15 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from unbroken.data import MicrobatchSampler, prepare_corpus
+    from unbroken.hostmem import retain_freed_memory
     from unbroken.model import Transformer, model_args
     from unbroken.plan import plan_step
     from unbroken.trainer import build_optimizer, lr_at
 
     cfg = load_config(config_path)
     tc = cfg.train
+    if tc.retain_host_memory:  # the same allocator setting as unbroken's workers: compare like with like
+        retain_freed_memory()
     torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     corpus = prepare_corpus(cfg.data)

@@ -314,11 +314,7 @@ class GradientReducer:
         self._ready: list[int] = [0] * len(self.buckets)
         self._launched = 0
         self._pending: list[Pending] = []
-        self._hooks = (
-            []
-            if exact
-            else [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
-        )
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # only while a backward is armed
 
     def _view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         p = self.params[index]
@@ -364,11 +360,29 @@ class GradientReducer:
         return hook
 
     def arm(self, group: Group) -> None:
-        """Overlap the coming backward (the last local one of the step) with the reduction on ``group``."""
+        """Overlap the coming backward (the last local one of the step) with the reduction on ``group``.
+
+        The gradient hooks exist only from here to the launch: the step's other backwards (local
+        accumulation, like DDP's ``no_sync``) run without a Python call per parameter."""
+        self._start(group)
+        if not self.exact and not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    @property
+    def launched(self) -> int:
+        """Buckets whose all-reduce has started in the current reduction."""
+        return self._launched
+
+    def _start(self, group: Group) -> None:
         self._group = group
         self._ready = [0] * len(self.buckets)
         self._launched = 0
         self._pending = []
+
+    def _unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     @torch.no_grad()
     def _fill_bucket(self, b: int) -> None:
@@ -392,15 +406,19 @@ class GradientReducer:
             self._pending.append(allreduce_async(self._group, self.flat[start:end]))
             self._launched += 1
 
-    def launch(self, group: Group, extras: torch.Tensor) -> None:
-        """Start whatever has not started (from the intact local contribution) and the extras' reduction."""
-        assert extras.numel() == self.num_extras
+    def launch_gradients(self, group: Group) -> None:
+        """Start every bucket that has not started yet (from the intact local contribution)."""
+        self._unhook()
         if self._group is not group:
-            self.arm(group)
+            self._start(group)
         self._ready = [len(bucket) for bucket in self.buckets]  # params with no grad this step count as ready
         self._launch_ready()
+
+    def launch_extras(self, extras: torch.Tensor) -> None:
+        """Start the extras' reduction, the last collective of the step (after ``launch_gradients``)."""
+        assert extras.numel() == self.num_extras and self._group is not None
         self.extras.copy_(extras)
-        self._pending.append(allreduce_async(group, self.extras))
+        self._pending.append(allreduce_async(self._group, self.extras))
 
     def wait(self, timeout_s: float, interrupted: Callable[[], bool]) -> torch.Tensor | None:
         """The reduced extras once every collective finished, or ``None`` if interrupted."""
@@ -412,6 +430,7 @@ class GradientReducer:
     def disarm(self) -> None:
         """Forget an interrupted reduction. Its collectives may still run on the abandoned group and write
         into their buffers, so later reductions get fresh ones; the local contribution is intact."""
+        self._unhook()
         self._group = None
         self._pending = []
         self.flat = torch.zeros_like(self.flat)
@@ -434,5 +453,4 @@ class GradientReducer:
                 p.grad.mul_(scale)
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        self._unhook()

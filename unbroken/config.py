@@ -78,6 +78,7 @@ class TrainConfig:
     eval_every: int = 50  # validation every this many steps (and at the end); 0 = only at the end
     eval_microbatches: int = 8  # validation microbatches per evaluation
     threads: int = 0  # torch intra-op threads per worker; 0 = cores / workers on this host
+    retain_host_memory: bool = True  # keep freed host buffers in the heap (no page faults per step; hostmem.py)
     out_dir: str = ""  # "" = runs/<config name>-<timestamp>
 
     def __post_init__(self) -> None:
@@ -116,7 +117,7 @@ class CommConfig:
     backend: str = "auto"  # "auto" (nccl with CUDA, else gloo), "gloo" or "nccl"
     bucket_mb: float = 4.0  # gradient all-reduce bucket size; buckets overlap the last backward
     op_timeout_s: float = 60.0  # bound on any collective; past it the group is abandoned
-    heartbeat_interval_s: float = 0.05  # how often a worker tells the coordinator it is alive
+    heartbeat_interval_s: float = 0.1  # how often a worker tells the coordinator it is alive
     heartbeat_timeout_s: float = 2.0  # a worker silent this long is declared dead (a hang, SIGSTOP)
     join_timeout_s: float = 120.0  # how long the coordinator waits for the expected workers at start
 

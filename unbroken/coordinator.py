@@ -21,10 +21,13 @@ Store keys (all under the job's store):
   done, stop                        the run finished (JSON status); everyone must stop now (reason)
   bell/seq, bell/<n>                "something to look at" (a registration, a death report, stop, done)
 
-Nothing polls at a high rate: the coordinator sleeps in a store wait on the next ``bell/<n>`` (rung by
-whoever writes something it must act on now) and wakes at least every ``TICK_S`` to check heartbeats and
-drain metrics; each worker's watcher sleeps in a store wait on the next ``epoch/<e>``, waking every
-heartbeat interval to send one. Both react to an event as soon as the store sees it.
+Nothing polls at a high rate (the coordinator and the launcher share the workers' cores, so every wake-up
+is taken from training): the coordinator sleeps in a store wait on the next ``bell/<n>`` (rung by whoever
+writes something it must act on now) and wakes every ``heartbeat_timeout_s / CHECKS_PER_TIMEOUT`` to
+check heartbeats and drain metrics; each worker's watcher sleeps in a store wait on the next
+``epoch/<e>``, waking every heartbeat interval to send one. Both react to an event as soon as the store
+sees it. A hang is declared after ``heartbeat_timeout_s`` of silence, seen at most one heartbeat interval
+and two checks later.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from unbroken.gateway import Gateway, Tunnel, TunnelError, require_token
 log = logging.getLogger(__name__)
 
 STORE_TIMEOUT_S = 30.0
-TICK_S = 0.05  # the coordinator's heartbeat check and metrics drain period (events wake it at once)
+CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
+MAX_TICK_S = 0.25
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -171,6 +175,7 @@ class Coordinator:
         self.members: tuple[int, ...] = ()
         self.epoch = 0
         self.heartbeats: dict[int, tuple[int, float]] = {}
+        self.tick_s = min(MAX_TICK_S, heartbeat_timeout_s / CHECKS_PER_TIMEOUT)
         self.next_metric = 1
         self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.started = time.monotonic()
@@ -206,11 +211,13 @@ class Coordinator:
     def _dead(self) -> dict[int, str]:
         dead: dict[int, str] = {}
         now = time.monotonic()
-        for wid in self.members:
+        # Every member's counter exists (_get_int created it at admission): one round trip for all of them.
+        counts = self.store.multi_get([f"hb/{wid}" for wid in self.members]) if self.members else []
+        for wid, raw in zip(self.members, counts, strict=True):
             if self.store.check([f"dead/{wid}"]):
                 dead[wid] = "process " + self.store.get(f"dead/{wid}").decode()
                 continue
-            count = _get_int(self.store, f"hb/{wid}")
+            count = int(raw)
             last_count, last_time = self.heartbeats.get(wid, (count, now))
             if count != last_count:
                 self.heartbeats[wid] = (count, now)
@@ -296,7 +303,7 @@ class Coordinator:
                 if self.store.check(["done"]):
                     self._drain_metrics()
                     break
-                if wait_key(self.store, f"bell/{self.rung + 1}", TICK_S):
+                if wait_key(self.store, f"bell/{self.rung + 1}", self.tick_s):
                     self.rung = _get_int(self.store, "bell/seq")
         finally:
             self._drain_metrics()
@@ -346,7 +353,7 @@ class CoordinatorClient:
         self,
         address: str,
         worker_id: int | None,
-        heartbeat_interval_s: float = 0.05,
+        heartbeat_interval_s: float = 0.1,
         heartbeat_timeout_s: float = 2.0,
     ) -> None:
         self.address = address

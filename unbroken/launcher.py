@@ -36,7 +36,9 @@ from unbroken.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.metrics import committed_steps, format_step
 
 POLL_S = 0.005
-IDLE_WAIT_S = 0.025  # the main loop's period without injections; a process exit wakes it at once
+# The main loop's period without injections (progress updates); a process exit wakes it at once. The
+# launcher shares the workers' cores: every wake-up is taken from training.
+IDLE_WAIT_S = 0.25
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -169,6 +171,8 @@ class Launcher:
         self.store: Any = None
         self._metrics_offset = 0
         self._records: list[dict[str, Any]] = []
+        self._failures_seen = 0  # failure records among _records (counted as they arrive)
+        self._final_seen = False
         self.down: dict[int, dict[str, Any]] = {}  # workers we killed or stopped, and when they come back
         self.failures_handled = 0  # restart policy: failure records already acted on
         self.fired: set[str] = set()  # injected events (each fires once, across restarts too)
@@ -335,7 +339,7 @@ class Launcher:
                 self._store_set(f"dead/{wid}", "killed by SIGKILL" if code == -9 else f"exited with status {code}")
 
     def _finished(self) -> bool:
-        return any(r.get("type") == "final" for r in self._records)
+        return self._final_seen
 
     def _coordinator_up(self) -> bool:
         return self.store is not None and self.coordinator is not None and self.coordinator.poll() is None
@@ -380,6 +384,8 @@ class Launcher:
             except json.JSONDecodeError:
                 continue  # blank, or torn when the coordinator was killed mid-write
         self._records += records
+        self._failures_seen += sum(1 for r in records if r.get("type") == "failure")
+        self._final_seen = self._final_seen or any(r.get("type") == "final" for r in records)
         return records
 
     def run(self) -> int:
@@ -431,7 +437,7 @@ class Launcher:
         t0 = time.monotonic()
         self.stop_all("restarting after a failure (restart policy)")
         self._new_records()
-        self.failures_handled = sum(1 for r in self._records if r.get("type") == "failure")
+        self.failures_handled = self._failures_seen
         self.restarts += 1
         self.sock = bind_listen_socket(self.plan.host, 0)
         self.resume = True
@@ -452,9 +458,8 @@ class Launcher:
     def _needs_restart(self) -> bool:
         if self.cfg.recovery.policy != "restart":
             return False
-        failures = sum(1 for r in self._records if r.get("type") == "failure")
         exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.down)
-        return failures > self.failures_handled or exited
+        return self._failures_seen > self.failures_handled or exited
 
     def _wait_for_exit(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s``, waking as soon as a process we started exits (Linux pidfds; elsewhere
@@ -546,6 +551,7 @@ class _Progress:
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
+                refresh_per_second=2,  # its refresh thread shares the workers' cores
             )
             self._bar.start()
             self._task = self._bar.add_task("train", total=self.total, info="starting workers")

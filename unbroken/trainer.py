@@ -45,6 +45,7 @@ from unbroken.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_c
 from unbroken.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.failures import FailureKind, FailureSchedule, Phase, cut_connections
 from unbroken.gateway import TunnelError
+from unbroken.hostmem import retain_freed_memory
 from unbroken.metrics import init_logger
 from unbroken.model import Transformer, model_args
 from unbroken.plan import Assignment, mecefo_plan, missing_ids, plan_ids
@@ -494,8 +495,12 @@ class Worker:
         if self.leader:
             extras[self.speeds_at + SPEED_SLOTS] = self.client.latest_epoch  # see switch_epoch
         extras[-1] = 1.0 if self.reducer.overflowed else 0.0
-        self.reducer.launch(self.group, extras)
+        self.reducer.launch_gradients(self.group)
+        # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
+        # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
+        # after the survivors had already finished and committed the step).
         self.inject(Phase.REDUCTION)
+        self.reducer.launch_extras(extras)
         reduced = self.reducer.wait(self.cfg.comm.op_timeout_s, self.interrupted)
         if reduced is None:
             self.reducer.disarm()
@@ -838,6 +843,8 @@ def run_worker(address: str, worker_id: int | None, run_dir: str | None = None) 
         log.error("cannot join the job: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return EXIT_STOPPED
     del probe
+    if cfg.train.retain_host_memory:
+        retain_freed_memory()
     local_workers = int(os.environ.get("UNBROKEN_LOCAL_WORKERS", "1"))
     torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)))
     worker = Worker(cfg, directory)  # ready to train before registering, so a joiner never stalls the others
