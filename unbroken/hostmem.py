@@ -14,7 +14,6 @@ faults nothing. Where there is no glibc (macOS, musl) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -29,13 +28,9 @@ def retain_freed_memory() -> bool:
     """Make this process's malloc serve blocks up to 32 MiB from its heap and keep freed memory (up to 2 GiB
     free at the heap's top) instead of giving it back to the kernel. Call it early in a training process.
     Returns whether the settings took effect."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
+        mallopt = ctypes.CDLL(None).mallopt  # the symbols already loaded into this process, libc's among them
+    except (OSError, AttributeError):  # no mallopt: not glibc
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
