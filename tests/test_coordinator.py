@@ -113,9 +113,10 @@ def test_attackers_cannot_join_or_disturb_a_run(tmp_path: Path, data_cache_dir: 
     assert [tuple(m["members"]) for m in read_metrics(out, "membership")] == [(0, 1)]
     assert not read_metrics(out, "failure")
     gateway = read_metrics(out, "gateway")[-1]
-    # The launcher, and per worker: a probe, its client, its watcher and one rendezvous per epoch (here one),
-    # plus the spare connection opened ahead for the next rendezvous (if it was opened before the end).
-    assert gateway["rejected"] >= 2 and 1 + 2 * (3 + 1) <= gateway["admitted"] <= 1 + 2 * (3 + 2)
+    # The launcher, and per worker: a probe, its client, its two watchers (heartbeats, news) and one rendezvous
+    # per epoch (here one), plus the spare connection opened ahead for the next rendezvous (if it was opened
+    # before the end).
+    assert gateway["rejected"] >= 2 and 1 + 2 * (4 + 1) <= gateway["admitted"] <= 1 + 2 * (4 + 2)
     final = read_metrics(out, "final")[0]
     assert final["identical"]
     ref_final = read_metrics(reference, "final")[0]

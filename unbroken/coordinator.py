@@ -19,15 +19,19 @@ Store keys (all under the job's store):
   metrics/seq, metrics/<n>          metric records (JSON lines) published by the epoch's leader
   final/<id>                        a worker's final parameter checksum
   done, stop                        the run finished (JSON status); everyone must stop now (reason)
-  bell/seq, bell/<n>                "something to look at" (a registration, a death report, stop, done)
+  bell/seq, bell/<n>                the coordinator's doorbell: "something to look at" (a registration, a
+                                    death report, stop, done)
+  news/seq, news/<n>                the workers' doorbell: a new epoch or a stop was published
 
 Nothing polls at a high rate (the coordinator and the launcher share the workers' cores, so every wake-up
-is taken from training): the coordinator sleeps in a store wait on the next ``bell/<n>`` (rung by whoever
-writes something it must act on now) and wakes every ``heartbeat_timeout_s / CHECKS_PER_TIMEOUT`` to
-check heartbeats and drain metrics; each worker's watcher sleeps in a store wait on the next
-``epoch/<e>``, waking every heartbeat interval to send one. Both react to an event as soon as the store
-sees it. A hang is declared after ``heartbeat_timeout_s`` of silence, seen at most one heartbeat interval
-and two checks later.
+is taken from training). The coordinator sleeps in a store wait on the next ``bell/<n>``; whoever writes
+something it must act on rings it. Between rings it wakes every ``heartbeat_timeout_s /
+CHECKS_PER_TIMEOUT`` for a quiet tick, one round trip that reads every heartbeat counter and the metrics
+sequence; the full pass over registrations, death reports, stop and done runs when the bell rang, and at
+least once per heartbeat timeout regardless. Each worker sends a heartbeat (one ``add``) every heartbeat interval on
+one connection, and a second thread sleeps in a store wait on the next ``news/<n>`` on another, so a new
+epoch or a stop reaches every worker as soon as the store sees it. A hang is declared after
+``heartbeat_timeout_s`` of silence, seen at most one heartbeat interval and two ticks later.
 """
 
 from __future__ import annotations
@@ -75,9 +79,14 @@ def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str |
 
     ``token`` defaults to ``UNBROKEN_TOKEN``. Raises ValueError (no token, malformed address) or
     ``TunnelError`` (unreachable, or the coordinator refused the token)."""
+    return open_store(address, timeout_s, token)[0]
+
+
+def open_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | None = None) -> tuple[TCPStore, Tunnel]:
+    """``connect_store``, with the tunnel under the connection (``tunnel.cut()`` ends a call blocked on it)."""
     tunnel = Tunnel(address, token if token is not None else require_token(), timeout_s)
     try:
-        return TCPStore(
+        store = TCPStore(
             "127.0.0.1",
             tunnel.port,
             is_master=False,
@@ -87,12 +96,14 @@ def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str |
     except RuntimeError:
         tunnel.close()
         raise
+    return store, tunnel
 
 
-def ring(store: TCPStore) -> None:
-    """Wake the coordinator now (after writing something it must act on)."""
-    n = store.add("bell/seq", 1)
-    store.set(f"bell/{n}", "")
+def ring(store: TCPStore, bell: str = "bell") -> None:
+    """Ring a doorbell: ``bell`` wakes the coordinator (after writing something it must act on), ``news``
+    wakes every worker's watcher (after publishing an epoch or a stop)."""
+    n = store.add(f"{bell}/seq", 1)
+    store.set(f"{bell}/{n}", "")
 
 
 def publish_record(store: TCPStore, record: dict[str, Any]) -> None:
@@ -168,6 +179,7 @@ class Coordinator:
         self.store.set("expected", str(expected_workers))
         self.store.set("resume", "1" if resume else "0")
         self.store.set("epoch", "0")
+        self.store.add("metrics/seq", 0)  # exists from the start: the quiet tick reads it with the heartbeats
         self.rung = 0
         self.next_registration = 1
         self.next_worker_id = 0
@@ -208,31 +220,27 @@ class Coordinator:
             self.next_registration += 1
         return joined
 
-    def _dead(self) -> dict[int, str]:
+    def _read_counters(self) -> tuple[list[int], int]:
+        """Every member's heartbeat counter and the metrics sequence, in one round trip (every one of those
+        counters exists: ``_get_int`` created each heartbeat counter at admission)."""
+        raw = self.store.multi_get([*(f"hb/{wid}" for wid in self.members), "metrics/seq"])
+        return [int(r) for r in raw[:-1]], int(raw[-1])
+
+    def _dead(self, counts: list[int], reported: bool) -> dict[int, str]:
+        """Members that died: reported by the launcher (looked up only when ``reported`` may have news) or
+        silent for longer than the heartbeat timeout."""
         dead: dict[int, str] = {}
         now = time.monotonic()
-        # Every member's counter exists (_get_int created it at admission): one round trip for all of them.
-        counts = self.store.multi_get([f"hb/{wid}" for wid in self.members]) if self.members else []
-        for wid, raw in zip(self.members, counts, strict=True):
-            if self.store.check([f"dead/{wid}"]):
+        for wid, count in zip(self.members, counts, strict=True):
+            if reported and self.store.check([f"dead/{wid}"]):
                 dead[wid] = "process " + self.store.get(f"dead/{wid}").decode()
                 continue
-            count = int(raw)
             last_count, last_time = self.heartbeats.get(wid, (count, now))
             if count != last_count:
                 self.heartbeats[wid] = (count, now)
             elif now - last_time > self.heartbeat_timeout_s:
                 dead[wid] = f"no heartbeat for {now - last_time:.2f} s"
         return dead
-
-    def publish(self, members: tuple[int, ...], reason: str) -> None:
-        self.epoch += 1
-        self.members = tuple(sorted(members))
-        record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "time": time.time()}
-        self.store.set(f"epoch/{self.epoch}", json.dumps(record))
-        self.store.set("epoch", str(self.epoch))
-        self.emit({"type": "membership", **record, "elapsed_s": time.monotonic() - self.started})
-        log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
 
     def _failure_record(self, wid: int, why: str) -> dict[str, Any]:
         """A failure with its detection latency when the launcher recorded when it delivered the fault."""
@@ -250,8 +258,9 @@ class Coordinator:
             self.store.delete_key(f"injected/{wid}")
         return record
 
-    def _drain_metrics(self) -> None:
-        seq = _get_int(self.store, "metrics/seq")
+    def _drain_metrics(self, seq: int | None = None) -> None:
+        if seq is None:
+            seq = _get_int(self.store, "metrics/seq")
         while self.next_metric <= seq:
             key = f"metrics/{self.next_metric}"
             if not self.store.check([key]):
@@ -260,21 +269,37 @@ class Coordinator:
             self.store.delete_key(key)
             self.next_metric += 1
 
+    def publish(self, members: tuple[int, ...], reason: str) -> None:
+        self.epoch += 1
+        self.members = tuple(sorted(members))
+        record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "time": time.time()}
+        self.store.set(f"epoch/{self.epoch}", json.dumps(record))
+        self.store.set("epoch", str(self.epoch))
+        ring(self.store, "news")
+        self.emit({"type": "membership", **record, "elapsed_s": time.monotonic() - self.started})
+        log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
+
     def stop(self, reason: str) -> None:
         if not self.store.check(["stop"]):
             self.store.set("stop", reason)
         self.stopping.set()
+        ring(self.store, "news")
         ring(self.store)
 
     def run(self) -> int:
         """Admit the expected workers, publish epochs, drain metrics; return 0 when the job is done."""
         start_deadline = time.monotonic() + self.join_timeout_s
+        rung, ticks = True, 0
         try:
             while not self.stopping.is_set():
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.stop("the launcher died")
                     break
-                joined = self._admit_new()
+                # Everything but silence is announced by the bell; a full pass once per heartbeat timeout
+                # anyway, in case a ringer died between writing its news and ringing.
+                full = rung or ticks % CHECKS_PER_TIMEOUT == 0
+                joined = self._admit_new() if full else []
+                counts, metrics_seq = self._read_counters()
                 if self.epoch == 0:
                     if len(self.admitted) >= self.expected:
                         self.publish(tuple(self.admitted), "start")
@@ -285,7 +310,7 @@ class Coordinator:
                         )
                         break
                 else:
-                    dead = self._dead()
+                    dead = self._dead(counts, reported=full)
                     if dead:
                         survivors = tuple(w for w in self.members if w not in dead)
                         if not survivors:
@@ -297,14 +322,17 @@ class Coordinator:
                             self.emit(self._failure_record(wid, why))
                     if joined:
                         self.publish((*self.members, *joined), "joined: " + ", ".join(str(w) for w in joined))
-                self._drain_metrics()
-                if self.store.check(["stop"]):
+                self._drain_metrics(metrics_seq)
+                if full and self.store.check(["stop"]):
+                    ring(self.store, "news")  # a stop written by the launcher or a worker: tell everyone now
                     break
-                if self.store.check(["done"]):
+                if full and self.store.check(["done"]):
                     self._drain_metrics()
                     break
-                if wait_key(self.store, f"bell/{self.rung + 1}", self.tick_s):
+                rung = wait_key(self.store, f"bell/{self.rung + 1}", self.tick_s)
+                if rung:
                     self.rung = _get_int(self.store, "bell/seq")
+                ticks += 1
         finally:
             self._drain_metrics()
             gw = self.gateway
@@ -381,38 +409,62 @@ class CoordinatorClient:
         self._seen_epoch = self.latest_epoch
         self._seen_members = frozenset(self.epoch_record(self._seen_epoch).members) if self._seen_epoch else frozenset()
         self.stopped: str | None = None
-        # Its ops time out within the heartbeat bound, so an unresponsive coordinator is noticed as fast as
-        # a dead one.
-        # (Connected with the long timeout: opening a connection alone can take seconds, see new_connection.)
-        self._watch_store = connect_store(address, token=self.token)
-        self._watch_store.set_timeout(datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s)))
+        # Two watcher threads, each on its own connection (a TCPStore client is one socket, one call at a
+        # time): one sends a heartbeat every interval, one sleeps in a store wait on the workers' doorbell.
+        # (Connected with the long timeout: opening a connection alone can take seconds, see new_connection;
+        # then their ops time out within the heartbeat bound, so an unresponsive coordinator is noticed as
+        # fast as a dead one.)
+        op_timeout = datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s))
+        self._heartbeat_store = connect_store(address, token=self.token)
+        self._heartbeat_store.set_timeout(op_timeout)
+        self._news_store, self._news_tunnel = open_store(address, token=self.token)
+        self._news_store.set_timeout(op_timeout)
         self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
         self._spare = self._spare_pool.submit(connect_store, address, STORE_TIMEOUT_S, self.token)
         self._hb_interval = heartbeat_interval_s
+        self._news_wait_s = max(1.0, heartbeat_timeout_s)
         self._watch_stop = threading.Event()
-        self._watch_thread = threading.Thread(target=self._watch, name="heartbeat+epoch", daemon=True)
-        self._watch_thread.start()
+        self._diagnosing = threading.Lock()
+        self._watch_threads = [
+            threading.Thread(target=self._send_heartbeats, name="heartbeat", daemon=True),
+            threading.Thread(target=self._watch_news, name="epoch-watch", daemon=True),
+        ]
+        for thread in self._watch_threads:
+            thread.start()
 
-    def _watch(self) -> None:
-        """Heartbeats, and a cached view of the epoch and the stop flag, so waits never touch the network.
-
-        Sleeps in a store wait on the next epoch's key, so a new epoch is seen as soon as it is published;
-        every heartbeat interval it wakes to send a heartbeat and look for a stop.
-        """
-        store = self._watch_store
-        while not self._watch_stop.is_set():
+    def _send_heartbeats(self) -> None:
+        """One ``add`` every heartbeat interval: a round trip, nothing else."""
+        store, key = self._heartbeat_store, f"hb/{self.worker_id}"
+        while True:
             try:
-                store.add(f"hb/{self.worker_id}", 1)
+                store.add(key, 1)
+            except RuntimeError:
+                self._connection_failed()
+                return
+            if self._watch_stop.wait(self._hb_interval):
+                return
+
+    def _watch_news(self) -> None:
+        """A cached view of the epoch and the stop flag, so waits never touch the network.
+
+        Sleeps in a store wait on the next ``news/<n>``, rung by the coordinator right after it publishes an
+        epoch or a stop, so either is seen as soon as it is published; the wait also ends every
+        ``_news_wait_s`` for a look anyway. The epoch and the stop are read after the doorbell's count (or
+        the ring) they follow, and the coordinator writes them before ringing: nothing published is missed.
+        """
+        store = self._news_store
+        try:
+            rung = _get_int(store, "news/seq")
+            while not self._watch_stop.is_set():
+                newest = int(store.get("epoch"))
+                if newest > self._seen_epoch:
+                    self._advance(store, newest)
                 if self.stopped is None and store.check(["stop"]):
                     self.stopped = store.get("stop").decode()
-                awaited = self._seen_epoch + 1
-                if wait_key(store, f"epoch/{awaited}", self._hb_interval):
-                    self._advance(store, max(awaited, int(store.get("epoch"))))
-            except RuntimeError:
-                if self._watch_stop.is_set():
-                    return
-                self._diagnose()
-                return
+                if wait_key(store, f"news/{rung + 1}", self._news_wait_s):
+                    rung += 1  # doorbell keys stay: if it rang again meanwhile, the next wait returns at once
+        except RuntimeError:
+            self._connection_failed()
 
     def _advance(self, store: TCPStore, newest: int) -> None:
         """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch."""
@@ -426,6 +478,12 @@ class CoordinatorClient:
     def removed_since(self, epoch: int, members: tuple[int, ...]) -> bool:
         """True if an epoch newer than ``epoch`` removed one of ``members`` (cheap: the watcher's cache)."""
         return any(e > epoch and not removed.isdisjoint(members) for e, removed in self.removals)
+
+    def _connection_failed(self) -> None:
+        """A watcher's store call failed: find out why, once (unless the client is closing)."""
+        if self._watch_stop.is_set() or not self._diagnosing.acquire(blocking=False):
+            return
+        self._diagnose()
 
     def _diagnose(self) -> None:
         """The connection failed: is the coordinator gone, or only our connection? (one fresh handshake)"""
@@ -447,7 +505,7 @@ class CoordinatorClient:
 
     def wait_lost(self, timeout_s: float) -> str | None:
         """After a store call failed: wait (bounded) for the watcher's verdict; None if it saw nothing."""
-        if self._watch_thread.is_alive():
+        if any(thread.is_alive() for thread in self._watch_threads):
             self._lost_event.wait(timeout_s)
         return self.lost
 
@@ -511,8 +569,11 @@ class CoordinatorClient:
         publish_record(self.store, record)
 
     def close(self) -> None:
-        """Stop the watcher (it wakes within a heartbeat interval); joined so that no thread is inside a
-        store call while the interpreter shuts down."""
+        """Stop the watchers (the heartbeat thread wakes within an interval; the news watcher's wait ends
+        when its connection is cut); joined so that no thread is inside a store call while the interpreter
+        shuts down."""
         self._watch_stop.set()
+        self._news_tunnel.cut()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)
-        self._watch_thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)
+        for thread in self._watch_threads:
+            thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)
