@@ -122,3 +122,45 @@ def test_the_reduction_starts_inside_the_armed_backward_only() -> None:
         assert res["unarmed"] == 0 and res["armed"] == res["buckets"]
         for local0, local1, reduced in zip(results[0]["local"], results[1]["local"], res["reduced"], strict=True):
             torch.testing.assert_close(reduced, local0 + local1)
+
+
+def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_from_fresh_ones() -> None:
+    """In fp32 mode ``apply`` makes each ``param.grad`` a view of the reduced buffer (no copy back); after
+    ``reset_local`` the next step's backward writes fresh local gradients, which the next reduction leaves
+    intact while it sums them into the buffer."""
+    _server, groups = gloo_groups(2)
+    results: list[dict] = [{} for _ in groups]
+
+    def rank(r: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        params = list(model.parameters())
+        reducer = GradientReducer(params, bucket_bytes=300, num_extras=1)
+        for step in range(2):
+            reducer.reset_local()
+            reducer.arm(groups[r])
+            model(torch.full((4, 8), float(r + 1 + 10 * step))).sum().backward()
+            grads = [p.grad for p in params]
+            local = [g.clone() for g in grads]
+            reducer.launch_gradients(groups[r])
+            reducer.launch_extras(torch.zeros(1))
+            assert reducer.wait(30.0, lambda: False) is not None
+            results[r][f"intact{step}"] = all(torch.equal(g, c) for g, c in zip(grads, local, strict=True))
+            reducer.apply()
+            flat = reducer.flat
+            start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            results[r][f"views{step}"] = all(start <= p.grad.data_ptr() < end for p in params)
+            results[r][f"local{step}"] = local
+            results[r][f"reduced{step}"] = [p.grad.clone() for p in params]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for res in results:
+        for step in range(2):
+            assert res[f"intact{step}"] and res[f"views{step}"]
+            pairs = zip(results[0][f"local{step}"], results[1][f"local{step}"], res[f"reduced{step}"], strict=True)
+            for local0, local1, reduced in pairs:
+                torch.testing.assert_close(reduced, local0 + local1)

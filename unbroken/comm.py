@@ -393,7 +393,9 @@ class GradientReducer:
             elif self.params[index].grad is None:
                 view.zero_()
             else:
-                view.copy_(self.params[index].grad.reshape(-1))
+                grad = self.params[index].grad
+                assert grad.data_ptr() != view.data_ptr(), "reset_local() must drop the last step's reduced views"
+                view.copy_(grad.reshape(-1))
 
     def _launch_ready(self) -> None:
         assert self._group is not None
@@ -438,17 +440,18 @@ class GradientReducer:
 
     @torch.no_grad()
     def apply(self, scale: float = 1.0) -> None:
-        """Replace every ``param.grad`` with the reduced sum (times ``scale``) after a successful ``wait``."""
+        """Replace every ``param.grad`` with the reduced sum (times ``scale``) after a successful ``wait``.
+
+        In fp32 mode each ``param.grad`` becomes a view of the reduced buffer (no copy back, unlike DDP's
+        default): the step's local gradients are no longer needed once the reduction completed, and the
+        buffer is next written by the following step's reduction, after ``reset_local`` has dropped these
+        views."""
         for index, p in enumerate(self.params):
             view = self._view(self.flat, index).view_as(p)
             if self.exact:
-                value = (view.double() * (2.0 ** -self.exponents[index])).float()
+                p.grad = (view.double() * (2.0 ** -self.exponents[index])).float()
             else:
-                value = view
-            if p.grad is None:
-                p.grad = value.clone()
-            else:
-                p.grad.copy_(value)
+                p.grad = view
             if scale != 1.0:
                 p.grad.mul_(scale)
 
