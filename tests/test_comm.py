@@ -164,3 +164,38 @@ def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_fro
             pairs = zip(results[0][f"local{step}"], results[1][f"local{step}"], res[f"reduced{step}"], strict=True)
             for local0, local1, reduced in pairs:
                 torch.testing.assert_close(reduced, local0 + local1)
+
+
+def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
+    """DDP's bucket policy: the first bucket (the last layer's gradients, produced first) closes at
+    ``first_bucket_bytes``, so its all-reduce is under way before the backward reaches the first layer;
+    exact mode, which launches everything after the backward, keeps uniform buckets."""
+    _server, groups = gloo_groups(2)
+    seen: list[dict] = [{} for _ in groups]
+
+    def rank(r: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        params = list(model.parameters())
+        reducer = GradientReducer(params, bucket_bytes=10_000, num_extras=1, first_bucket_bytes=1_000)
+        seen[r]["first"] = reducer.buckets[0]
+        # Registered before the reducer's own hook: runs first, when the first layer's weight gradient is final.
+        params[0].register_post_accumulate_grad_hook(lambda _p: seen[r].update(launched=reducer.launched))
+        reducer.arm(groups[r])
+        model(torch.ones(2, 16)).sum().backward()
+        reducer.launch_gradients(groups[r])
+        reducer.launch_extras(torch.zeros(1))
+        assert reducer.wait(30.0, lambda: False) is not None
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for s in seen:
+        assert s["first"] == [7, 6]  # the last layer's bias and weight: 64 + 1,024 bytes, past 1,000
+        assert s["launched"] >= 1
+    exact = GradientReducer(
+        [torch.nn.Parameter(torch.zeros(64)) for _ in range(8)], 1_024, 1, exact=True, first_bucket_bytes=8
+    )
+    assert [len(b) for b in exact.buckets] == [2, 2, 2, 2]

@@ -276,20 +276,28 @@ class GradientReducer:
     """
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], bucket_bytes: int, num_extras: int, exact: bool = False
+        self,
+        params: Sequence[torch.nn.Parameter],
+        bucket_bytes: int,
+        num_extras: int,
+        exact: bool = False,
+        first_bucket_bytes: int | None = None,
     ) -> None:
         self.params = list(params)
         self.num_extras = num_extras
         self.exact = exact
         device = self.params[0].device
         element_bytes = 8 if exact else 4
+        # A small first bucket (DDP's policy) starts the reduction of the last layers' gradients while the
+        # rest of the backward runs. Exact mode launches everything after the backward: nothing to overlap.
+        first_bytes = bucket_bytes if exact or first_bucket_bytes is None else first_bucket_bytes
         self.buckets: list[list[int]] = []
         current: list[int] = []
         current_bytes = 0
         for index in reversed(range(len(self.params))):
             current.append(index)
             current_bytes += self.params[index].numel() * element_bytes
-            if current_bytes >= bucket_bytes:
+            if current_bytes >= (bucket_bytes if self.buckets else first_bytes):
                 self.buckets.append(current)
                 current, current_bytes = [], 0
         if current:

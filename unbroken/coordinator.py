@@ -381,7 +381,7 @@ class CoordinatorClient:
         self,
         address: str,
         worker_id: int | None,
-        heartbeat_interval_s: float = 0.1,
+        heartbeat_interval_s: float = 0.25,
         heartbeat_timeout_s: float = 2.0,
     ) -> None:
         self.address = address

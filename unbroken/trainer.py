@@ -165,7 +165,11 @@ class Worker:
         # count; then each worker's seconds per microbatch, then the exact mode's overflow flag.
         self.speeds_at = 3 * self.M
         self.reducer = GradientReducer(
-            self.params, int(cfg.comm.bucket_mb * 2**20), self.speeds_at + SPEED_SLOTS + 2, exact=self.exact
+            self.params,
+            int(cfg.comm.bucket_mb * 2**20),
+            self.speeds_at + SPEED_SLOTS + 2,
+            exact=self.exact,
+            first_bucket_bytes=int(cfg.comm.first_bucket_mb * 2**20),
         )
         self.tokens_per_step = self.M * cfg.data.microbatch_size * cfg.data.seq_len
         self.policy = cfg.recovery.policy
