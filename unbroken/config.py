@@ -129,10 +129,14 @@ class CommConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"comm.backend = {self.backend!r} is unknown; allowed: auto, gloo, nccl")
-        for name in ("bucket_mb", "first_bucket_mb"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"comm.{name} = {getattr(self, name)} must be > 0")
-        for name in ("op_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s"):
+        for name in (
+            "bucket_mb",
+            "first_bucket_mb",
+            "op_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "join_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"comm.{name} = {getattr(self, name)} must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
