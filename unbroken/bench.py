@@ -56,7 +56,10 @@ def _default_config() -> str:
 
 
 def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
-    """Step times (s) of an unbroken run after warm-up."""
+    """Step times (s) of an unbroken run after warm-up: the periods between consecutive commits (the
+    leader's step records are stamped when it publishes them, right after each commit), so everything a
+    worker does per step counts, its bookkeeping between steps included. DDP's loop does nothing between
+    steps, so its loop-body time is the same measure."""
     from unbroken.launcher import Launcher, plan_launch
     from unbroken.metrics import read_metrics
 
@@ -66,8 +69,8 @@ def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
         code = Launcher(plan, show_progress=False, show_summary=False).run()
         if code != 0:
             raise RuntimeError(f"unbroken run failed (exit {code}); logs in {run_dir}/logs")
-        steps = sorted(read_metrics(run_dir, "step"), key=lambda r: r["step"])
-        return [r["step_time_s"] for r in steps[WARMUP_STEPS:]]
+        commits = [r["time"] for r in committed_steps(read_metrics(run_dir)).values()]
+        return [b - a for a, b in zip(commits[WARMUP_STEPS - 1 : -1], commits[WARMUP_STEPS:], strict=True)]
 
 
 def run_ddp(cfg: RunConfig, workers: int) -> list[float]:
