@@ -41,6 +41,7 @@ import datetime
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -51,7 +52,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError, TCPStore
 
-from unbroken.gateway import Gateway, Tunnel, TunnelError, require_token
+from unbroken.gateway import Gateway, NothingListens, Tunnel, TunnelError, require_token
 
 log = logging.getLogger(__name__)
 
@@ -410,13 +411,14 @@ class CoordinatorClient:
         self._seen_members = frozenset(self.epoch_record(self._seen_epoch).members) if self._seen_epoch else frozenset()
         self.stopped: str | None = None
         # Two watcher threads, each on its own connection (a TCPStore client is one socket, one call at a
-        # time): one sends a heartbeat every interval, one sleeps in a store wait on the workers' doorbell.
-        # (Connected with the long timeout: opening a connection alone can take seconds, see new_connection;
-        # then their ops time out within the heartbeat bound, so an unresponsive coordinator is noticed as
-        # fast as a dead one.)
+        # time): the sender sends a heartbeat every interval and the metrics records queued by the training
+        # thread, the news watcher sleeps in a store wait on the workers' doorbell. (Connected with the long
+        # timeout: opening a connection alone can take seconds, see new_connection; then their ops time out
+        # within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one.)
         op_timeout = datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s))
-        self._heartbeat_store = connect_store(address, token=self.token)
-        self._heartbeat_store.set_timeout(op_timeout)
+        self._sender_store = connect_store(address, token=self.token)
+        self._sender_store.set_timeout(op_timeout)
+        self._outbox: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
         self._news_store, self._news_tunnel = open_store(address, token=self.token)
         self._news_store.set_timeout(op_timeout)
         self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
@@ -426,22 +428,35 @@ class CoordinatorClient:
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
         self._watch_threads = [
-            threading.Thread(target=self._send_heartbeats, name="heartbeat", daemon=True),
+            threading.Thread(target=self._send, name="heartbeat+metrics", daemon=True),
             threading.Thread(target=self._watch_news, name="epoch-watch", daemon=True),
         ]
         for thread in self._watch_threads:
             thread.start()
 
-    def _send_heartbeats(self) -> None:
-        """One ``add`` every heartbeat interval: a round trip, nothing else."""
-        store, key = self._heartbeat_store, f"hb/{self.worker_id}"
+    def _send(self) -> None:
+        """A heartbeat (one ``add``) every interval, and between them the queued metrics records in order,
+        so the training thread never waits on the store to publish. Ends at the ``None`` that ``close``
+        queues, after everything queued before it."""
+        store, key = self._sender_store, f"hb/{self.worker_id}"
+        next_beat = time.monotonic()
         while True:
             try:
-                store.add(key, 1)
+                if time.monotonic() >= next_beat:
+                    store.add(key, 1)
+                    next_beat = time.monotonic() + self._hb_interval
+                try:
+                    item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+                except queue.Empty:
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, threading.Event):
+                    item.set()  # a flush: everything queued before it is in the store
+                else:
+                    publish_record(store, item)
             except RuntimeError:
                 self._connection_failed()
-                return
-            if self._watch_stop.wait(self._hb_interval):
                 return
 
     def _watch_news(self) -> None:
@@ -493,6 +508,8 @@ class CoordinatorClient:
         while time.monotonic() < deadline:  # a few tries: a cut in progress may sever the first probe too
             try:
                 Tunnel(self.address, self.token, self._probe_timeout_s).close()
+            except NothingListens:
+                break  # the coordinator's port is closed: no need to wait out the probe timeout
             except (TunnelError, OSError):
                 time.sleep(0.2)
                 continue
@@ -566,12 +583,25 @@ class CoordinatorClient:
         return None
 
     def publish_metrics(self, record: dict[str, Any]) -> None:
-        publish_record(self.store, record)
+        """Queue ``record`` for the coordinator's metrics.jsonl; the sender thread delivers it."""
+        self._outbox.put(record)
+
+    def flush_metrics(self, timeout_s: float = STORE_TIMEOUT_S) -> bool:
+        """Wait until every record queued so far is in the store; False if that did not happen in time
+        (the connection failed: the caller's copy of its recent records is all there is)."""
+        delivered, sender = threading.Event(), self._watch_threads[0]
+        self._outbox.put(delivered)
+        deadline = time.monotonic() + timeout_s
+        while not delivered.wait(0.05):
+            if not sender.is_alive() or time.monotonic() > deadline:
+                return False
+        return True
 
     def close(self) -> None:
-        """Stop the watchers (the heartbeat thread wakes within an interval; the news watcher's wait ends
+        """Stop the watchers (the sender delivers what was queued, then ends; the news watcher's wait ends
         when its connection is cut); joined so that no thread is inside a store call while the interpreter
         shuts down."""
+        self._outbox.put(None)
         self._watch_stop.set()
         self._news_tunnel.cut()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)

@@ -371,6 +371,10 @@ class TunnelError(ConnectionError):
     """The coordinator could not be reached or refused us (wrong token, not a coordinator)."""
 
 
+class NothingListens(TunnelError):
+    """The connection to the coordinator's address was refused: no process listens there (it is gone)."""
+
+
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -449,7 +453,8 @@ class Tunnel:
         try:
             upstream = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
         except OSError as e:
-            raise TunnelError(f"cannot reach the coordinator at {address}: {e.strerror or e}") from None
+            error = NothingListens if isinstance(e, ConnectionRefusedError) else TunnelError
+            raise error(f"cannot reach the coordinator at {address}: {e.strerror or e}") from None
         try:
             upstream.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
             handshake(upstream, token, address)

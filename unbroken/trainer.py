@@ -832,6 +832,7 @@ class Worker:
                     "identical": len(set(checksums.values())) == 1,
                 }
             )
+            self.client.flush_metrics()  # the coordinator drains the records once more on "done", then ends
             store.set("done", "ok")
             ring(store)
 
