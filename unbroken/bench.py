@@ -187,9 +187,12 @@ def bench_ddp(config: str | None, worker_counts: list[int], repeats: int, overri
     rows = []
     for workers in worker_counts:
         times: dict[str, list[float]] = {"ddp": [], "fp32": [], "exact": []}
+        paired: list[float] = []  # each round's fp32 / DDP: the two ran back to back, under the same load
         for _ in range(repeats):  # alternate so that machine drift hits every system alike
-            times["ddp"] += run_ddp(cfg, workers)
-            times["fp32"] += run_unbroken(cfg, workers)
+            ddp, fp32 = run_ddp(cfg, workers), run_unbroken(cfg, workers)
+            paired.append(statistics.median(fp32) / statistics.median(ddp))
+            times["ddp"] += ddp
+            times["fp32"] += fp32
             times["exact"] += run_unbroken(exact, workers)
         stats = {name: _stats(values) for name, values in times.items()}
         rows.append(
@@ -198,6 +201,7 @@ def bench_ddp(config: str | None, worker_counts: list[int], repeats: int, overri
                 **stats,
                 "ratio": stats["fp32"]["median"] / stats["ddp"]["median"],
                 "exact_ratio": stats["exact"]["median"] / stats["ddp"]["median"],
+                "paired": _stats(paired),
             }
         )
     return rows
@@ -211,15 +215,18 @@ def format_ddp(rows: list[dict[str, Any]], cfg: RunConfig) -> str:
     tokens = cfg.train.microbatches * cfg.data.microbatch_size * cfg.data.seq_len
     lines = [
         f"model {cfg.model.flavour}, M = {cfg.train.microbatches}, {tokens} tokens/step, "
-        f"{MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round; step time median [q1, q3]",
+        f"{MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round; step time median [q1, q3]; "
+        "fp32 / DDP per round: the median [min, max] of each round's ratio (the two ran back to back)",
         "",
-        "| workers | DDP | unbroken fp32 | unbroken exact | fp32 / DDP | exact / DDP |",
-        "|---|---|---|---|---|---|",
+        "| workers | DDP | unbroken fp32 | unbroken exact | fp32 / DDP | exact / DDP | fp32 / DDP per round |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        paired = r["paired"]
         lines.append(
             f"| {r['workers']} | {_ms(r['ddp'])} | {_ms(r['fp32'])} | {_ms(r['exact'])} "
-            f"| {r['ratio']:.3f} | {r['exact_ratio']:.3f} |"
+            f"| {r['ratio']:.3f} | {r['exact_ratio']:.3f} "
+            f"| {paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] (n={paired['n']}) |"
         )
     return "\n".join(lines)
 
