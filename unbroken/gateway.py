@@ -44,6 +44,7 @@ MAGIC = b"UNBROKEN/1\n"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not proved the token by then is closed
+HANDSHAKE_TICK_S = 0.25  # while handshakes are pending, their deadlines are checked this often
 MAX_PENDING = 128  # handshakes in progress; past it the oldest is dropped (a flood cannot lock workers out)
 BUFFER_LIMIT = 4 * 2**20  # bytes queued towards one side before we stop reading from the other
 CHUNK = 2**16
@@ -116,11 +117,16 @@ class _Loop:
             pass
 
     def tick(self) -> None:
-        """Called about every 0.25 s on the loop thread (handshake deadlines)."""
+        """Called on the loop thread after every wake-up (handshake deadlines)."""
+
+    def idle_timeout(self) -> float | None:
+        """How long the loop may sleep when nothing happens: None (until a socket or ``call`` wakes it)
+        unless ``tick`` has deadlines to watch. A loop shares the training cores: no idle wake-ups."""
+        return None
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            for key, mask in self.sel.select(timeout=0.25):
+            for key, mask in self.sel.select(timeout=self.idle_timeout()):
                 try:
                     key.data(mask)
                 except Exception:  # noqa: BLE001 - one bad connection must not end the loop
@@ -350,6 +356,9 @@ class Gateway(_Loop):
             return
         self.admitted += 1
         self.pipe(hs.sock, store)
+
+    def idle_timeout(self) -> float | None:
+        return HANDSHAKE_TICK_S if self.pending else None
 
     def tick(self) -> None:
         now = time.monotonic()
