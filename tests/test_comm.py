@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +20,15 @@ pytestmark = pytest.mark.timeout(120)
 GROUP_TIMEOUT_S = 6.0
 
 
+def on_each_rank(fn: Callable[[int], None], size: int) -> None:
+    """Run ``fn(rank)`` for every rank of a group at once, a thread each (they meet in collectives)."""
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+
+
 def gloo_groups(size: int) -> tuple[TCPStore, list[Group]]:
     """``size`` ranks of one gloo group, each built on its own thread with its own store connection."""
     server = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -30,11 +40,7 @@ def gloo_groups(size: int) -> tuple[TCPStore, list[Group]]:
             PrefixStore("pg/1", client), rank, size, datetime.timedelta(seconds=GROUP_TIMEOUT_S)
         )
 
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    on_each_rank(build, size)
     assert all(pg is not None for pg in pgs)
     return server, [Group(1, tuple(range(size)), r, pgs[r], torch.device("cpu")) for r in range(size)]
 
@@ -112,11 +118,7 @@ def test_the_reduction_starts_inside_the_armed_backward_only() -> None:
         reducer.apply()
         results[r].update(buckets=len(reducer.buckets), local=local, reduced=[p.grad.clone() for p in params])
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    on_each_rank(rank, 2)
     for res in results:
         assert res["buckets"] > 1, res["buckets"]
         assert res["unarmed"] == 0 and res["armed"] == res["buckets"]
@@ -153,11 +155,7 @@ def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_fro
             results[r][f"local{step}"] = local
             results[r][f"reduced{step}"] = [p.grad.clone() for p in params]
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    on_each_rank(rank, 2)
     for res in results:
         for step in range(2):
             assert res[f"intact{step}"] and res[f"views{step}"]
@@ -187,11 +185,7 @@ def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
         reducer.launch_extras(torch.zeros(1))
         assert reducer.wait(30.0, lambda: False) is not None
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    on_each_rank(rank, 2)
     for s in seen:
         assert s["first"] == [7, 6]  # the last layer's bias and weight: 64 + 1,024 bytes, past 1,000
         assert s["launched"] >= 1
