@@ -3,7 +3,8 @@
 ``bench ddp``: the step time of an ``unbroken`` run (fp32 and exact reduction) against the same model,
 data, M and optimizer trained with ``torch.nn.parallel.DistributedDataParallel`` (gradient accumulation
 under ``no_sync``), for each worker count. The systems alternate round by round on the same machine so
-drift in the machine's load hits all of them; the figure is the ratio of median step times.
+drift in the machine's load hits all of them; the figures are the ratio of median step times over all
+rounds and the median of each round's ratio.
 
 ``bench recovery``: real SIGKILLs at backward / reduction / forward of a running job (each victim
 restarted so it rejoins): detection, group re-formation and time to the first committed step after.
