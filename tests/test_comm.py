@@ -29,6 +29,21 @@ def on_each_rank(fn: Callable[[int], None], size: int) -> None:
         t.join(timeout=60)
 
 
+def reduce_now(reducer: GradientReducer, group: Group) -> None:
+    """Launch every gradient bucket and the (one) extra on ``group`` and wait until the reduction completes."""
+    reducer.launch_gradients(group)
+    reducer.launch_extras(torch.zeros(1))
+    assert reducer.wait(30.0, lambda: False) is not None
+
+
+def assert_sum_of_two_ranks(
+    local0: list[torch.Tensor], local1: list[torch.Tensor], reduced: list[torch.Tensor]
+) -> None:
+    """Each reduced gradient is the sum of the two ranks' local ones."""
+    for a, b, total in zip(local0, local1, reduced, strict=True):
+        torch.testing.assert_close(total, a + b)
+
+
 def gloo_groups(size: int) -> tuple[TCPStore, list[Group]]:
     """``size`` ranks of one gloo group, each built on its own thread with its own store connection."""
     server = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -112,9 +127,7 @@ def test_the_reduction_starts_inside_the_armed_backward_only() -> None:
         model(x).sum().backward()
         results[r]["armed"] = reducer.launched
         local = [p.grad.clone() for p in params]
-        reducer.launch_gradients(groups[r])
-        reducer.launch_extras(torch.zeros(1))
-        assert reducer.wait(30.0, lambda: False) is not None
+        reduce_now(reducer, groups[r])
         reducer.apply()
         results[r].update(buckets=len(reducer.buckets), local=local, reduced=[p.grad.clone() for p in params])
 
@@ -122,8 +135,7 @@ def test_the_reduction_starts_inside_the_armed_backward_only() -> None:
     for res in results:
         assert res["buckets"] > 1, res["buckets"]
         assert res["unarmed"] == 0 and res["armed"] == res["buckets"]
-        for local0, local1, reduced in zip(results[0]["local"], results[1]["local"], res["reduced"], strict=True):
-            torch.testing.assert_close(reduced, local0 + local1)
+        assert_sum_of_two_ranks(results[0]["local"], results[1]["local"], res["reduced"])
 
 
 def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_from_fresh_ones() -> None:
@@ -144,9 +156,7 @@ def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_fro
             model(torch.full((4, 8), float(r + 1 + 10 * step))).sum().backward()
             grads = [p.grad for p in params]
             local = [g.clone() for g in grads]
-            reducer.launch_gradients(groups[r])
-            reducer.launch_extras(torch.zeros(1))
-            assert reducer.wait(30.0, lambda: False) is not None
+            reduce_now(reducer, groups[r])
             results[r][f"intact{step}"] = all(torch.equal(g, c) for g, c in zip(grads, local, strict=True))
             reducer.apply()
             flat = reducer.flat
@@ -159,9 +169,7 @@ def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_fro
     for res in results:
         for step in range(2):
             assert res[f"intact{step}"] and res[f"views{step}"]
-            pairs = zip(results[0][f"local{step}"], results[1][f"local{step}"], res[f"reduced{step}"], strict=True)
-            for local0, local1, reduced in pairs:
-                torch.testing.assert_close(reduced, local0 + local1)
+            assert_sum_of_two_ranks(results[0][f"local{step}"], results[1][f"local{step}"], res[f"reduced{step}"])
 
 
 def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
@@ -181,9 +189,7 @@ def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
         params[0].register_post_accumulate_grad_hook(lambda _p: seen[r].update(launched=reducer.launched))
         reducer.arm(groups[r])
         model(torch.ones(2, 16)).sum().backward()
-        reducer.launch_gradients(groups[r])
-        reducer.launch_extras(torch.zeros(1))
-        assert reducer.wait(30.0, lambda: False) is not None
+        reduce_now(reducer, groups[r])
 
     on_each_rank(rank, 2)
     for s in seen:
