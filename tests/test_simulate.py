@@ -9,9 +9,7 @@ committed tokens and wall time, the simulator calibrated only from what those ru
 from __future__ import annotations
 
 import math
-import os
 import random
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +18,6 @@ import numpy as np
 import pytest
 
 from unbroken import plan as planlib
-from unbroken.flavours import flops_per_token, model_args, num_params
-from unbroken.metrics import committed_steps
 from unbroken.sim_engine import finish_offsets, makespan
 from unbroken.sim_report import PLOTS, run_simulate
 from unbroken.sim_timeline import build_timeline
@@ -125,9 +121,14 @@ def test_failure_free_throughput_is_the_cost_model() -> None:
     ]
     sc = load_scenario(None, [*overrides, "--run.policies=recover,drop,restart"])
     res = simulate(sc)
-    args = model_args("1b", max_seq_len=1024)
-    microbatch = flops_per_token(args, 1024) * 1024 / (8 * 312e12 * 0.4)
-    ring = 2 * 7 / 8 * 2.0 * num_params(args) / 8 / 25e9 + 2 * 7 * 10e-6
+    # The 1b flavour by hand: dim 2048, 24 layers of (4 * 2048^2 attention + 3 * 2048 * 5461 SwiGLU + 2 * 2048
+    # norms), untied 32000 x 2048 embedding and output, a final norm: 1,339,082,752 parameters; the FLOPs per
+    # token are 6 x (those minus the embedding) + 12 * layers * dim * seq_len.
+    params = 24 * (4 * 2048**2 + 3 * 2048 * 5461 + 2 * 2048) + 2 * 32000 * 2048 + 2048
+    assert params == 1_339_082_752
+    flops = 6 * (params - 32000 * 2048) + 12 * 24 * 2048 * 1024
+    microbatch = flops * 1024 / (8 * 312e12 * 0.4)
+    ring = 2 * 7 / 8 * 2.0 * params / 8 / 25e9 + 2 * 7 * 10e-6
     step = math.ceil(20 / 8) * microbatch + ring
     assert res.failure_free_step_s == pytest.approx(step, rel=1e-12)
     by = {r.policy: r for r in res.policies}
@@ -269,159 +270,3 @@ def test_recover_512_preset_and_the_cli_outputs(tmp_path: Path) -> None:
     for name in ("scenario.toml", "summary.md", "results.json", *PLOTS):
         assert (out / name).stat().st_size > 0, name
     assert load_scenario(out / "scenario.toml").run.hours == 1.0  # the resolved scenario reproduces the run
-
-
-# -- against real runs ----------------------------------------------------------------------------------
-
-REAL_STEPS = 20
-REAL_M = 8
-REAL_EVERY = 5
-REAL_SCHEDULE = "kill:worker=1,step=6,phase=backward; kill:worker=2,step=13,phase=reduction"
-
-
-def _final_steps(records: list[dict]) -> dict[int, dict]:
-    """The committed trajectory: the last record of each step (a restart redoes the steps it rolled back)."""
-    return committed_steps(sorted(records, key=lambda r: r["time"]))
-
-
-def _period(records: list[dict], alive: int, before: float = math.inf) -> float:
-    """Median commit-to-commit time of failure-free steps run by ``alive`` workers (no save in between)."""
-    steps = _final_steps([r for r in records if r["time"] < before])
-    saves = [r["time"] for r in records if r["type"] == "checkpoint"]
-    intervals = [
-        b["time"] - a["time"]
-        for a, b in ((steps[s - 1], steps[s]) for s in sorted(steps) if s - 1 in steps and steps[s]["recoveries"] == 0)
-        if a["alive"] == b["alive"] == alive
-        and not (a.get("republished") or b.get("republished"))  # published late: no commit time
-        and not any(a["time"] < t < b["time"] for t in saves)
-    ]
-    return statistics.median(intervals)
-
-
-def _oversubscription(records: list[dict], allreduce_s: float, cores: int) -> float:
-    """The slowdown per process beyond the cores (the simulator's ``cluster.oversubscription``), from one run:
-    its period with 4 workers against its period with 2 after the failures (no more processes than cores:
-    each microbatch at full speed). 0 where 4 workers do not outnumber the cores."""
-    if cores >= 4 or cores < 2:
-        return 0.0
-    microbatch_s = (_period(records, 2) - allreduce_s) / (REAL_M / 2)
-    shared = (_period(records, 4) - allreduce_s) / (makespan(np.full(4, REAL_M / 4), cores) * microbatch_s)
-    return max(0.0, shared - 1.0)
-
-
-def _measure(records: list[dict], allreduce_s: float, cores: int, penalty: float) -> dict[str, float]:
-    """What the run measured before its first failure (step period, saves), at its failures (detection,
-    re-formation, restart), converted to the simulator's costs."""
-    first_failure = min(r["time"] for r in records if r["type"] == "failure")
-    period = _period(records, 4, before=first_failure)
-    # 4 replicas x 2 microbatches time-shared on the cores: the compute is makespan(2, 2, 2, 2) microbatches
-    units = makespan(np.full(4, REAL_M / 4), cores, penalty)
-    measured = {
-        "period": period,
-        "microbatch_s": (period - allreduce_s) / units,
-        "save_s": statistics.median(r["seconds"] for r in records if r["type"] == "checkpoint"),
-        "detect_s": statistics.median(r["detection_s"] for r in records if r["type"] == "failure"),
-    }
-    reforms = [r["reform_s"] for r in records if r["type"] == "recovery" and r.get("missing") is not None]
-    if reforms:
-        measured["reform_s"] = statistics.median(reforms)
-    restarts = []
-    for restart in (r for r in records if r["type"] == "restart"):
-        failed = max(r["time"] for r in records if r["type"] == "failure" and r["time"] < restart["time"])
-        resumed = min(r["time"] for r in records if r["type"] == "step" and r["time"] > restart["time"])
-        restarts.append(resumed - period - failed)
-    if restarts:
-        measured["restart_s"] = statistics.median(restarts)
-    return measured
-
-
-@pytest.mark.timeout(900)
-def test_the_simulator_predicts_real_runs(tmp_path: Path, data_cache_dir: Path) -> None:
-    """Real 4-worker CPU runs of the tiny model under recover, drop and restart with two kills; the simulator,
-    calibrated from what each run measured, must predict its committed tokens and wall time within 15%.
-
-    Calibration (nothing tuned): the failure-free step period (median commit-to-commit before the first
-    kill), the checkpoint save time, the detection and re-formation latencies and, for restart, the time
-    from the failure to the first step after the relaunch. The step period is split into compute and the
-    rest (reduction, optimizer) with the rest measured where nothing else runs: under drop, between the
-    group's re-formation and the commit. The workers outnumber the cores, so the simulator time-shares
-    ``os.cpu_count()`` cores among them, each process beyond the cores slowing the others by the share
-    measured in the drop run (its period with 4 workers against its period with 2 after the kills).
-    Wall time is counted from the commit of step 0, in both.
-    """
-    from runner import train
-
-    from unbroken.metrics import read_metrics
-
-    common = [
-        f"--train.steps={REAL_STEPS}",
-        f"--train.microbatches={REAL_M}",
-        "--train.eval_every=0",
-        "--train.eval_microbatches=1",
-        f"--checkpoint.every={REAL_EVERY}",
-        f"--failures.schedule={REAL_SCHEDULE}",
-        # Kills are detected from the process exit; a generous heartbeat timeout keeps a loaded machine's late
-        # heartbeats from passing for failures.
-        "--comm.heartbeat_timeout_s=10",
-    ]
-    records = {}
-    for policy in ("drop", "recover", "restart"):
-        result = train(tmp_path / policy, data_cache_dir, *common, f"--recovery.policy={policy}")
-        assert result.returncode == 0, (policy, result.stderr[-3000:])
-        records[policy] = read_metrics(tmp_path / policy)
-    drop_steps = _final_steps(records["drop"])
-    rest = [
-        drop_steps[r["step"]]["time"] - r["time_reformed"]
-        for r in records["drop"]
-        # Only recoveries from a step under way: under drop nothing is computed after those, while a step
-        # nobody had started (every id missing) is planned and computed as usual.
-        if r["type"] == "recovery"
-        and r.get("missing")
-        and len(r["missing"]) < REAL_M
-        and not drop_steps[r["step"]].get("republished")
-    ]
-    allreduce_s = statistics.median(rest)
-    cores = os.cpu_count() or 1
-    penalty = _oversubscription(records["drop"], allreduce_s, cores)
-    report = [f"oversubscription {penalty:.3f} (from the drop run)"]
-    wall_errors = {}
-    for policy, recs in records.items():
-        m = _measure(recs, allreduce_s, cores, penalty)
-        steps = _final_steps(recs)
-        assert sorted(steps) == list(range(REAL_STEPS))
-        real_tokens = sum(r["tokens"] * (REAL_M - r["dropped"]) / REAL_M for r in steps.values())
-        real_wall = steps[REAL_STEPS - 1]["time"] - steps[0]["time"]
-        overrides = [
-            "--cluster.gpus=4",
-            "--cluster.gpus_per_replica=1",
-            f"--cluster.shared_cores={cores}",
-            f"--cluster.oversubscription={penalty}",
-            "--model.flavour=tiny",
-            "--model.seq_len=64",
-            "--model.microbatch_size=2",
-            f"--model.microbatches={REAL_M}",
-            "--run.hours=0",
-            f"--run.steps={REAL_STEPS}",
-            f"--run.policies={policy}",
-            f"--checkpoint.every={REAL_EVERY}",
-            f"--checkpoint.in_place_every={REAL_EVERY}",
-            f"--failures.schedule={REAL_SCHEDULE}",
-            f"--cost.microbatch_s={m['microbatch_s']}",
-            f"--cost.allreduce_s={allreduce_s}",
-            f"--cost.save_s={m['save_s']}",
-            f"--cost.detect_s={m['detect_s']}",
-            *([f"--cost.reform_s={m['reform_s']}"] if "reform_s" in m else []),
-            *([f"--cost.restart_s={m['restart_s']}"] if "restart_s" in m else []),
-        ]
-        res = simulate(load_scenario(None, overrides))
-        sim = res.policies[0]
-        sim_wall = sim.wall_s - res.failure_free_step_s
-        report.append(
-            f"{policy}: tokens real {real_tokens:.0f} sim {sim.committed_tokens} | wall real {real_wall:.2f} s "
-            f"sim {sim_wall:.2f} s ({sim_wall / real_wall - 1:+.1%}) | calibration "
-            + ", ".join(f"{k} {v:.3f}" for k, v in m.items())
-        )
-        assert abs(sim.committed_tokens / real_tokens - 1) <= 0.15, report[-1]
-        wall_errors[policy] = sim_wall / real_wall - 1
-    print("\n".join(report))
-    assert all(abs(e) <= 0.15 for e in wall_errors.values()), "wall time off by more than 15%:\n" + "\n".join(report)

@@ -32,26 +32,49 @@ def run_train(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.Co
 
 
 def test_n_workers_match_one_worker(tmp_path: Path, data_cache_dir: Path) -> None:
+    """Exact reduction sums each microbatch's gradient as integers, so the order of summation cannot matter:
+    1, 2 and 4 workers must train bit for bit the same model (one intra-op thread everywhere, so every
+    microbatch's own gradient is computed by the same kernels)."""
     runs = {}
     for n in (1, 2, 4):
         out = tmp_path / f"w{n}"
-        result = run_train(TINY, "--workers", str(n), "--out", str(out), "--train.steps=6", cache=data_cache_dir)
+        result = run_train(
+            TINY,
+            "--workers",
+            str(n),
+            "--out",
+            str(out),
+            "--train.steps=6",
+            "--train.threads=1",
+            "--recovery.reduction=exact",
+            cache=data_cache_dir,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         runs[n] = out
     ref_losses, ref_params = step_losses(runs[1]), final_params(runs[1])
     assert sorted(ref_losses) == list(range(6))
     for n in (2, 4):
-        losses = step_losses(runs[n])
-        assert losses.keys() == ref_losses.keys()
-        for step, loss in ref_losses.items():
-            assert abs(losses[step] - loss) <= 1e-5, (n, step, losses[step], loss)
+        assert step_losses(runs[n]) == ref_losses, n
         params = final_params(runs[n])
-        for name, tensor in ref_params.items():
-            torch.testing.assert_close(params[name], tensor, rtol=1e-4, atol=1e-5)
+        assert all(torch.equal(params[name], tensor) for name, tensor in ref_params.items()), n
         final = read_metrics(runs[n], "final")[0]
         assert len(final["checksums"]) == n and final["identical"], final
-    # The loss fell on real text.
-    assert ref_losses[5] < ref_losses[0] - 0.5
+    assert ref_losses[5] < ref_losses[0]  # it learns
+
+
+def test_fp32_workers_agree_on_the_first_loss(tmp_path: Path, data_cache_dir: Path) -> None:
+    """In fp32 mode the summation order of the gradient depends on the number of workers, so later steps may
+    differ in the last bits; the first loss is a forward pass of the same initial model on the same
+    microbatches, each counted once, and must not differ at all."""
+    losses = {}
+    for n in (1, 2):
+        out = tmp_path / f"w{n}"
+        result = run_train(
+            TINY, "--workers", str(n), "--out", str(out), "--train.steps=1", "--train.threads=1", cache=data_cache_dir
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        losses[n] = step_losses(out)
+    assert losses[1] == losses[2]
 
 
 def test_resume_after_ctrl_c_and_corrupt_checkpoint_reproduces_the_run(tmp_path: Path, data_cache_dir: Path) -> None:

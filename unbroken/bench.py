@@ -527,8 +527,10 @@ def bench_mecefo(steps: int) -> str:
     return "\n".join(out)
 
 
-BENCHES = ("ddp", "recovery", "policies", "mecefo", "convergence")
+BENCHES = ("ddp", "recovery", "policies", "mecefo", "convergence", "simulator")
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+# Where each benchmark's figures are recorded (benchmarks.md unless named here).
+DOCS = {"simulator": DOC.with_name("simulation.md")}
 
 
 def machine() -> str:
@@ -598,6 +600,10 @@ def run_one(
         return format_policies(bench_policies(config, max(worker_counts), overrides))
     if what == "mecefo":
         return bench_mecefo(steps or 100)
+    if what == "simulator":
+        from unbroken.bench_simulator import bench_simulator, format_simulator
+
+        return format_simulator(bench_simulator(config or _tiny_config(), overrides))
     assert what == "convergence", what
     result = bench_convergence(
         config, max(worker_counts), steps or 300, ("low", "mid", "high"), CONVERGENCE_POLICIES, overrides
@@ -627,7 +633,8 @@ def run_bench(
         body = run_one(name, config, worker_counts, repeats, overrides, steps)
         print(body, flush=True)
         if record_doc or what == "all":
-            record(name, command.replace(" all", f" {name}", 1) if what == "all" else command, body)
+            text = command.replace(" all", f" {name}", 1) if what == "all" else command
+            record(name, text, body, DOCS.get(name, DOC))
     return 0
 
 

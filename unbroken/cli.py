@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
-    bench.add_argument("what", choices=["all", "ddp", "recovery", "policies", "mecefo", "convergence"])
+    bench.add_argument("what", choices=["all", "ddp", "recovery", "policies", "mecefo", "convergence", "simulator"])
     bench.add_argument("config", nargs="?")
     bench.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
     bench.add_argument("--repeats", type=int, default=2, help="alternating rounds of each system (default 2)")
