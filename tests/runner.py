@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from unbroken import checkpoint as ckpt
+from unbroken.ft import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")

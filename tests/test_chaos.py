@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from runner import TINY
 
-from unbroken.chaos import KINDS, churn_schedule, make_trial
-from unbroken.failures import FailureKind, FailureSchedule
+from unbroken.core.failures import FailureKind, FailureSchedule
+from unbroken.lab.chaos import KINDS, churn_schedule, make_trial
 
 
 @pytest.mark.timeout(30)

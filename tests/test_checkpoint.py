@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken import checkpoint as ckpt
+from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from unbroken.comm import GradientReducer, Group, allreduce_async, retire_group, retired_groups, wait_all
+from unbroken.ft.comm import GradientReducer, Group, allreduce_async, retire_group, retired_groups, wait_all
 
 pytestmark = pytest.mark.timeout(120)
 

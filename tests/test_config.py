@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.config import RunConfig, config_from_toml_text, dump_config, load_config, to_toml
+from unbroken.core.config import RunConfig, config_from_toml_text, dump_config, load_config, to_toml
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,9 +20,9 @@ import torch
 from runner import ROOT, TINY, final_params, train
 from torch.distributed import TCPStore
 
-from unbroken import checkpoint as ckpt
-from unbroken.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
-from unbroken.metrics import read_metrics, step_losses
+from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
+from unbroken.core.records import read_metrics, step_losses
+from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(300)
 

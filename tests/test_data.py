@@ -1,4 +1,4 @@
-"""Tests for unbroken.data: sources, the train/validation split, the token cache and the samplers."""
+"""Tests for unbroken.train.data: sources, the train/validation split, the token cache and the samplers."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken import data
-from unbroken.config import DataConfig
-from unbroken.data import (
+from unbroken.core.config import DataConfig
+from unbroken.train import data
+from unbroken.train.data import (
     EOT,
     EvalSampler,
     MicrobatchSampler,
@@ -35,8 +35,8 @@ SMALL = {"vocab_size": 300, "seq_len": 16, "microbatch_size": 2, "val_fraction":
 # Run in a separate interpreter: prepare the corpus (a cache hit) and print one training microbatch.
 SAMPLER_SCRIPT = """
 import json, sys
-from unbroken.config import DataConfig
-from unbroken.data import MicrobatchSampler, prepare_corpus
+from unbroken.core.config import DataConfig
+from unbroken.train.data import MicrobatchSampler, prepare_corpus
 cache_dir, step, mb_id = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 corpus = prepare_corpus(DataConfig(cache_dir=cache_dir))
 x, y = MicrobatchSampler(corpus.train, 256, 4, 8, seed=1234).microbatch(step, mb_id)
@@ -46,12 +46,12 @@ print(json.dumps([x.tolist(), y.tolist()]))
 # Prepare a small source and report how many times this process built the cache entry.
 CONCURRENT_SCRIPT = """
 import json, logging, sys
-from unbroken.config import DataConfig
-from unbroken.data import prepare_corpus
+from unbroken.core.config import DataConfig
+from unbroken.train.data import prepare_corpus
 records = []
-logging.getLogger("unbroken.data").addHandler(logging.Handler())
-logging.getLogger("unbroken.data").handlers[0].emit = records.append
-logging.getLogger("unbroken.data").setLevel(logging.INFO)
+logging.getLogger("unbroken.train.data").addHandler(logging.Handler())
+logging.getLogger("unbroken.train.data").handlers[0].emit = records.append
+logging.getLogger("unbroken.train.data").setLevel(logging.INFO)
 cfg = DataConfig(source=sys.argv[1], cache_dir=sys.argv[2], vocab_size=300, seq_len=16, microbatch_size=2,
                  val_fraction=0.1)
 corpus = prepare_corpus(cfg)

@@ -1,4 +1,4 @@
-"""Tests for unbroken.efficient: MeCeFO's efficient mode on our model and on a Hugging Face LlamaForCausalLM."""
+"""Tests for unbroken.ft.efficient: MeCeFO's efficient mode on our model and on a Hugging Face LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unbroken.efficient import EfficientBackward, EfficientConfig, apply_efficient_backward
-from unbroken.model import FLAVOURS, Transformer
+from unbroken.ft.efficient import EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.train.model import FLAVOURS, Transformer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -323,7 +323,7 @@ def test_rejects_a_block_whose_mlp_does_not_read_its_norm() -> None:
 
 
 def test_bench_microbatch_memory_matches_the_analytic_count() -> None:
-    from unbroken.bench_mecefo import bench_microbatch
+    from unbroken.lab.bench_mecefo import bench_microbatch
 
     result = bench_microbatch(flavour="tiny", seq_len=16, batch=2, rank=8, repeats=1, warmup=0, data="random")
     assert result["block_memory_ratio"] == pytest.approx(result["expected_block_memory_ratio"], rel=1e-9)

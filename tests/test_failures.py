@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.failures import (
+from unbroken.core.failures import (
     FailureKind,
     FailureSchedule,
     Phase,
@@ -16,7 +16,7 @@ from unbroken.failures import (
     random_schedule,
     scenario_timing,
 )
-from unbroken.plan import plan_step, recovery_plan
+from unbroken.core.plan import plan_step, recovery_plan
 
 pytestmark = pytest.mark.timeout(60)
 

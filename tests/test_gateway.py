@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 from torch.distributed import TCPStore
 
-from unbroken.gateway import MAGIC, MAX_PENDING, NONCE_BYTES, Gateway, Tunnel, TunnelError, new_token
+from unbroken.control.gateway import MAGIC, MAX_PENDING, NONCE_BYTES, Gateway, Tunnel, TunnelError, new_token
 
 pytestmark = pytest.mark.timeout(60)
 

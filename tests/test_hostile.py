@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from runner import TINY, train
 
-from unbroken import checkpoint as ckpt
-from unbroken.config import DataConfig
-from unbroken.data import prepare_corpus
-from unbroken.failures import FailureSchedule
+from unbroken.core.config import DataConfig
+from unbroken.core.failures import FailureSchedule
+from unbroken.ft import checkpoint as ckpt
+from unbroken.train.data import prepare_corpus
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from runner import final_params, train
 
-from unbroken.metrics import committed_steps, read_metrics, step_losses
+from unbroken.core.records import committed_steps, read_metrics, step_losses
 
 pytestmark = pytest.mark.timeout(300)
 

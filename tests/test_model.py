@@ -1,4 +1,4 @@
-"""Tests for unbroken.model: shapes, causality, reference names, GQA, parameter counts, init, validation."""
+"""Tests for unbroken.train.model: shapes, causality, reference names, GQA, parameter counts, init, validation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unbroken import config
-from unbroken.model import (
+from unbroken.core import config
+from unbroken.train.model import (
     FLAVOURS,
     ModelArgs,
     Transformer,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.plan import Policy, even_quotas, mecefo_plan, next_alive, plan_step, throughput_quotas
+from unbroken.core.plan import Policy, even_quotas, mecefo_plan, next_alive, plan_step, throughput_quotas
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from runner import final_params, train
 
-from unbroken.metrics import read_metrics, step_losses
+from unbroken.core.records import read_metrics, step_losses
 
 SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
 

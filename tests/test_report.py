@@ -16,8 +16,8 @@ import pytest
 from runner import ROOT, train
 
 from unbroken.cli import main
-from unbroken.metrics import read_metrics
-from unbroken.report import PLOTS
+from unbroken.core.records import read_metrics
+from unbroken.lab.report import PLOTS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,7 +75,7 @@ def _report(*args: str | Path) -> tuple[int, str]:
 
 
 def test_importing_the_report_imports_neither_torch_nor_matplotlib() -> None:
-    code = "import sys, unbroken.report; assert not {'torch', 'matplotlib'} & set(sys.modules), sorted(sys.modules)"
+    code = "import sys, unbroken.lab.report; assert not {'torch', 'matplotlib'} & set(sys.modules), sorted(sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
 

@@ -2,7 +2,7 @@
 it, and one check against real runs (recover, drop and restart on one kill schedule, 4 CPU workers).
 
 The oracles: the cost model's arithmetic for a failure-free run; a 4-replica step with one kill worked out
-by hand for every policy; ``unbroken.plan`` itself for the assignments; and the metrics of real runs for
+by hand for every policy; ``unbroken.core.plan`` itself for the assignments; and the metrics of real runs for
 committed tokens and wall time, the simulator calibrated only from what those runs measured.
 """
 
@@ -17,11 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unbroken import plan as planlib
-from unbroken.sim_engine import finish_offsets, makespan
-from unbroken.sim_report import PLOTS, run_simulate
-from unbroken.sim_timeline import build_timeline
-from unbroken.simulate import Planner, load_scenario, simulate
+from unbroken.core import plan as planlib
+from unbroken.sim.engine import finish_offsets, makespan
+from unbroken.sim.planner import Planner
+from unbroken.sim.report import PLOTS, run_simulate
+from unbroken.sim.scenario import load_scenario
+from unbroken.sim.simulate import simulate
+from unbroken.sim.timeline import build_timeline
 
 pytestmark = pytest.mark.timeout(60)
 DEAD = "none comes back"
@@ -52,7 +54,7 @@ def run(*overrides: str, path: Path | None = None) -> dict[str, object]:
 
 
 def test_importing_the_simulator_does_not_import_torch() -> None:
-    code = "import sys, unbroken.simulate, unbroken.sim_report, unbroken.cli; print('torch' in sys.modules)"
+    code = "import sys, unbroken.sim.simulate, unbroken.sim.report, unbroken.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

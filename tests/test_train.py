@@ -17,8 +17,8 @@ import pytest
 import torch
 from runner import ROOT, TINY, final_params
 
-from unbroken import checkpoint as ckpt
-from unbroken.metrics import read_metrics, step_losses
+from unbroken.core.records import read_metrics, step_losses
+from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(240)
 

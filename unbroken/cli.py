@@ -30,7 +30,7 @@ from pathlib import Path
 # c10's errors; set TORCH_CPP_LOG_LEVEL yourself to see its warnings. Must precede the first torch import.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from unbroken.config import RunConfig, dump_config, load_config
+from unbroken.core.config import RunConfig, dump_config, load_config
 
 EXIT_USAGE = 2
 
@@ -60,7 +60,7 @@ def _load(config: str | None, extra: list[str], resume: str | None) -> tuple[Run
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.launcher import Launcher, default_run_dir, plan_launch
+    from unbroken.control.launcher import Launcher, default_run_dir, plan_launch
 
     cfg, name = _load(args.config, extra, args.resume)
     if args.resume is not None:
@@ -78,9 +78,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.coordinator import Coordinator, bind_listen_socket, run_coordinator
-    from unbroken.gateway import require_token
-    from unbroken.metrics import init_logger
+    from unbroken.control.coordinator import Coordinator, run_coordinator
+    from unbroken.control.gateway import require_token
+    from unbroken.control.store import bind_listen_socket
+    from unbroken.core.logs import init_logger
 
     init_logger("coordinator")
     token = require_token()  # refuse before writing anything: an unauthenticated store is never served
@@ -98,7 +99,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         if not args.resume:
             dump_config(cfg, run_dir)
         print(f"coordinator listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", flush=True)
-    from unbroken.config import to_toml
+    from unbroken.core.config import to_toml
 
     coordinator = Coordinator(
         sock,
@@ -115,7 +116,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.trainer import run_worker
+    from unbroken.train.trainer import run_worker
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; a worker takes its config from the coordinator")
@@ -123,7 +124,7 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.bench import run_bench
+    from unbroken.lab.bench import run_bench
 
     return run_bench(
         args.what,
@@ -138,7 +139,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.report import write_report
+    from unbroken.lab.report import write_report
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}")
@@ -147,7 +148,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.chaos import default_config, run_campaign, run_churn
+    from unbroken.lab.chaos import default_config, run_campaign, run_churn
 
     overrides = _split_overrides(extra)
     config = args.config or default_config()
@@ -159,7 +160,7 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.sim_report import run_simulate
+    from unbroken.sim.report import run_simulate
 
     return run_simulate(args.scenario, _split_overrides(extra), Path(args.out) if args.out else None)
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken import checkpoint as ckpt
-from unbroken.failures import STEP_PHASES, FailureSchedule
-from unbroken.metrics import read_metrics
+from unbroken.core.failures import STEP_PHASES, FailureSchedule
+from unbroken.core.records import read_metrics
+from unbroken.ft import checkpoint as ckpt
 
 KINDS = (
     "kill",
@@ -263,7 +263,7 @@ def run_trial(
 
 
 def _microbatches(config: str, overrides: list[str]) -> int:
-    from unbroken.config import load_config
+    from unbroken.core.config import load_config
 
     return load_config(config, overrides).train.microbatches
 
@@ -400,11 +400,10 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def default_config() -> str:
-    """``configs/tiny.toml`` of a source checkout; ValueError if there is none."""
-    path = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
-    if not path.is_file():
-        raise ValueError("give a CONFIG (chaos runs many short runs; a tiny model such as configs/tiny.toml)")
-    return str(path)
+    """The packaged ``tiny`` config (chaos runs many short runs)."""
+    from unbroken.core.config import preset_path
+
+    return str(preset_path("tiny"))
 
 
 def churn_schedule(changes: int, workers: int) -> str:

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import RunConfig, load_config, replace, to_toml
-from unbroken.metrics import committed_steps
+from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
+from unbroken.core.records import committed_steps
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
@@ -53,7 +53,7 @@ def _bench_config(config: str | None, overrides: list[str]) -> RunConfig:
 
 
 def _default_config() -> str:
-    return str(Path(__file__).resolve().parent.parent / "configs" / "default.toml")
+    return str(preset_path("default"))
 
 
 def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
@@ -61,8 +61,8 @@ def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
     leader's step records are stamped when it publishes them, right after each commit), so everything a
     worker does per step counts, its bookkeeping between steps included. DDP's loop does nothing between
     steps, so its loop-body time is the same measure."""
-    from unbroken.launcher import Launcher, plan_launch
-    from unbroken.metrics import read_metrics
+    from unbroken.control.launcher import Launcher, plan_launch
+    from unbroken.core.records import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         run_dir = Path(tmp) / "run"
@@ -87,7 +87,7 @@ def run_ddp(cfg: RunConfig, workers: int) -> list[float]:
                 [
                     sys.executable,
                     "-m",
-                    "unbroken.bench",
+                    "unbroken.lab.bench",
                     "--ddp-rank",
                     str(rank),
                     "--world",
@@ -116,11 +116,11 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from unbroken.data import MicrobatchSampler, prepare_corpus
-    from unbroken.hostmem import retain_freed_memory
-    from unbroken.model import Transformer, model_args
-    from unbroken.plan import plan_step
-    from unbroken.trainer import build_optimizer, lr_at
+    from unbroken.core.plan import plan_step
+    from unbroken.ft.hostmem import retain_freed_memory
+    from unbroken.train.data import MicrobatchSampler, prepare_corpus
+    from unbroken.train.model import Transformer, model_args
+    from unbroken.train.trainer import build_optimizer, lr_at
 
     cfg = load_config(config_path)
     tc = cfg.train
@@ -234,8 +234,8 @@ def format_ddp(rows: list[dict[str, Any]], cfg: RunConfig) -> str:
 
 def _run_with_schedule(cfg: RunConfig, workers: int, keep: Path | None = None) -> list[dict[str, Any]]:
     """Run to the end and return the metrics records (the run directory is kept under ``keep`` if given)."""
-    from unbroken.launcher import Launcher, plan_launch
-    from unbroken.metrics import read_metrics
+    from unbroken.control.launcher import Launcher, plan_launch
+    from unbroken.core.records import read_metrics
 
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-"))
     run_dir = (keep or tmp) / "run"
@@ -469,13 +469,13 @@ def format_convergence(result: dict[str, Any]) -> str:
 
 
 def _tiny_config() -> str:
-    return str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
+    return str(preset_path("tiny"))
 
 
 def bench_mecefo(steps: int) -> str:
     """MeCeFO's efficient mode on ``small``: one microbatch (time, memory, rank table) and the gradient
     error over a run under the ``high`` scenario, for plain and spread MeCeFO."""
-    from unbroken import bench_mecefo as bm
+    from unbroken.lab import bench_mecefo as bm
 
     out = []
     result = bm.bench_microbatch()
@@ -528,7 +528,7 @@ def bench_mecefo(steps: int) -> str:
 
 
 BENCHES = ("ddp", "recovery", "policies", "mecefo", "convergence", "simulator")
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOC = Path("docs") / "benchmarks.md"  # in the checkout --record runs from
 # Where each benchmark's figures are recorded (benchmarks.md unless named here).
 DOCS = {"simulator": DOC.with_name("simulation.md")}
 
@@ -573,6 +573,8 @@ def record(name: str, command: str, body: str, doc: Path = DOC) -> None:
 
     A section lies between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``; text outside the markers
     (the discussion) is kept. Written atomically (temporary file, rename)."""
+    if not doc.parent.is_dir():
+        raise ValueError(f"--record writes {doc}: run it from the repository root (no {doc.parent}/ here)")
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + _commit(doc.parent)
     section = f"{start}\n```sh\n{command}\n```\n\n{stamp}, {machine()}\n\n{body}\n{end}"
@@ -601,7 +603,7 @@ def run_one(
     if what == "mecefo":
         return bench_mecefo(steps or 100)
     if what == "simulator":
-        from unbroken.bench_simulator import bench_simulator, format_simulator
+        from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 
         return format_simulator(bench_simulator(config or _tiny_config(), overrides))
     assert what == "convergence", what
@@ -629,6 +631,8 @@ def run_bench(
         raise ValueError("--repeats and every --workers count must be >= 1")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps = {steps} must be >= 1")
+    if (record_doc or what == "all") and not DOC.parent.is_dir():
+        raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
     for name in BENCHES if what == "all" else (what,):
         body = run_one(name, config, worker_counts, repeats, overrides, steps)
         print(body, flush=True)

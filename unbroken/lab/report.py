@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.metrics import committed_steps
+from unbroken.core.records import committed_steps
 
 PLOTS = ("loss.png", "throughput.png", "membership.png")
 # The fields the report reads unconditionally, per record type (metrics.py lists the types).

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unbroken.config import MecefoConfig
+from unbroken.core.config import MecefoConfig
 
 __all__ = ["DEFAULT_RANK", "LAYOUTS", "BlockLayout", "EfficientBackward", "EfficientConfig", "apply_efficient_backward"]
 

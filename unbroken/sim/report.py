@@ -1,4 +1,4 @@
-"""``unbroken simulate SCENARIO.toml [--section.key=value ...] [--out DIR]``: runs ``unbroken.simulate`` and
+"""``unbroken simulate SCENARIO.toml [--section.key=value ...] [--out DIR]``: runs ``unbroken.sim.simulate`` and
 owns what it prints and writes: the markdown tables (throughput, committed / dropped / recomputed
 microbatches, GPU-hours, time lost by cause), and with ``--out`` the resolved ``scenario.toml``,
 ``summary.md``, ``results.json`` and the plots ``tokens_vs_time.png``, ``tokens_vs_gpu_hours.png``,
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.config import to_toml
-from unbroken.sim_engine import LOST_CAUSES
-from unbroken.sim_timeline import HOUR
-from unbroken.simulate import PolicyResult, SimResult, load_scenario, simulate
+from unbroken.core.config import to_toml
+from unbroken.sim.engine import LOST_CAUSES
+from unbroken.sim.scenario import HOUR, load_scenario
+from unbroken.sim.simulate import PolicyResult, SimResult, simulate
 
 PLOTS = ("tokens_vs_time.png", "tokens_vs_gpu_hours.png", "lost_time.png", "replicas.png")
 
@@ -58,7 +58,7 @@ def format_markdown(res: SimResult) -> str:
         f"{tl.gpu_failures:,} GPU failures in the timeline; detect {c.detect_s:g} s, re-form {c.reform_s:g} s, "
         f"rejoin {c.rejoin_s:.3g} s, restart {c.restart_s:g} s; checkpoint every {sc.checkpoint.every} steps "
         f"(restart) / {sc.checkpoint.in_place_every} (the others), {c.save_s:g} s each; "
-        f"{res.planner_calls} calls into unbroken.plan",
+        f"{res.planner_calls} calls into unbroken.core.plan",
         "",
     ]
     budget = sc.run.report_gpu_hours

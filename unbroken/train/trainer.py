@@ -27,8 +27,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from unbroken import checkpoint as ckpt
-from unbroken.comm import (
+from unbroken.control.client import CoordinatorClient
+from unbroken.control.gateway import TunnelError
+from unbroken.control.store import connect_store, ring
+from unbroken.core.config import MECEFO_POLICIES, RunConfig, TrainConfig, config_from_toml_text, to_toml
+from unbroken.core.failures import FailureKind, FailureSchedule, Phase, cut_connections
+from unbroken.core.logs import init_logger
+from unbroken.core.plan import Assignment, mecefo_plan, missing_ids, plan_ids
+from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.comm import (
     GradientReducer,
     Group,
     Pending,
@@ -39,16 +46,10 @@ from unbroken.comm import (
     retire_group,
     wait_all,
 )
-from unbroken.config import MECEFO_POLICIES, RunConfig, TrainConfig, config_from_toml_text, to_toml
-from unbroken.coordinator import CoordinatorClient, connect_store, ring
-from unbroken.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_corpus
-from unbroken.efficient import EfficientConfig, apply_efficient_backward
-from unbroken.failures import FailureKind, FailureSchedule, Phase, cut_connections
-from unbroken.gateway import TunnelError
-from unbroken.hostmem import retain_freed_memory
-from unbroken.metrics import init_logger
-from unbroken.model import Transformer, model_args
-from unbroken.plan import Assignment, mecefo_plan, missing_ids, plan_ids
+from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
+from unbroken.ft.hostmem import retain_freed_memory
+from unbroken.train.data import EvalSampler, MicrobatchSampler, check_vocab, prepare_corpus
+from unbroken.train.model import Transformer, model_args
 
 log = logging.getLogger(__name__)
 

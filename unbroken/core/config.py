@@ -10,6 +10,7 @@ Precedence: command-line overrides > TOML file > dataclass defaults.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import tomllib
 import types
@@ -192,7 +193,7 @@ class MecefoConfig:
 @dataclass(frozen=True)
 class FailureConfig:
     # Injected failures, e.g. "kill:worker=2,step=10,phase=backward; hang:worker=1,step=5;
-    # slow:worker=1,factor=3,steps=5-20" (see unbroken/failures.py for the grammar).
+    # slow:worker=1,factor=3,steps=5-20" (see unbroken/core/failures.py for the grammar).
     schedule: str = ""
     mttr_s: float = 0.0  # restart a killed worker after this many seconds so it rejoins; 0 = never
     mtbf_s: float = 0.0  # add seeded random kills with this mean time between failures; 0 = none
@@ -200,7 +201,7 @@ class FailureConfig:
     step_time_s: float = 1.0  # expected seconds per step, to place random kills (given in seconds) on steps
     # MeCeFO's failure scenarios: low, mid or high (a failure every 2 / 1 / 0.5 h, back after 4 / 3 / 2 h),
     # in the paper's 32-rank cluster; each worker stands for one rank and the run's steps for scenario_hours
-    # of cluster time (rule in unbroken/failures.py scenario_timing).
+    # of cluster time (rule in unbroken/core/failures.py scenario_timing).
     scenario: str = ""
     scenario_hours: float = 64.0
 
@@ -428,3 +429,12 @@ def dump_config(cfg: RunConfig, out_dir: str | os.PathLike[str]) -> Path:
 def replace(section: Any, **changes: Any) -> Any:
     """``dataclasses.replace`` re-exported so callers derive configs without mutating them."""
     return dataclasses.replace(section, **changes)
+
+
+def preset_path(name: str) -> Path:
+    """The config shipped with the package as ``unbroken/configs/<name>.toml`` (``tiny``, ``default``,
+    ``sim/recover_512``, ...); ValueError (one line) if there is none."""
+    path = Path(str(importlib.resources.files("unbroken") / "configs" / f"{name}.toml"))
+    if not path.is_file():
+        raise ValueError(f"no packaged config named {name!r} ({path})")
+    return path

@@ -1,4 +1,4 @@
-"""Benchmarks of MeCeFO's efficient mode (``unbroken.efficient``) on one process, no collectives.
+"""Benchmarks of MeCeFO's efficient mode (``unbroken.ft.efficient``) on one process, no collectives.
 
 ``bench_microbatch``: one efficient microbatch against one exact microbatch (forward, loss, backward) on
 the same model and tokens: wall time (alternating exact / efficient after warm-up) and activation
@@ -10,7 +10,7 @@ excluded), in total and inside the transformer blocks; with the analytic expecta
 several ranks r, to choose ``efficient.DEFAULT_RANK``.
 
 Data: real token windows of the embedded Shakespeare corpus (``data.prepare_corpus``; its cache is built on
-first use), or random tokens with ``data="random"``. ``python -m unbroken.bench_mecefo`` prints both.
+first use), or random tokens with ``data="random"``. ``python -m unbroken.lab.bench_mecefo`` prints both.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from unbroken.config import DataConfig
-from unbroken.data import MicrobatchSampler, check_vocab, prepare_corpus
-from unbroken.efficient import DEFAULT_RANK, EfficientBackward, EfficientConfig, apply_efficient_backward
-from unbroken.failures import build_schedule
-from unbroken.model import ModelArgs, Transformer, model_args
-from unbroken.plan import mecefo_plan
+from unbroken.core.config import DataConfig
+from unbroken.core.failures import build_schedule
+from unbroken.core.plan import mecefo_plan
+from unbroken.ft.efficient import DEFAULT_RANK, EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.train.data import MicrobatchSampler, check_vocab, prepare_corpus
+from unbroken.train.model import ModelArgs, Transformer, model_args
 
 FULL_RANK = 1 << 30  # a rank above every width: exact FFN weight gradients
 
@@ -394,7 +394,7 @@ def _saved_bytes(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m unbroken.bench_mecefo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m unbroken.lab.bench_mecefo", description=__doc__.split("\n")[0])
     parser.add_argument("--flavour", default="small")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)

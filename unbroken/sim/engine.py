@@ -1,4 +1,4 @@
-"""The event loop of the cluster simulator (``unbroken.simulate``): one recovery policy over one failure
+"""The event loop of the cluster simulator (``unbroken.sim.simulate``): one recovery policy over one failure
 timeline. Pure Python + numpy.
 
 Owns the step-level model: strides of identical steps between events, the steps an event falls into
@@ -14,16 +14,14 @@ import bisect
 import heapq
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from unbroken import plan as planlib
-from unbroken.failures import FailureSchedule, Phase
-from unbroken.sim_timeline import HOUR, Timeline
-
-if TYPE_CHECKING:
-    from unbroken.simulate import Costs, Planner, Scenario
+from unbroken.core import plan as planlib
+from unbroken.core.failures import FailureSchedule, Phase
+from unbroken.sim.planner import Planner
+from unbroken.sim.scenario import HOUR, Costs, Scenario
+from unbroken.sim.timeline import Timeline
 
 LOST_CAUSES = ("detection", "re-formation", "recompute", "restart", "rollback", "idle", "checkpoint", "degraded")
 
@@ -405,7 +403,7 @@ class Engine:
         work: np.ndarray,
         extras: dict[int, tuple[int, ...]],
     ) -> None:
-        """Plan ``todo`` over the live members (positions ``live`` of ``members``) with unbroken.plan."""
+        """Plan ``todo`` over the live members (positions ``live`` of ``members``) with unbroken.core.plan."""
         if self.policy == "recover":
             for k, ids in self.planner.spread_nonempty(live.size, len(todo)):
                 if ids:

@@ -1,4 +1,4 @@
-"""The failure timeline of a simulated cluster (``unbroken.simulate``): which replica goes down or comes
+"""The failure timeline of a simulated cluster (``unbroken.sim.simulate``): which replica goes down or comes
 back when, the same for every policy. Pure Python + numpy.
 
 Owns turning the scenario's [failures] into GPU events (per-GPU exponential MTBF with repairs, MeCeFO's
@@ -9,55 +9,19 @@ whatever the horizon, so a longer horizon only adds events.
 
 from __future__ import annotations
 
-import csv
 import heapq
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from unbroken.failures import SCENARIOS
-
-if TYPE_CHECKING:
-    from unbroken.simulate import Scenario
-
-HOUR = 3600.0
+from unbroken.core.failures import SCENARIOS
+from unbroken.sim.scenario import HOUR, Scenario, read_trace
 
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
-
-
-def read_trace(path: str, gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(times, gpus, is_fail) of a CSV trace; ValueError (one line, with the line number) on a bad row."""
-    p = Path(path)
-    _check(p.is_file(), f"failures.trace = {path!r} does not exist")
-    rows: list[tuple[float, int, bool]] = []
-    down: set[int] = set()
-    with open(p, newline="") as f:
-        for number, row in enumerate(csv.reader(f), start=1):
-            if not row or row[0].strip().startswith("#") or (number == 1 and row[0].strip() == "time_s"):
-                continue
-            where = f"failures.trace {path} line {number}"
-            _check(len(row) == 3, f"{where}: expected time_s,gpu,event, got {','.join(row)!r}")
-            try:
-                t, g, event = float(row[0]), int(row[1]), row[2].strip()
-            except ValueError:
-                raise ValueError(f"{where}: {','.join(row)!r} is not time_s,gpu,event") from None
-            _check(math.isfinite(t) and t >= 0, f"{where}: time_s = {row[0]} must be a finite number >= 0")
-            _check(0 <= g < gpus, f"{where}: gpu {g} does not exist (gpus 0..{gpus - 1})")
-            _check(event in ("fail", "repair"), f"{where}: event {event!r} is unknown; allowed: fail, repair")
-            wrong = "fails again before a repair" if event == "fail" else "is repaired but not failed"
-            _check((event == "fail") != (g in down), f"{where}: gpu {g} {wrong}")
-            (down.add if event == "fail" else down.discard)(g)
-            rows.append((t, g, event == "fail"))
-    if not rows:
-        return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-    times, ids, fails = zip(*rows, strict=True)
-    return np.array(times, dtype=float), np.array(ids, dtype=np.int64), np.array(fails, dtype=bool)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from unbroken.config import DataConfig
+from unbroken.core.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unbroken.flavours import FLAVOURS, ModelArgs, flops_per_token, model_args, num_params
+from unbroken.core.flavours import FLAVOURS, ModelArgs, flops_per_token, model_args, num_params
 
 __all__ = ["FLAVOURS", "ModelArgs", "flops_per_token", "model_args", "num_params", "Transformer"]
 

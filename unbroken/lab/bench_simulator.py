@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.metrics import committed_steps
+from unbroken.core.records import committed_steps
 
 REAL_STEPS = 20
 REAL_M = 8
@@ -58,7 +58,7 @@ def _oversubscription(records: list[dict[str, Any]], allreduce_s: float, cores: 
     """The slowdown per process beyond the cores (the simulator's ``cluster.oversubscription``), from one run:
     its period with 4 workers against its period with 2 after the failures. 0 where 4 workers do not
     outnumber the cores."""
-    from unbroken.sim_engine import makespan
+    from unbroken.sim.engine import makespan
 
     if cores >= 4 or cores < 2:
         return 0.0
@@ -70,7 +70,7 @@ def _oversubscription(records: list[dict[str, Any]], allreduce_s: float, cores: 
 def _measure(records: list[dict[str, Any]], allreduce_s: float, cores: int, penalty: float) -> dict[str, float]:
     """What the run measured before its first failure (step period, saves), at its failures (detection,
     re-formation, restart), converted to the simulator's costs."""
-    from unbroken.sim_engine import makespan
+    from unbroken.sim.engine import makespan
 
     first_failure = min(r["time"] for r in records if r["type"] == "failure")
     period = _period(records, 4, before=first_failure)
@@ -95,9 +95,9 @@ def _measure(records: list[dict[str, Any]], allreduce_s: float, cores: int, pena
 
 
 def _real_run(config: str, out: Path, policy: str, overrides: list[str]) -> list[dict[str, Any]]:
-    from unbroken.config import load_config
-    from unbroken.launcher import Launcher, plan_launch
-    from unbroken.metrics import read_metrics
+    from unbroken.control.launcher import Launcher, plan_launch
+    from unbroken.core.config import load_config
+    from unbroken.core.records import read_metrics
 
     common = [
         f"--train.steps={REAL_STEPS}",
@@ -121,7 +121,8 @@ def _real_run(config: str, out: Path, policy: str, overrides: list[str]) -> list
 
 def bench_simulator(config: str, overrides: list[str]) -> dict[str, Any]:
     """Run the three real runs, calibrate the simulator from each and compare; returns the rows."""
-    from unbroken.simulate import load_scenario, simulate
+    from unbroken.sim.scenario import load_scenario
+    from unbroken.sim.simulate import simulate
 
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-sim-") as tmp:
         records = {policy: _real_run(config, Path(tmp), policy, overrides) for policy in POLICIES}

@@ -1,0 +1,2 @@
+"""The control plane: the coordinator (membership), its authenticated store, the workers' client of it,
+and the processes that start and watch workers."""

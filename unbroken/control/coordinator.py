@@ -1,0 +1,289 @@
+"""The coordinator (one small process per job, never a training worker) and the workers' client of it.
+
+Owns membership. The coordinator hosts the rendezvous store (torch.distributed's TCPStore), admits
+workers, watches their heartbeats and the launcher's process-exit reports, and publishes a new membership
+epoch whenever a worker dies or joins. It also drains the metrics the workers publish into
+``RUN_DIR/metrics.jsonl``.
+
+The store itself listens on 127.0.0.1 on an internal port; the job's public address (127.0.0.1 unless
+told otherwise) is served by ``gateway.Gateway``, which admits only clients that prove they hold the
+job's token (``UNBROKEN_TOKEN``) and pipes them to the store. Clients connect with ``connect_store``
+through an authenticated local tunnel, so every worker in a process group was admitted by the gateway.
+
+Store keys (all under the job's store):
+  config, run_dir, expected        the resolved config (TOML), the run directory, workers expected
+  register/seq, register/<n>        worker registration requests; register/<n>/id the admitted id
+  hb/<id>                           heartbeat counter of a worker
+  dead/<id>                         set by the launcher when the worker's process exits
+  epoch, epoch/<e>                  the current epoch number, and its JSON record (members, reason)
+  metrics/seq, metrics/<n>          metric records (JSON lines) published by the epoch's leader
+  final/<id>                        a worker's final parameter checksum
+  done, stop                        the run finished (JSON status); everyone must stop now (reason)
+  bell/seq, bell/<n>                the coordinator's doorbell: "something to look at" (a registration, a
+                                    death report, stop, done)
+  news/seq, news/<n>                the workers' doorbell: a new epoch or a stop was published
+
+Nothing polls at a high rate (the coordinator and the launcher share the workers' cores, so every wake-up
+is taken from training). The coordinator sleeps in a store wait on the next ``bell/<n>``; whoever writes
+something it must act on rings it. Between rings it wakes every ``heartbeat_timeout_s /
+CHECKS_PER_TIMEOUT`` for a quiet tick, one round trip that reads every heartbeat counter and the metrics
+sequence; the full pass over registrations, death reports, stop and done runs when the bell rang, and at
+least once per heartbeat timeout regardless. Each worker sends a heartbeat (one ``add``) every heartbeat interval on
+one connection, and a second thread sleeps in a store wait on the next ``news/<n>`` on another, so a new
+epoch or a stop reaches every worker as soon as the store sees it. A hang is declared after
+``heartbeat_timeout_s`` of silence, seen at most one heartbeat interval and two ticks later.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from unbroken.control.gateway import Gateway, require_token
+from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
+
+log = logging.getLogger(__name__)
+
+CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
+MAX_TICK_S = 0.25
+
+
+class Coordinator:
+    """Membership service for one job. ``run()`` loops until the job is done, stopped or abandoned."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        config_toml: str,
+        run_dir: Path,
+        expected_workers: int,
+        heartbeat_timeout_s: float,
+        join_timeout_s: float,
+        resume: bool,
+        parent_pid: int | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.sock = sock  # the public socket, served by the gateway
+        host, port = sock.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self.port = port
+        self.internal = bind_listen_socket("127.0.0.1", 0)  # kept open for the store's lifetime
+        internal_port = self.internal.getsockname()[1]
+        self.store = TCPStore(
+            "127.0.0.1",
+            internal_port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=self.internal.fileno(),
+            use_libuv=True,
+            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+        )
+        self.gateway = Gateway(sock, ("127.0.0.1", internal_port), token if token is not None else require_token())
+        self.run_dir = run_dir
+        self.expected = expected_workers
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.parent_pid = parent_pid
+        self.store.set("config", config_toml)
+        self.store.set("run_dir", str(run_dir))
+        self.store.set("expected", str(expected_workers))
+        self.store.set("resume", "1" if resume else "0")
+        self.store.set("epoch", "0")
+        self.store.add("metrics/seq", 0)  # exists from the start: the quiet tick reads it with the heartbeats
+        self.rung = 0
+        self.next_registration = 1
+        self.next_worker_id = 0
+        self.admitted: dict[int, dict[str, Any]] = {}
+        self.members: tuple[int, ...] = ()
+        self.epoch = 0
+        self.heartbeats: dict[int, tuple[int, float]] = {}
+        self.tick_s = min(MAX_TICK_S, heartbeat_timeout_s / CHECKS_PER_TIMEOUT)
+        self.next_metric = 1
+        self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.started = time.monotonic()
+        self.stopping = threading.Event()
+
+    # -- output -------------------------------------------------------------------------------------
+    def emit(self, record: dict[str, Any]) -> None:
+        self.metrics_file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    # -- membership ---------------------------------------------------------------------------------
+    def _admit_new(self) -> list[int]:
+        joined = []
+        seq = get_int(self.store, "register/seq")
+        while self.next_registration <= seq:
+            key = f"register/{self.next_registration}"
+            if not self.store.check([key]):
+                break  # the worker incremented the counter but has not written its request yet
+            request = read_json(self.store, key)
+            wid = request.get("worker_id", -1)
+            if wid is None or wid < 0 or wid in self.members or (wid in self.admitted and self.epoch == 0):
+                wid = max([self.next_worker_id, *[w + 1 for w in self.admitted]])
+            # A worker that died may come back under its old id (the launcher restarts it so).
+            self.next_worker_id = max(self.next_worker_id, wid + 1)
+            self.admitted[wid] = request
+            self.heartbeats[wid] = (get_int(self.store, f"hb/{wid}"), time.monotonic())
+            self.store.delete_key(f"dead/{wid}")
+            self.store.set(f"{key}/late", "1" if self.epoch > 0 else "0")
+            self.store.set(f"{key}/id", str(wid))
+            joined.append(wid)
+            self.next_registration += 1
+        return joined
+
+    def _read_counters(self) -> tuple[list[int], int]:
+        """Every member's heartbeat counter and the metrics sequence, in one round trip (every one of those
+        counters exists: ``_get_int`` created each heartbeat counter at admission)."""
+        raw = self.store.multi_get([*(f"hb/{wid}" for wid in self.members), "metrics/seq"])
+        return [int(r) for r in raw[:-1]], int(raw[-1])
+
+    def _dead(self, counts: list[int], reported: bool) -> dict[int, str]:
+        """Members that died: reported by the launcher (looked up only when ``reported`` may have news) or
+        silent for longer than the heartbeat timeout."""
+        dead: dict[int, str] = {}
+        now = time.monotonic()
+        for wid, count in zip(self.members, counts, strict=True):
+            if reported and self.store.check([f"dead/{wid}"]):
+                dead[wid] = "process " + self.store.get(f"dead/{wid}").decode()
+                continue
+            last_count, last_time = self.heartbeats.get(wid, (count, now))
+            if count != last_count:
+                self.heartbeats[wid] = (count, now)
+            elif now - last_time > self.heartbeat_timeout_s:
+                dead[wid] = f"no heartbeat for {now - last_time:.2f} s"
+        return dead
+
+    def _failure_record(self, wid: int, why: str) -> dict[str, Any]:
+        """A failure with its detection latency when the launcher recorded when it delivered the fault."""
+        record: dict[str, Any] = {
+            "type": "failure",
+            "worker": wid,
+            "why": why,
+            "time": time.time(),
+            "epoch": self.epoch,
+        }
+        if self.store.check([f"injected/{wid}"]):
+            injected = read_json(self.store, f"injected/{wid}")
+            record["event"] = injected["event"]
+            record["detection_s"] = record["time"] - injected["time"]
+            self.store.delete_key(f"injected/{wid}")
+        return record
+
+    def _drain_metrics(self, seq: int | None = None) -> None:
+        if seq is None:
+            seq = get_int(self.store, "metrics/seq")
+        while self.next_metric <= seq:
+            key = f"metrics/{self.next_metric}"
+            if not self.store.check([key]):
+                break
+            self.metrics_file.write(self.store.get(key).decode() + "\n")
+            self.store.delete_key(key)
+            self.next_metric += 1
+
+    def publish(self, members: tuple[int, ...], reason: str) -> None:
+        self.epoch += 1
+        self.members = tuple(sorted(members))
+        record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "time": time.time()}
+        self.store.set(f"epoch/{self.epoch}", json.dumps(record))
+        self.store.set("epoch", str(self.epoch))
+        ring(self.store, "news")
+        self.emit({"type": "membership", **record, "elapsed_s": time.monotonic() - self.started})
+        log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
+
+    def stop(self, reason: str) -> None:
+        if not self.store.check(["stop"]):
+            self.store.set("stop", reason)
+        self.stopping.set()
+        ring(self.store, "news")
+        ring(self.store)
+
+    def run(self) -> int:
+        """Admit the expected workers, publish epochs, drain metrics; return 0 when the job is done."""
+        start_deadline = time.monotonic() + self.join_timeout_s
+        rung, ticks = True, 0
+        try:
+            while not self.stopping.is_set():
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self.stop("the launcher died")
+                    break
+                # Everything but silence is announced by the bell; a full pass once per heartbeat timeout
+                # anyway, in case a ringer died between writing its news and ringing.
+                full = rung or ticks % CHECKS_PER_TIMEOUT == 0
+                joined = self._admit_new() if full else []
+                counts, metrics_seq = self._read_counters()
+                if self.epoch == 0:
+                    if len(self.admitted) >= self.expected:
+                        self.publish(tuple(self.admitted), "start")
+                    elif time.monotonic() > start_deadline:
+                        self.stop(
+                            f"only {len(self.admitted)} of {self.expected} workers joined "
+                            f"within {self.join_timeout_s:.0f} s"
+                        )
+                        break
+                else:
+                    dead = self._dead(counts, reported=full)
+                    if dead:
+                        survivors = tuple(w for w in self.members if w not in dead)
+                        if not survivors:
+                            self.publish((), "every worker died")
+                            self.stop("every worker died")
+                            break
+                        self.publish(survivors, "died: " + ", ".join(str(w) for w in sorted(dead)))
+                        for wid, why in dead.items():
+                            self.emit(self._failure_record(wid, why))
+                    if joined:
+                        self.publish((*self.members, *joined), "joined: " + ", ".join(str(w) for w in joined))
+                self._drain_metrics(metrics_seq)
+                if full and self.store.check(["stop"]):
+                    ring(self.store, "news")  # a stop written by the launcher or a worker: tell everyone now
+                    break
+                if full and self.store.check(["done"]):
+                    self._drain_metrics()
+                    break
+                rung = wait_key(self.store, f"bell/{self.rung + 1}", self.tick_s)
+                if rung:
+                    self.rung = get_int(self.store, "bell/seq")
+                ticks += 1
+        finally:
+            self._drain_metrics()
+            gw = self.gateway
+            self.emit(
+                {
+                    "type": "gateway",
+                    "admitted": gw.admitted,
+                    "rejected": gw.rejected,
+                    "timed_out": gw.timed_out,
+                    "dropped": gw.dropped,
+                    "time": time.time(),
+                }
+            )
+            self.metrics_file.close()
+        return 0 if self.store.check(["done"]) else 1
+
+
+def run_coordinator(coordinator: Coordinator, address_file: Path | None) -> int:
+    """Run ``coordinator`` until the job ends; SIGTERM/SIGINT ask every worker to stop first."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        coordinator.stop(f"coordinator received signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if address_file is not None:
+        tmp = address_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": coordinator.address, "pid": os.getpid()}))
+        os.replace(tmp, address_file)
+    code = coordinator.run()
+    # Let workers read the final keys before the store goes away.
+    time.sleep(0.5)
+    coordinator.gateway.close()
+    return code

@@ -1,0 +1,90 @@
+"""Connections to the coordinator's store and the small store idioms every party uses.
+
+Owns how a process reaches the store (``connect_store``: through an authenticated ``gateway.Tunnel``), how
+a listening socket is bound, the doorbells (``ring``) and bounded key waits. What the keys mean is
+``control.keys``'s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+from typing import Any
+
+from torch.distributed import DistStoreError, TCPStore
+
+from unbroken.control.gateway import Tunnel, require_token
+
+STORE_TIMEOUT_S = 30.0
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen on (host, port); ValueError (one line) if the port is taken or the host is invalid."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; choose a free --port (0 = any)") from None
+    sock.listen(1024)
+    return sock
+
+
+def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | None = None) -> TCPStore:
+    """A client connection to the coordinator's store at ``HOST:PORT``, through an authenticated tunnel.
+
+    ``token`` defaults to ``UNBROKEN_TOKEN``. Raises ValueError (no token, malformed address) or
+    ``TunnelError`` (unreachable, or the coordinator refused the token)."""
+    return open_store(address, timeout_s, token)[0]
+
+
+def open_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | None = None) -> tuple[TCPStore, Tunnel]:
+    """``connect_store``, with the tunnel under the connection (``tunnel.cut()`` ends a call blocked on it)."""
+    tunnel = Tunnel(address, token if token is not None else require_token(), timeout_s)
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            tunnel.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except RuntimeError:
+        tunnel.close()
+        raise
+    return store, tunnel
+
+
+def ring(store: TCPStore, bell: str = "bell") -> None:
+    """Ring a doorbell: ``bell`` wakes the coordinator (after writing something it must act on), ``news``
+    wakes every worker's watcher (after publishing an epoch or a stop)."""
+    n = store.add(f"{bell}/seq", 1)
+    store.set(f"{bell}/{n}", "")
+
+
+def publish_record(store: TCPStore, record: dict[str, Any]) -> None:
+    """Queue one metrics record for the coordinator to append to the run's metrics.jsonl."""
+    seq = store.add("metrics/seq", 1)
+    store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
+
+
+def wait_key(store: TCPStore, key: str, timeout_s: float) -> bool:
+    """Block until ``key`` exists (True) or ``timeout_s`` passes (False); the store wakes us, no polling."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        return True
+    except DistStoreError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return False
+
+
+def get_int(store: TCPStore, key: str) -> int:
+    return store.add(key, 0)
+
+
+def read_json(store: TCPStore, key: str) -> Any:
+    return json.loads(store.get(key).decode())

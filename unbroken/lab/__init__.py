@@ -1,0 +1,1 @@
+"""Tools that run the product and measure it: benchmarks, chaos campaigns and run reports."""

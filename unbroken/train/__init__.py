@@ -1,0 +1,1 @@
+"""The built-in trainer: a pure LLaMA, its data, and the training loop run by ``unbroken train``."""
