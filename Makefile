@@ -23,6 +23,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	# The invariant checks must hold with assertions stripped: this file again under python -O.
+	$(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check unbroken tests

@@ -14,22 +14,24 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
 
 
-def train(out: Path, cache: Path, *overrides: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
-    """``unbroken train configs/tiny.toml`` with ``workers`` worker processes into ``out``."""
-    cmd = [
+def train_cmd(cache: Path, *args: str, workers: int = 4) -> list[str]:
+    """``unbroken train ARGS --workers N --quiet`` with the session's data cache (give TINY or --resume)."""
+    return [
         sys.executable,
         "-m",
         "unbroken",
         "train",
-        TINY,
+        *args,
         "--workers",
         str(workers),
-        "--out",
-        str(out),
         "--quiet",
         f"--data.cache_dir={cache}",
-        *overrides,
     ]
+
+
+def train(out: Path, cache: Path, *overrides: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
+    """``unbroken train configs/tiny.toml`` with ``workers`` worker processes into ``out``."""
+    cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 

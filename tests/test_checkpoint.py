@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _state(step: int) -> dict:
-    return {"step": step, "model": {"w": torch.full((4, 4), float(step))}, "config": "x"}
+    return ckpt.build_state(step, {"w": torch.full((4, 4), float(step))}, None, {}, {}, {"config": "x"})
 
 
 def test_save_load_and_prune(tmp_path: Path) -> None:
@@ -48,11 +48,11 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, damage: str) -> N
 def test_partial_save_is_ignored_and_cleaned(tmp_path: Path) -> None:
     ckpt.save_checkpoint(tmp_path, 5, _state(5), keep=3)
     directory = ckpt.checkpoint_dir(tmp_path)
-    (directory / "step_00000010.pt.tmp").write_bytes(b"half")  # killed while writing data
+    (directory / "step_00000010.pt.123.tmp").write_bytes(b"half")  # killed while writing data
     (directory / "step_00000015.pt").write_bytes(b"no manifest")  # killed before the manifest
     assert ckpt.load_latest(tmp_path).step == 5
     removed = ckpt.clean_partial(tmp_path)
-    assert {p.name for p in removed} == {"step_00000010.pt.tmp", "step_00000015.pt"}
+    assert {p.name for p in removed} == {"step_00000010.pt.123.tmp", "step_00000015.pt"}
 
 
 def test_no_checkpoint(tmp_path: Path) -> None:
@@ -64,5 +64,29 @@ class Arbitrary:
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, 1, {"step": 1, "obj": Arbitrary()}, keep=2)
+    state = ckpt.build_state(1, {"w": torch.zeros(1)}, None, {"obj": Arbitrary()}, {}, {})
+    ckpt.save_checkpoint(tmp_path, 1, state, keep=2)
     assert ckpt.load_latest(tmp_path) is None
+
+
+def test_the_state_schema_round_trips_and_refuses_what_is_not_it() -> None:
+    state = ckpt.build_state(
+        7,
+        {"w": torch.arange(6.0).view(2, 3)},
+        {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        {"counter": {"n": 4}},
+        {"scale": {"bound_exp": [1, -2], "num_microbatches": 8}},
+        {"config": "[train]", "vocab_size": 10},
+    )
+    again = ckpt.decode(ckpt.encode(state))
+    assert again.keys() == state.keys() and again["step"] == 7 and again["metadata"] == state["metadata"]
+    assert torch.equal(again["model"]["w"], state["model"]["w"]) and again["extra"] == {"counter": {"n": 4}}
+    assert again["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    for broken, message in [
+        ({**state, "format": 1}, "format 1"),
+        ({k: v for k, v in state.items() if k != "ft"}, "lacks ft"),
+        ({**state, "step": -1}, "step -1"),
+        ({**state, "model": []}, "model of type list"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ckpt.decode(ckpt.encode(broken))

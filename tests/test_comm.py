@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from unbroken.ft.comm import GradientReducer, Group, allreduce_async, retire_group, retired_groups, wait_all
+from unbroken.ft.comm import (
+    GradientReducer,
+    Group,
+    WaitStatus,
+    allreduce_async,
+    retire_group,
+    retired_groups,
+    wait_all,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +41,8 @@ def reduce_now(reducer: GradientReducer, group: Group) -> None:
     """Launch every gradient bucket and the (one) extra on ``group`` and wait until the reduction completes."""
     reducer.launch_gradients(group)
     reducer.launch_extras(torch.zeros(1))
-    assert reducer.wait(30.0, lambda: False) is not None
+    status, reduced = reducer.wait(30.0, lambda: False)
+    assert status and reduced is not None
 
 
 def assert_sum_of_two_ranks(
@@ -67,7 +76,7 @@ def test_a_group_with_a_collective_stuck_on_a_silent_peer_is_retired_without_blo
     _server, groups = gloo_groups(3)
     tensors = [torch.ones(1 << 16) for _ in range(2)]
     pending = [[allreduce_async(groups[r], tensors[r]), allreduce_async(groups[r], tensors[r].clone())] for r in (0, 1)]
-    assert not wait_all(pending[0], 0.3, lambda: False)  # stuck: rank 2 is silent
+    assert wait_all(pending[0], 0.3, lambda: False) is WaitStatus.TIMED_OUT  # stuck: rank 2 is silent
     assert not groups[0].idle()
     before = retired_groups()
     stuck = [w.work for w in pending[0]]
@@ -124,7 +133,7 @@ def test_the_reduction_starts_inside_the_armed_backward_only() -> None:
         x = torch.full((4, 8), float(r + 1))
         model(x).sum().backward()
         results[r]["unarmed"] = reducer.launched
-        reducer.arm(groups[r])
+        reducer.arm(groups[r], 0)
         model(x).sum().backward()
         results[r]["armed"] = reducer.launched
         local = [p.grad.clone() for p in params]
@@ -153,7 +162,7 @@ def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_fro
         reducer = GradientReducer(params, bucket_bytes=300, num_extras=1)
         for step in range(2):
             reducer.reset_local()
-            reducer.arm(groups[r])
+            reducer.arm(groups[r], 0)
             model(torch.full((4, 8), float(r + 1 + 10 * step))).sum().backward()
             grads = [p.grad for p in params]
             local = [g.clone() for g in grads]
@@ -175,8 +184,8 @@ def test_reduced_gradients_are_views_of_the_buffer_and_the_next_step_reduces_fro
 
 def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
     """DDP's bucket policy: the first bucket (the last layer's gradients, produced first) closes at
-    ``first_bucket_bytes``, so its all-reduce is under way before the backward reaches the first layer;
-    exact mode, which launches everything after the backward, keeps uniform buckets."""
+    ``first_bucket_bytes``, so its all-reduce is under way before the backward reaches the first layer; exact
+    mode, which folds each gradient as it comes and launches as DDP does, has the same policy."""
     _server, groups = gloo_groups(2)
     seen: list[dict] = [{} for _ in groups]
 
@@ -188,7 +197,7 @@ def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
         seen[r]["first"] = reducer.buckets[0]
         # Registered before the reducer's own hook: runs first, when the first layer's weight gradient is final.
         params[0].register_post_accumulate_grad_hook(lambda _p: seen[r].update(launched=reducer.launched))
-        reducer.arm(groups[r])
+        reducer.arm(groups[r], 0)
         model(torch.ones(2, 16)).sum().backward()
         reduce_now(reducer, groups[r])
 
@@ -199,4 +208,5 @@ def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
     exact = GradientReducer(
         [torch.nn.Parameter(torch.zeros(64)) for _ in range(8)], 1_024, 1, exact=True, first_bucket_bytes=8
     )
-    assert [len(b) for b in exact.buckets] == [2, 2, 2, 2]
+    # 512 bytes a parameter (64 int64): the first bucket closes after one (>= 8 bytes), the rest hold two (1,024)
+    assert [len(b) for b in exact.buckets] == [1, 2, 2, 2, 1]

@@ -21,7 +21,7 @@ from runner import ROOT, TINY, final_params, train
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
-from unbroken.core.records import read_metrics, step_losses
+from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,7 +46,7 @@ def _start(out: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
 
 def _wait_for_step(proc: subprocess.Popen[str], out: Path, step: int) -> None:
     deadline = time.monotonic() + 200
-    while not any(r["step"] >= step for r in read_metrics(out, "step")):
+    while not any(r["step"] >= step for r in read_records(out, "step")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended too early"
         time.sleep(0.02)
 
@@ -110,16 +110,16 @@ def test_attackers_cannot_join_or_disturb_a_run(tmp_path: Path, data_cache_dir: 
     assert "refused" in str(results["wrong_token"])
     assert results["raw"] != "connected"
     # Nobody joined, nobody left, nothing was stopped: one epoch, two workers, no failures.
-    assert [tuple(m["members"]) for m in read_metrics(out, "membership")] == [(0, 1)]
-    assert not read_metrics(out, "failure")
-    gateway = read_metrics(out, "gateway")[-1]
+    assert [tuple(m["members"]) for m in read_records(out, "membership")] == [(0, 1)]
+    assert not read_records(out, "failure")
+    gateway = read_records(out, "gateway")[-1]
     # The launcher, and per worker: a probe, its client, its two watchers (heartbeats, news) and one rendezvous
     # per epoch (here one), plus the spare connection opened ahead for the next rendezvous (if it was opened
     # before the end).
     assert gateway["rejected"] >= 2 and 1 + 2 * (4 + 1) <= gateway["admitted"] <= 1 + 2 * (4 + 2)
-    final = read_metrics(out, "final")[0]
+    final = read_records(out, "final")[0]
     assert final["identical"]
-    ref_final = read_metrics(reference, "final")[0]
+    ref_final = read_records(reference, "final")[0]
     assert set(final["checksums"].values()) == set(ref_final["checksums"].values())
 
 
@@ -140,8 +140,8 @@ def test_coordinator_sigkill_checkpoints_and_resume_reproduces(
     for wid in (0, 1):
         log = (out / "logs" / f"worker-{wid}.log").read_text()
         assert "the coordinator is gone" in log and "Traceback" not in log, log[-2000:]
-    lost = read_metrics(out, "coordinator_lost")[0]
-    assert lost["step"] >= 9 and not read_metrics(out, "final")
+    lost = read_records(out, "coordinator_lost")[0]
+    assert lost["step"] >= 9 and not read_records(out, "final")
     saved = ckpt.load_latest(out)
     assert saved is not None and saved.step == lost["step"]
     problems, leftovers = ckpt.verify_all(out)
@@ -157,7 +157,7 @@ def test_coordinator_sigkill_checkpoints_and_resume_reproduces(
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert read_metrics(out, "resume")[-1]["step"] == lost["step"]
+    assert read_records(out, "resume")[-1]["step"] == lost["step"]
     ref_losses, losses = step_losses(reference), step_losses(out)
     assert sorted(losses) == list(range(STEPS))
     assert all(losses[s] == ref_losses[s] for s in range(STEPS)), "losses differ from the uninterrupted run"

@@ -85,8 +85,9 @@ def test_resume_with_a_checkpoint_of_another_tokenizer_refuses(tmp_path: Path, f
     run = tmp_path / "run"
     shutil.copytree(finished, run)
     loaded = ckpt.load_latest(run)
-    assert loaded is not None and len(loaded.state["tokenizer_sha256"]) == 64
-    state = {**loaded.state, "tokenizer_sha256": "0" * 64}  # as if trained on another tokenization
+    assert loaded is not None and len(loaded.state["metadata"]["tokenizer_sha256"]) == 64
+    metadata = {**loaded.state["metadata"], "tokenizer_sha256": "0" * 64}  # as if trained on another tokenization
+    state = {**loaded.state, "metadata": metadata}
     ckpt.save_checkpoint(run, loaded.step, state, keep=3)
     before = _snapshot(run)
     _one_line_error(_resume(run), "was trained with another tokenizer")

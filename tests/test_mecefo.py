@@ -12,7 +12,7 @@ import pytest
 import torch
 from runner import final_params, train
 
-from unbroken.core.records import committed_steps, read_metrics, step_losses
+from unbroken.core.records import committed_steps, read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +40,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict
 
 def test_without_failures_mecefo_is_bitwise_the_plain_run(runs: dict[str, Path]) -> None:
     assert step_losses(runs["mecefo"]) == step_losses(runs["recover"])
-    assert all(r["efficient"] == 0 for r in read_metrics(runs["mecefo"], "step"))
+    assert all(r["efficient"] == 0 for r in read_records(runs["mecefo"], "step"))
     ref = final_params(runs["recover"])
     for name, tensor in final_params(runs["mecefo"]).items():
         assert torch.equal(tensor, ref[name]), name
@@ -49,13 +49,13 @@ def test_without_failures_mecefo_is_bitwise_the_plain_run(runs: dict[str, Path])
 @pytest.mark.parametrize("name", ["mecefo_kill", "spread_kill"])
 def test_kill_and_rejoin_under_mecefo(runs: dict[str, Path], name: str) -> None:
     run = runs[name]
-    assert [f["worker"] for f in read_metrics(run, "failure")] == [2]
-    memberships = [tuple(m["members"]) for m in read_metrics(run, "membership")]
+    assert [f["worker"] for f in read_records(run, "failure")] == [2]
+    memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
     assert memberships == [(0, 1, 2, 3), (0, 1, 3), (0, 1, 2, 3)]
-    steps = committed_steps(read_metrics(run))
+    steps = committed_steps(read_records(run))
     assert sorted(steps) == list(range(40))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps.values())
-    final = read_metrics(run, "final")[-1]
+    final = read_records(run, "final")[-1]
     assert final["identical"] and len(final["checksums"]) == 4
     # While worker 2 is down, its 2 microbatches are computed in efficient mode: with the neighbour taking
     # them, the neighbour's own 2 as well (4 per step); spread over the survivors, only the 2 adopted ones.

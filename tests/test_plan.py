@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.core.plan import Policy, even_quotas, mecefo_plan, next_alive, plan_step, throughput_quotas
+from unbroken.core.config import Workload
+from unbroken.core.plan import even_quotas, mecefo_plan, next_alive, plan_step, throughput_quotas
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,10 +17,10 @@ pytestmark = pytest.mark.timeout(60)
     members=st.sets(st.integers(0, 63), min_size=1, max_size=16),
     m=st.integers(1, 64),
     step=st.integers(0, 10_000),
-    policy=st.sampled_from(list(Policy)),
+    policy=st.sampled_from(list(Workload)),
     speeds=st.lists(st.floats(0.01, 10.0), min_size=16, max_size=16),
 )
-def test_every_id_exactly_once(members: set[int], m: int, step: int, policy: Policy, speeds: list[float]) -> None:
+def test_every_id_exactly_once(members: set[int], m: int, step: int, policy: Workload, speeds: list[float]) -> None:
     times = {w: speeds[i % len(speeds)] for i, w in enumerate(sorted(members))}
     plan = plan_step(step, sorted(members, reverse=True), m, policy, times)
     ids = [j for w in plan.members for j in plan.ids_for(w)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from runner import final_params, train
 
-from unbroken.core.records import read_metrics, step_losses
+from unbroken.core.records import read_records, step_losses
 
 SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
 
@@ -43,11 +43,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict
 
 def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(runs: dict[str, Path]) -> None:
     ref, run = runs["exact_ref"], runs["exact_failures"]
-    failures = read_metrics(run, "failure")
+    failures = read_records(run, "failure")
     assert [f["worker"] for f in failures] == [2, 1]
-    memberships = [tuple(m["members"]) for m in read_metrics(run, "membership")]
+    memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
     assert memberships == [(0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 2, 3)]  # worker 2 came back
-    recoveries = read_metrics(run, "recovery")
+    recoveries = read_records(run, "recovery")
     # Worker 1 dies in step 15's reduction: the survivors recover in step 15, or in 16 when its contribution
     # had already gone out and they committed 15 before noticing.
     steps_recovered = {r["step"] for r in recoveries}
@@ -57,10 +57,10 @@ def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(runs: 
     assert all(losses[s] == ref_losses[s] for s in ref_losses), "losses differ from the failure-free run"
     ref_params, params = final_params(ref), final_params(run)
     assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
-    final = read_metrics(run, "final")[0]
+    final = read_records(run, "final")[0]
     assert final["identical"] and sorted(final["checksums"]) == ["0", "2", "3"]  # the rejoined worker agrees
     # every committed step counted each of its M microbatches exactly once; recomputation happened
-    steps = read_metrics(run, "step")
+    steps = read_records(run, "step")
     assert all(r["dropped"] == 0 for r in steps)
     assert sum(r["recomputed"] for r in steps) >= 1  # 2 when worker 1's contribution had not gone out
 
@@ -73,14 +73,14 @@ def test_fp32_mode_with_failures_commits_every_step_once_and_agrees_up_to_the_fa
     ref_losses, losses = step_losses(runs["fp32_ref"]), step_losses(runs["fp32_failures"])
     assert sorted(losses) == list(range(50))
     assert all(losses[s] == ref_losses[s] for s in range(6))
-    steps = read_metrics(runs["fp32_failures"], "step")
+    steps = read_records(runs["fp32_failures"], "step")
     assert all(r["counted_once"] and r["dropped"] == 0 for r in steps)
-    assert read_metrics(runs["fp32_failures"], "final")[0]["identical"]
+    assert read_records(runs["fp32_failures"], "final")[0]["identical"]
 
 
 def test_drop_policy_visibly_diverges(runs: dict[str, Path]) -> None:
     ref_losses, losses = step_losses(runs["fp32_ref"]), step_losses(runs["drop_failures"])
-    dropped = {r["step"]: r["dropped"] for r in read_metrics(runs["drop_failures"], "step") if r["dropped"]}
+    dropped = {r["step"]: r["dropped"] for r in read_records(runs["drop_failures"], "step") if r["dropped"]}
     assert dropped == {5: 1, 15: 1}
     assert all(abs(losses[s] - ref_losses[s]) <= 1e-5 for s in range(5))  # identical until the first failure
     divergence = max(abs(losses[s] - ref_losses[s]) for s in range(5, 50))
@@ -102,10 +102,10 @@ def test_sigstopped_worker_is_excluded_and_a_slow_worker_gets_fewer(tmp_path: Pa
         "--failures.schedule=slow:worker=1,factor=6,steps=1-13; hang:worker=3,step=8",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    failure = read_metrics(out, "failure")[0]
+    failure = read_records(out, "failure")[0]
     assert failure["worker"] == 3 and "no heartbeat" in failure["why"]
-    assert sorted(read_metrics(out, "final")[0]["checksums"]) == ["0", "1", "2"]
-    steps = {r["step"]: r for r in read_metrics(out, "step")}
+    assert sorted(read_records(out, "final")[0]["checksums"]) == ["0", "1", "2"]
+    steps = {r["step"]: r for r in read_records(out, "step")}
     assert sorted(steps) == list(range(14))
     for s in range(4, 8):  # the slowed worker's measured speed steers the plan
         quotas = steps[s]["quotas"]
@@ -124,8 +124,8 @@ def test_last_survivor_finishes_alone(tmp_path: Path, data_cache_dir: Path) -> N
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(step_losses(out)) == list(range(10))
-    assert [tuple(m["members"]) for m in read_metrics(out, "membership")][-1] == (0,)
-    final = read_metrics(out, "final")[0]
+    assert [tuple(m["members"]) for m in read_records(out, "membership")][-1] == (0,)
+    final = read_records(out, "final")[0]
     assert list(final["checksums"]) == ["0"]
 
 
@@ -143,10 +143,10 @@ def test_a_scheduled_kill_of_the_last_alive_member_is_skipped(tmp_path: Path, da
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(step_losses(out)) == list(range(10))
-    assert [f["worker"] for f in read_metrics(out, "failure")] == [0]
-    skipped = read_metrics(out, "injection_skipped")
+    assert [f["worker"] for f in read_records(out, "failure")] == [0]
+    skipped = read_records(out, "injection_skipped")
     assert [(s["worker"], s["event"]) for s in skipped] == [(1, "kill:worker=1,step=5,phase=forward")]
-    assert [tuple(m["members"]) for m in read_metrics(out, "membership")] == [(0, 1), (1,)]
+    assert [tuple(m["members"]) for m in read_records(out, "membership")] == [(0, 1), (1,)]
 
 
 @pytest.mark.parametrize(

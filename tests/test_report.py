@@ -16,7 +16,7 @@ import pytest
 from runner import ROOT, train
 
 from unbroken.cli import main
-from unbroken.core.records import read_metrics
+from unbroken.core.records import read_records
 from unbroken.lab.report import PLOTS
 
 pytestmark = pytest.mark.timeout(300)
@@ -89,13 +89,13 @@ def test_report_of_a_kill_and_rejoin_run_claims_bitwise_equality_with_its_refere
     _check_png(out / "membership.png", ["C3", "C1"])  # fault-injected and detected markers
     md = (out / "report.md").read_text()
 
-    failures = [f for f in read_metrics(runs["kill"], "failure") if f["worker"] == 2]
+    failures = [f for f in read_records(runs["kill"], "failure") if f["worker"] == 2]
     assert len(failures) == 1 and "detection_s" in failures[0], failures
     row = next(line for line in md.splitlines() if f"`{KILL}`" in line)
     assert f"| {failures[0]['detection_s'] * 1000:.0f} ms |" in row, row  # the detection time, in ms
-    recovery = next(r for r in read_metrics(runs["kill"], "recovery") if r["epoch"] >= failures[0]["epoch"])
+    recovery = next(r for r in read_records(runs["kill"], "recovery") if r["epoch"] >= failures[0]["epoch"])
     assert f"| {recovery['step']} | {recovery['reform_s'] * 1000:.0f} ms |" in row, row
-    rejoined = [m for m in read_metrics(runs["kill"], "membership") if m["reason"].startswith("joined")]
+    rejoined = [m for m in read_records(runs["kill"], "membership") if m["reason"].startswith("joined")]
     assert md.count("| worker 2 |") == len(rejoined)
     assert re.search(r"\| microbatches \| [1-9]\d* recomputed in-step, 0 dropped", md), md
     assert "validation | loss " in md and f"| steps | {STEPS} of {STEPS} " in md

@@ -62,7 +62,7 @@ def test_importing_the_simulator_does_not_import_torch() -> None:
 @pytest.mark.parametrize(
     ("overrides", "trace", "message"),
     [
-        (["--run.policies=recover,resume"], None, "run.policies: 'resume' is unknown; allowed: recover"),
+        (["--run.policies=recover,resume"], None, "run.policies = 'resume' is unknown; allowed: recover"),
         (["--cost.microbatch_s=-1"], None, "cost.microbatch_s = -1.0 must be a finite number >= 0"),
         (["--cost.detect_s=0"], None, "cost.detect_s = 0.0 must be a finite number > 0"),
         (["--cost.restart_s=-5"], None, "cost.restart_s = -5.0 must be a finite number > 0"),

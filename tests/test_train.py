@@ -17,7 +17,7 @@ import pytest
 import torch
 from runner import ROOT, TINY, final_params
 
-from unbroken.core.records import read_metrics, step_losses
+from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(240)
@@ -57,7 +57,7 @@ def test_n_workers_match_one_worker(tmp_path: Path, data_cache_dir: Path) -> Non
         assert step_losses(runs[n]) == ref_losses, n
         params = final_params(runs[n])
         assert all(torch.equal(params[name], tensor) for name, tensor in ref_params.items()), n
-        final = read_metrics(runs[n], "final")[0]
+        final = read_records(runs[n], "final")[0]
         assert len(final["checksums"]) == n and final["identical"], final
     assert ref_losses[5] < ref_losses[0]  # it learns
 
@@ -98,13 +98,13 @@ def test_resume_after_ctrl_c_and_corrupt_checkpoint_reproduces_the_run(tmp_path:
         text=True,
     )
     deadline = time.monotonic() + 150
-    while not any(r["step"] >= 8 for r in read_metrics(interrupted, "checkpoint")):
+    while not any(r["step"] >= 8 for r in read_records(interrupted, "checkpoint")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be interrupted"
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C does
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-2000:]
-    assert not read_metrics(interrupted, "final"), "the interrupt came too late to test resuming"
+    assert not read_records(interrupted, "final"), "the interrupt came too late to test resuming"
     saved = ckpt.list_checkpoints(interrupted)
     assert saved and saved[0] >= 8 and ckpt.load_latest(interrupted).step == saved[0]
     assert not list(ckpt.checkpoint_dir(interrupted).glob("*.tmp"))
@@ -117,9 +117,9 @@ def test_resume_after_ctrl_c_and_corrupt_checkpoint_reproduces_the_run(tmp_path:
 
     result = run_train("--resume", str(interrupted), "--workers", "2", cache=data_cache_dir)
     assert result.returncode == 0, result.stderr[-2000:]
-    rejected = read_metrics(interrupted, "checkpoint_rejected")
+    rejected = read_records(interrupted, "checkpoint_rejected")
     assert rejected and "checksum" in rejected[0]["detail"]
-    resumed_at = read_metrics(interrupted, "resume")[-1]["step"]
+    resumed_at = read_records(interrupted, "resume")[-1]["step"]
     assert resumed_at == saved[1]
     ref_losses, losses = step_losses(reference), step_losses(interrupted)
     assert sorted(losses) == list(range(16))

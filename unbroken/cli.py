@@ -1,7 +1,9 @@
-"""The ``unbroken`` command line: ``train``, ``coordinator``, ``worker``, ``bench`` and ``report``.
+"""The ``unbroken`` command line (``unbroken --help`` lists every command; ``train --help`` every config key).
 
 One machine, the embedded default (Shakespeare, the ``small`` model), 4 worker processes:
     unbroken train configs/default.toml --workers 4
+Your own training loop (unbroken.ft, docs/library.md) on 4 workers, with the same config keys:
+    unbroken launch --workers 4 --train.steps=100 examples/plain_loop.py
 Override any config key:
     unbroken train configs/default.toml --workers 2 --train.steps=50 --data.source=my_corpus/
 Continue an interrupted run (reproduces the uninterrupted losses):
@@ -30,7 +32,8 @@ from pathlib import Path
 # c10's errors; set TORCH_CPP_LOG_LEVEL yourself to see its warnings. Must precede the first torch import.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from unbroken.core.config import RunConfig, dump_config, load_config
+from unbroken import __version__
+from unbroken.core.config import RunConfig, describe, dump_config, load_config, preset_path
 
 EXIT_USAGE = 2
 
@@ -45,6 +48,17 @@ def _split_overrides(extra: list[str]) -> list[str]:
     return overrides
 
 
+def _config_path(config: str) -> Path:
+    """A TOML path, or the name of a packaged config (``tiny``, ``default``) when no such file exists."""
+    path = Path(config)
+    if path.is_file() or path.suffix == ".toml" or "/" in config:
+        return path
+    try:
+        return preset_path(config)
+    except ValueError:
+        return path  # load_config names the missing file
+
+
 def _load(config: str | None, extra: list[str], resume: str | None) -> tuple[RunConfig, str]:
     overrides = _split_overrides(extra)
     if resume is not None:
@@ -56,24 +70,47 @@ def _load(config: str | None, extra: list[str], resume: str | None) -> tuple[Run
         return load_config(path, overrides), Path(resume).name
     if config is None:
         return load_config(None, overrides), "default"
-    return load_config(config, overrides), Path(config).stem
+    return load_config(_config_path(config), overrides), Path(config).stem
+
+
+def _run_dir(args: argparse.Namespace, cfg: RunConfig, name: str) -> Path:
+    from unbroken.control.launcher import default_run_dir
+
+    if args.resume is not None:
+        return Path(args.resume)
+    if args.out:
+        return Path(args.out)
+    if cfg.train.out_dir:
+        return Path(cfg.train.out_dir)
+    return default_run_dir(name)
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.control.launcher import Launcher, default_run_dir, plan_launch
+    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.train.trainer import validate_launch
 
     cfg, name = _load(args.config, extra, args.resume)
-    if args.resume is not None:
-        run_dir = Path(args.resume)
-    elif args.out:
-        run_dir = Path(args.out)
-    elif cfg.train.out_dir:
-        run_dir = Path(cfg.train.out_dir)
-    else:
-        run_dir = default_run_dir(name)
-    plan = plan_launch(cfg, run_dir, args.workers, args.resume is not None, args.host, args.port)
+    run_dir = _run_dir(args, cfg, name)
+    plan = plan_launch(
+        cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch
+    )
     if args.resume is not None and extra:
         dump_config(cfg, run_dir)  # the overrides (e.g. more steps) become part of the run
+    return Launcher(plan, show_progress=not args.quiet).run()
+
+
+def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.control.launcher import Launcher, plan_launch
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
+    cfg, name = _load(args.config, extra, args.resume)
+    run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
+    command = (sys.executable, str(script.resolve()), *args.args)
+    plan = plan_launch(cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command)
+    if args.resume is not None and extra:
+        dump_config(cfg, run_dir)
     return Launcher(plan, show_progress=not args.quiet).run()
 
 
@@ -116,11 +153,20 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.train.trainer import run_worker
+    from unbroken.control.client import COORDINATOR_ENV, RUN_DIR_ENV, WORKER_ID_ENV
+    from unbroken.control.gateway import require_token
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; a worker takes its config from the coordinator")
-    return run_worker(args.coordinator, args.worker_id, args.run_dir)
+    require_token()
+    os.environ[COORDINATOR_ENV] = args.coordinator
+    if args.worker_id is not None:
+        os.environ[WORKER_ID_ENV] = str(args.worker_id)
+    if args.run_dir:
+        os.environ[RUN_DIR_ENV] = args.run_dir
+    from unbroken.train.trainer import main
+
+    return main()
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -165,19 +211,48 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
     return run_simulate(args.scenario, _split_overrides(extra), Path(args.out) if args.out else None)
 
 
+def _with_keys(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "configuration: any key of the TOML config as --section.key=value (CLI > TOML > defaults):\n\n" + describe()
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unbroken", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"unbroken {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
 
-    train = sub.add_parser("train", help="train on this machine: a coordinator and N worker processes")
-    train.add_argument("config", nargs="?", help="TOML config (default: the embedded default)")
+    train = sub.add_parser(
+        "train", help="train the built-in LLaMA on this machine: a coordinator and N workers", formatter_class=raw
+    )
+    train.add_argument("config", nargs="?", help="TOML config or a packaged one (tiny, default); default: defaults")
     train.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--out", help="run directory (default: train.out_dir or runs/<config>-<time>)")
     train.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
     train.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+    _with_keys(train)
     train.set_defaults(func=cmd_train)
+
+    launch = sub.add_parser(
+        "launch",
+        help="run your own training script (unbroken.ft) on N workers with a coordinator",
+        formatter_class=raw,
+        usage="unbroken launch [--workers N] [--out DIR] [--section.key=value ...] SCRIPT.py [ARGS ...]",
+    )
+    launch.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    launch.add_argument("--config", help="TOML config for the run (default: the defaults)")
+    launch.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    launch.add_argument("--out", help="run directory (default: train.out_dir or runs/<script>-<time>)")
+    launch.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
+    launch.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
+    launch.add_argument("--quiet", action="store_true", help="no progress output")
+    launch.add_argument("script", metavar="SCRIPT.py", help="the training script each worker runs")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    _with_keys(launch)
+    launch.set_defaults(func=cmd_launch)
 
     coord = sub.add_parser("coordinator", help="run only the coordinator (multi-host jobs)")
     coord.add_argument("config", nargs="?")
@@ -191,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--address-file", help=argparse.SUPPRESS)
     coord.set_defaults(func=cmd_coordinator)
 
-    worker = sub.add_parser("worker", help="run one training worker that joins a coordinator")
+    worker = sub.add_parser("worker", help="run one worker of the built-in trainer that joins a coordinator")
     worker.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     worker.add_argument("--worker-id", type=int, default=None)
     worker.add_argument("--run-dir", help="where checkpoints go (default: the coordinator's run directory)")
@@ -213,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_report)
 
     chaos = sub.add_parser("chaos", help="a seeded campaign of short runs with random faults, each run checked")
-    chaos.add_argument("config", nargs="?", help="TOML config (default: configs/tiny.toml)")
+    chaos.add_argument("config", nargs="?", help="TOML config (default: the packaged tiny)")
     chaos.add_argument("--trials", type=int, default=10, help="runs in the campaign (default 10)")
     chaos.add_argument("--seed", type=int, default=0, help="first trial's seed; trial SEED is reproducible alone")
     chaos.add_argument("--workers", type=int, default=4, help="workers per run (default 4)")

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from unbroken.control import keys
 from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
@@ -37,12 +38,20 @@ from unbroken.control.store import (
 
 log = logging.getLogger(__name__)
 
+# The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
+# under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
+COORDINATOR_ENV = "UNBROKEN_COORDINATOR"  # HOST:PORT of the coordinator
+WORKER_ID_ENV = "UNBROKEN_WORKER_ID"  # this worker's id (else RANK or SLURM_PROCID; else the coordinator picks)
+LOCAL_WORKERS_ENV = "UNBROKEN_LOCAL_WORKERS"  # workers on this host (to size each one's threads)
+RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # where this worker writes checkpoints (default: the coordinator's run dir)
+
 
 @dataclass
 class Epoch:
     epoch: int
     members: tuple[int, ...]
     reason: str
+    reform: bool = False  # every member of the previous epoch must abandon its group (a collective stalled)
 
 
 class CoordinatorClient:
@@ -59,28 +68,30 @@ class CoordinatorClient:
         worker_id: int | None,
         heartbeat_interval_s: float = 0.25,
         heartbeat_timeout_s: float = 2.0,
+        token: str | None = None,
     ) -> None:
         self.address = address
-        self.token = require_token()
+        self.token = token or require_token()
         self.lost: str | None = None
         self._lost_event = threading.Event()
         self._probe_timeout_s = max(1.0, heartbeat_timeout_s)
         self.store = connect_store(address, token=self.token)
-        seq = self.store.add("register/seq", 1)
+        seq = self.store.add(keys.REGISTER_SEQ, 1)
         request = {
             "worker_id": -1 if worker_id is None else worker_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        self.store.set(f"register/{seq}", json.dumps(request))
+        self.store.set(keys.register(seq), json.dumps(request))
         ring(self.store)
-        self.store.wait([f"register/{seq}/id"], datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        self.worker_id = int(self.store.get(f"register/{seq}/id"))
-        self.late = self.store.get(f"register/{seq}/late") == b"1"  # joined a running job: it must catch up
-        self.latest_epoch = int(self.store.get("epoch"))
+        self.store.wait([keys.register_id(seq)], datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        self.worker_id = int(self.store.get(keys.register_id(seq)))
+        self.late = self.store.get(keys.register_late(seq)) == b"1"  # joined a running job: it must catch up
+        self.latest_epoch = int(self.store.get(keys.EPOCH))
         # Epochs that removed workers, as (epoch, removed ids), kept by the watcher: a collective is abandoned
-        # only when one of its members was removed. A join alone never interrupts one (every member is alive,
-        # so it completes), which keeps all members' collective sequences matched.
+        # only when one of its members was removed (or, for a re-formation after a stalled collective, every
+        # member counts as removed from the old group). A join alone never interrupts one (every member is
+        # alive, so it completes), which keeps all members' collective sequences matched.
         self.removals: list[tuple[int, frozenset[int]]] = []
         self._seen_epoch = self.latest_epoch
         self._seen_members = frozenset(self.epoch_record(self._seen_epoch).members) if self._seen_epoch else frozenset()
@@ -113,7 +124,7 @@ class CoordinatorClient:
         """A heartbeat (one ``add``) every interval, and between them the queued metrics records in order,
         so the training thread never waits on the store to publish. Ends at the ``None`` that ``close``
         queues, after everything queued before it."""
-        store, key = self._sender_store, f"hb/{self.worker_id}"
+        store, key = self._sender_store, keys.heartbeat(self.worker_id)
         next_beat = time.monotonic()
         while True:
             try:
@@ -144,14 +155,14 @@ class CoordinatorClient:
         """
         store = self._news_store
         try:
-            rung = get_int(store, "news/seq")
+            rung = get_int(store, keys.doorbell_seq(keys.NEWS))
             while not self._watch_stop.is_set():
-                newest = int(store.get("epoch"))
+                newest = int(store.get(keys.EPOCH))
                 if newest > self._seen_epoch:
                     self._advance(store, newest)
-                if self.stopped is None and store.check(["stop"]):
-                    self.stopped = store.get("stop").decode()
-                if wait_key(store, f"news/{rung + 1}", self._news_wait_s):
+                if self.stopped is None and store.check([keys.STOP]):
+                    self.stopped = store.get(keys.STOP).decode()
+                if wait_key(store, keys.doorbell(keys.NEWS, rung + 1), self._news_wait_s):
                     rung += 1  # doorbell keys stay: if it rang again meanwhile, the next wait returns at once
         except RuntimeError:
             self._connection_failed()
@@ -159,9 +170,11 @@ class CoordinatorClient:
     def _advance(self, store: TCPStore, newest: int) -> None:
         """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch."""
         for epoch in range(self._seen_epoch + 1, newest + 1):
-            members = frozenset(read_json(store, f"epoch/{epoch}")["members"])
-            if self._seen_members - members:
-                self.removals.append((epoch, self._seen_members - members))
+            record = read_json(store, keys.epoch(epoch))
+            members = frozenset(record["members"])
+            removed = self._seen_members if record.get("reform") else self._seen_members - members
+            if removed:
+                self.removals.append((epoch, removed))
             self._seen_epoch, self._seen_members = epoch, members
         self.latest_epoch = max(self.latest_epoch, newest)  # after the removals: readers check both
 
@@ -216,25 +229,60 @@ class CoordinatorClient:
             return connect_store(self.address, token=self.token)  # the spare failed: one more try, here
 
     def config_toml(self) -> str:
-        return self.store.get("config").decode()
+        return self.store.get(keys.CONFIG).decode()
 
     def run_dir(self) -> Path:
-        return Path(self.store.get("run_dir").decode())
-
-    def resume(self) -> bool:
-        return self.store.get("resume") == b"1"
+        return Path(self.store.get(keys.RUN_DIR).decode())
 
     def current_epoch(self) -> int:
-        return int(self.store.get("epoch"))
+        return int(self.store.get(keys.EPOCH))
 
     def epoch_record(self, epoch: int) -> Epoch:
-        record = read_json(self.store, f"epoch/{epoch}")
-        return Epoch(record["epoch"], tuple(record["members"]), record["reason"])
+        record = read_json(self.store, keys.epoch(epoch))
+        return Epoch(record["epoch"], tuple(record["members"]), record["reason"], bool(record.get("reform")))
 
     def stop_reason(self) -> str | None:
-        if self.store.check(["stop"]):
-            return self.store.get("stop").decode()
+        if self.store.check([keys.STOP]):
+            return self.store.get(keys.STOP).decode()
         return None
+
+    def done(self) -> bool:
+        """Whether the run has finished (its leader said so)."""
+        try:
+            return self.store.check([keys.DONE])
+        except RuntimeError:
+            return False
+
+    def mark_done(self) -> None:
+        """The leader, after the final record: the run finished (the coordinator then ends)."""
+        self.store.set(keys.DONE, "ok")
+        ring(self.store)
+
+    def stop_job(self, reason: str) -> bool:
+        """Ask every process of the job to stop (a check that guards the training state failed); True if this
+        call set the reason (the first of several members that saw the same thing)."""
+        try:
+            first = self.store.compare_set(keys.STOP, "", reason) == reason.encode()
+            ring(self.store)
+            return first
+        except RuntimeError:
+            return False  # the coordinator is gone: nobody left to tell
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Wait (bounded) until the job's stop is seen; True if it was."""
+        deadline = time.monotonic() + timeout_s
+        while self.stopped is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.stopped is not None
+
+    def report_timeout(self, epoch: int) -> None:
+        """A collective (or the rendezvous) of ``epoch`` timed out with nobody removed: the coordinator, which
+        sees every heartbeat, decides what to do (re-form once, then exclude whoever stalls again)."""
+        try:
+            self.store.set(keys.timeout(epoch, self.worker_id), str(time.time()))
+            ring(self.store)
+        except RuntimeError:
+            pass
 
     def wait_for_epoch(self, timeout_s: float, after: int = 0) -> Epoch | None:
         """Block (polling) until an epoch newer than ``after`` that includes this worker is published.

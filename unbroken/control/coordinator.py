@@ -10,18 +10,14 @@ told otherwise) is served by ``gateway.Gateway``, which admits only clients that
 job's token (``UNBROKEN_TOKEN``) and pipes them to the store. Clients connect with ``connect_store``
 through an authenticated local tunnel, so every worker in a process group was admitted by the gateway.
 
-Store keys (all under the job's store):
-  config, run_dir, expected        the resolved config (TOML), the run directory, workers expected
-  register/seq, register/<n>        worker registration requests; register/<n>/id the admitted id
-  hb/<id>                           heartbeat counter of a worker
-  dead/<id>                         set by the launcher when the worker's process exits
-  epoch, epoch/<e>                  the current epoch number, and its JSON record (members, reason)
-  metrics/seq, metrics/<n>          metric records (JSON lines) published by the epoch's leader
-  final/<id>                        a worker's final parameter checksum
-  done, stop                        the run finished (JSON status); everyone must stop now (reason)
-  bell/seq, bell/<n>                the coordinator's doorbell: "something to look at" (a registration, a
-                                    death report, stop, done)
-  news/seq, news/<n>                the workers' doorbell: a new epoch or a stop was published
+The store's keys, who writes and who reads each, are listed in ``control.keys``.
+
+A collective that times out while every heartbeat still arrives (a stalled member, a slow or partitioned
+link) is reported by the members that waited (``timeout/<e>/<id>``); the coordinator, the one place that
+sees everything, decides within the step: the first time it re-forms the same members (an epoch marked
+``reform``: every member abandons the old group and forms a fresh one); if the re-formed group times out
+again, the members that never reported either time are declared failed and the rest go on without them,
+as after a kill. The job stops only when no majority of the group where it began is left.
 
 Nothing polls at a high rate (the coordinator and the launcher share the workers' cores, so every wake-up
 is taken from training). The coordinator sleeps in a store wait on the next ``bell/<n>``; whoever writes
@@ -44,18 +40,30 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.distributed import TCPStore
 
+from unbroken.control import keys
 from unbroken.control.gateway import Gateway, require_token
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
+from unbroken.core.records import MetricsFile, RecordKind, make
 
 log = logging.getLogger(__name__)
 
 CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
 MAX_TICK_S = 0.25
+
+
+@dataclass
+class Stall:
+    """A collective that timed out with every heartbeat arriving: what the coordinator did about it."""
+
+    base: tuple[int, ...]  # the members when it began (the majority rule counts from these)
+    retry_epoch: int  # the epoch that re-formed them
+    suspects: frozenset[int]  # members that did not report the first timeout
 
 
 class Coordinator:
@@ -94,12 +102,12 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.join_timeout_s = join_timeout_s
         self.parent_pid = parent_pid
-        self.store.set("config", config_toml)
-        self.store.set("run_dir", str(run_dir))
-        self.store.set("expected", str(expected_workers))
-        self.store.set("resume", "1" if resume else "0")
-        self.store.set("epoch", "0")
-        self.store.add("metrics/seq", 0)  # exists from the start: the quiet tick reads it with the heartbeats
+        self.store.set(keys.CONFIG, config_toml)
+        self.store.set(keys.RUN_DIR, str(run_dir))
+        self.store.set(keys.EXPECTED, str(expected_workers))
+        self.store.set(keys.RESUME, "1" if resume else "0")
+        self.store.set(keys.EPOCH, "0")
+        self.store.add(keys.METRICS_SEQ, 0)  # exists from the start: the quiet tick reads it with the heartbeats
         self.rung = 0
         self.next_registration = 1
         self.next_worker_id = 0
@@ -109,41 +117,43 @@ class Coordinator:
         self.heartbeats: dict[int, tuple[int, float]] = {}
         self.tick_s = min(MAX_TICK_S, heartbeat_timeout_s / CHECKS_PER_TIMEOUT)
         self.next_metric = 1
-        self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.metrics = MetricsFile(run_dir)
         self.started = time.monotonic()
         self.stopping = threading.Event()
+        self.stall: Stall | None = None
+        self.first_timeout: dict[int, float] = {}  # epoch -> when its first timeout report was seen
 
     # -- output -------------------------------------------------------------------------------------
-    def emit(self, record: dict[str, Any]) -> None:
-        self.metrics_file.write(json.dumps(record, sort_keys=True) + "\n")
+    def emit(self, kind: RecordKind, **fields: Any) -> None:
+        self.metrics.write(make(kind, time.time(), **fields))
 
     # -- membership ---------------------------------------------------------------------------------
     def _admit_new(self) -> list[int]:
         joined = []
-        seq = get_int(self.store, "register/seq")
+        seq = get_int(self.store, keys.REGISTER_SEQ)
         while self.next_registration <= seq:
-            key = f"register/{self.next_registration}"
-            if not self.store.check([key]):
+            n = self.next_registration
+            if not self.store.check([keys.register(n)]):
                 break  # the worker incremented the counter but has not written its request yet
-            request = read_json(self.store, key)
+            request = read_json(self.store, keys.register(n))
             wid = request.get("worker_id", -1)
             if wid is None or wid < 0 or wid in self.members or (wid in self.admitted and self.epoch == 0):
                 wid = max([self.next_worker_id, *[w + 1 for w in self.admitted]])
             # A worker that died may come back under its old id (the launcher restarts it so).
             self.next_worker_id = max(self.next_worker_id, wid + 1)
             self.admitted[wid] = request
-            self.heartbeats[wid] = (get_int(self.store, f"hb/{wid}"), time.monotonic())
-            self.store.delete_key(f"dead/{wid}")
-            self.store.set(f"{key}/late", "1" if self.epoch > 0 else "0")
-            self.store.set(f"{key}/id", str(wid))
+            self.heartbeats[wid] = (get_int(self.store, keys.heartbeat(wid)), time.monotonic())
+            self.store.delete_key(keys.dead(wid))
+            self.store.set(keys.register_late(n), "1" if self.epoch > 0 else "0")
+            self.store.set(keys.register_id(n), str(wid))
             joined.append(wid)
             self.next_registration += 1
         return joined
 
     def _read_counters(self) -> tuple[list[int], int]:
         """Every member's heartbeat counter and the metrics sequence, in one round trip (every one of those
-        counters exists: ``_get_int`` created each heartbeat counter at admission)."""
-        raw = self.store.multi_get([*(f"hb/{wid}" for wid in self.members), "metrics/seq"])
+        counters exists: ``get_int`` created each heartbeat counter at admission)."""
+        raw = self.store.multi_get([*(keys.heartbeat(wid) for wid in self.members), keys.METRICS_SEQ])
         return [int(r) for r in raw[:-1]], int(raw[-1])
 
     def _dead(self, counts: list[int], reported: bool) -> dict[int, str]:
@@ -152,8 +162,8 @@ class Coordinator:
         dead: dict[int, str] = {}
         now = time.monotonic()
         for wid, count in zip(self.members, counts, strict=True):
-            if reported and self.store.check([f"dead/{wid}"]):
-                dead[wid] = "process " + self.store.get(f"dead/{wid}").decode()
+            if reported and self.store.check([keys.dead(wid)]):
+                dead[wid] = "process " + self.store.get(keys.dead(wid)).decode()
                 continue
             last_count, last_time = self.heartbeats.get(wid, (count, now))
             if count != last_count:
@@ -162,49 +172,98 @@ class Coordinator:
                 dead[wid] = f"no heartbeat for {now - last_time:.2f} s"
         return dead
 
-    def _failure_record(self, wid: int, why: str) -> dict[str, Any]:
-        """A failure with its detection latency when the launcher recorded when it delivered the fault."""
-        record: dict[str, Any] = {
-            "type": "failure",
-            "worker": wid,
-            "why": why,
-            "time": time.time(),
-            "epoch": self.epoch,
-        }
-        if self.store.check([f"injected/{wid}"]):
-            injected = read_json(self.store, f"injected/{wid}")
-            record["event"] = injected["event"]
-            record["detection_s"] = record["time"] - injected["time"]
-            self.store.delete_key(f"injected/{wid}")
-        return record
+    def _failure_record(self, wid: int, why: str) -> None:
+        """A failure, with its detection latency when the launcher recorded when it delivered the fault."""
+        extra: dict[str, Any] = {}
+        now = time.time()
+        if self.store.check([keys.injected(wid)]):
+            injected = read_json(self.store, keys.injected(wid))
+            extra = {"event": injected["event"], "detection_s": now - injected["time"]}
+            self.store.delete_key(keys.injected(wid))
+        self.metrics.write(make(RecordKind.FAILURE, now, worker=wid, why=why, epoch=self.epoch, **extra))
 
     def _drain_metrics(self, seq: int | None = None) -> None:
         if seq is None:
-            seq = get_int(self.store, "metrics/seq")
+            seq = get_int(self.store, keys.METRICS_SEQ)
         while self.next_metric <= seq:
-            key = f"metrics/{self.next_metric}"
+            key = keys.metrics(self.next_metric)
             if not self.store.check([key]):
                 break
-            self.metrics_file.write(self.store.get(key).decode() + "\n")
+            self.metrics.write_line(self.store.get(key).decode())
             self.store.delete_key(key)
             self.next_metric += 1
 
-    def publish(self, members: tuple[int, ...], reason: str) -> None:
+    def publish(self, members: tuple[int, ...], reason: str, reform: bool = False) -> None:
         self.epoch += 1
         self.members = tuple(sorted(members))
-        record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "time": time.time()}
-        self.store.set(f"epoch/{self.epoch}", json.dumps(record))
-        self.store.set("epoch", str(self.epoch))
-        ring(self.store, "news")
-        self.emit({"type": "membership", **record, "elapsed_s": time.monotonic() - self.started})
+        record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "reform": reform}
+        self.store.set(keys.epoch(self.epoch), json.dumps({**record, "time": time.time()}))
+        self.store.set(keys.EPOCH, str(self.epoch))
+        ring(self.store, keys.NEWS)
+        self.emit(RecordKind.MEMBERSHIP, **record, elapsed_s=time.monotonic() - self.started)
         log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
 
     def stop(self, reason: str) -> None:
-        if not self.store.check(["stop"]):
-            self.store.set("stop", reason)
+        if not self.store.check([keys.STOP]):
+            self.store.set(keys.STOP, reason)
         self.stopping.set()
-        ring(self.store, "news")
+        ring(self.store, keys.NEWS)
         ring(self.store)
+
+    def _timeouts(self) -> set[int] | None:
+        """Members that reported a timed-out collective of the current epoch, once it is time to decide (every
+        member reported, or half a heartbeat timeout passed since the first report); None before that."""
+        reported = {w for w in self.members if self.store.check([keys.timeout(self.epoch, w)])}
+        if not reported:
+            return None
+        now = time.monotonic()
+        first = self.first_timeout.setdefault(self.epoch, now)
+        if len(reported) < len(self.members) and now - first < self.heartbeat_timeout_s / 2:
+            return None
+        return reported
+
+    def _decide_stall(self, reported: set[int]) -> None:
+        """A collective of the current epoch timed out while every heartbeat arrives (no member died)."""
+        suspects = frozenset(self.members) - reported
+        if self.stall is None or self.stall.retry_epoch != self.epoch:
+            self.stall = Stall(self.members, self.epoch + 1, suspects)
+            self.emit(
+                RecordKind.STALL,
+                epoch=self.epoch,
+                reported=sorted(reported),
+                suspects=sorted(suspects),
+                decision="re-form",
+            )
+            self.publish(
+                self.members,
+                f"a collective of epoch {self.epoch} timed out (reported by {sorted(reported)}); re-forming",
+                reform=True,
+            )
+            return
+        stalled = (suspects & self.stall.suspects) or suspects
+        survivors = tuple(w for w in self.members if w not in stalled)
+        if not stalled or 2 * len(survivors) <= len(self.stall.base):
+            why = (
+                f"collectives keep timing out among {list(self.members)} although every heartbeat arrives"
+                if not stalled
+                else f"after excluding {sorted(stalled)} no majority of {list(self.stall.base)} would be left"
+            )
+            self.emit(
+                RecordKind.STALL,
+                epoch=self.epoch,
+                reported=sorted(reported),
+                suspects=sorted(suspects),
+                decision="stop",
+            )
+            self.stop(f"{why}; stopping (the last checkpoint is kept)")
+            return
+        self.emit(
+            RecordKind.STALL, epoch=self.epoch, reported=sorted(reported), suspects=sorted(stalled), decision="exclude"
+        )
+        self.publish(survivors, "stalled twice: " + ", ".join(str(w) for w in sorted(stalled)))
+        for wid in sorted(stalled):
+            self._failure_record(wid, f"stalled in the collectives of epochs {self.epoch - 1} and {self.epoch}")
+        self.stall = None
 
     def run(self) -> int:
         """Admit the expected workers, publish epochs, drain metrics; return 0 when the job is done."""
@@ -239,35 +298,40 @@ class Coordinator:
                             break
                         self.publish(survivors, "died: " + ", ".join(str(w) for w in sorted(dead)))
                         for wid, why in dead.items():
-                            self.emit(self._failure_record(wid, why))
+                            self._failure_record(wid, why)
+                    elif full and (reported := self._timeouts()) is not None:
+                        self._decide_stall(reported)
                     if joined:
                         self.publish((*self.members, *joined), "joined: " + ", ".join(str(w) for w in joined))
                 self._drain_metrics(metrics_seq)
-                if full and self.store.check(["stop"]):
-                    ring(self.store, "news")  # a stop written by the launcher or a worker: tell everyone now
+                if full and self.store.check([keys.STOP]):
+                    ring(self.store, keys.NEWS)  # a stop written by the launcher or a worker: tell everyone now
                     break
-                if full and self.store.check(["done"]):
+                if full and self.store.check([keys.DONE]):
                     self._drain_metrics()
                     break
-                rung = wait_key(self.store, f"bell/{self.rung + 1}", self.tick_s)
+                # Pending timeout reports are decided on the next full pass, at most a tick away.
+                wait_s = self.tick_s
+                rung = wait_key(self.store, keys.doorbell(keys.BELL, self.rung + 1), wait_s)
                 if rung:
-                    self.rung = get_int(self.store, "bell/seq")
+                    self.rung = get_int(self.store, keys.doorbell_seq(keys.BELL))
+                elif self.first_timeout.get(self.epoch) is not None:
+                    rung = True
                 ticks += 1
         finally:
             self._drain_metrics()
+            if self.store.check([keys.STOP]) and not self.store.check([keys.DONE]):
+                self.emit(RecordKind.STOPPED, reason=self.store.get(keys.STOP).decode())
             gw = self.gateway
             self.emit(
-                {
-                    "type": "gateway",
-                    "admitted": gw.admitted,
-                    "rejected": gw.rejected,
-                    "timed_out": gw.timed_out,
-                    "dropped": gw.dropped,
-                    "time": time.time(),
-                }
+                RecordKind.GATEWAY,
+                admitted=gw.admitted,
+                rejected=gw.rejected,
+                timed_out=gw.timed_out,
+                dropped=gw.dropped,
             )
-            self.metrics_file.close()
-        return 0 if self.store.check(["done"]) else 1
+            self.metrics.close()
+        return 0 if self.store.check([keys.DONE]) else 1
 
 
 def run_coordinator(coordinator: Coordinator, address_file: Path | None) -> int:

@@ -23,16 +23,20 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.control import keys
+from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.control.progress import ProgressView, print_summary
 from unbroken.control.store import bind_listen_socket, connect_store, publish_record, ring
-from unbroken.core.config import RunConfig, dump_config, replace
+from unbroken.core import ckptfiles
+from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
 from unbroken.core.failures import FATAL_KINDS, FailureKind, build_schedule, parse_event
-from unbroken.ft import checkpoint as ckpt
+from unbroken.core.records import RecordKind, append_records, decode, make
 
 POLL_S = 0.005
 # The main loop's period without injections (progress updates); a process exit wakes it at once. The
@@ -40,6 +44,7 @@ POLL_S = 0.005
 IDLE_WAIT_S = 0.25
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
 
 
 @dataclass(frozen=True)
@@ -51,79 +56,27 @@ class LaunchPlan:
     workers: int
     resume: bool
     sock: socket.socket
+    command: tuple[str, ...]  # what each worker runs: the trainer, or a user's script and its arguments
     host: str = "127.0.0.1"
+    restart_after_s: float = 0.0  # restart a worker that died (scheduled or not) after this long; 0 = never
 
 
 def default_run_dir(config_name: str) -> Path:
     return Path("runs") / f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def validate_vocab(cfg: RunConfig) -> None:
-    """Vocabulary mismatch between the tokenizer and ``model.vocab_size``, checked before any work."""
-    if cfg.model.vocab_size == 0:
-        return
-    if cfg.data.tokenizer:
-        from unbroken.train.data import load_tokenizer
-
-        vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
-    else:
-        vocab = cfg.data.vocab_size
-    if cfg.model.vocab_size < vocab:
-        raise ValueError(
-            f"vocabulary mismatch: the tokenizer has {vocab} tokens but model.vocab_size = "
-            f"{cfg.model.vocab_size}; set model.vocab_size = 0 (from the tokenizer) or >= {vocab}"
-        )
-
-
-def check_resumable(cfg: RunConfig, run_dir: Path, corpus: Any) -> None:
-    """ValueError (one line) unless RUN_DIR has a checkpoint that verifies and fits this model and data."""
-    import hashlib
-
-    import torch
-
-    from unbroken.train.model import Transformer, model_args
-
-    loaded = ckpt.load_latest(run_dir, log_rejections=False)  # the workers report rejections in the metrics
-    if loaded is None:
-        rejected = ckpt.list_checkpoints(run_dir)
-        if not rejected:
-            raise ValueError(
-                f"--resume {run_dir}: no checkpoint in {ckpt.checkpoint_dir(run_dir)} "
-                "(the run stopped before its first one); start the run again"
-            )
-        raise ValueError(
-            f"--resume {run_dir}: none of the {len(rejected)} checkpoints is usable "
-            f"(newest: step {rejected[0]} is damaged or incomplete); the files are left as they are"
-        )
-    args = model_args(
-        cfg.model.flavour,
-        vocab_size=cfg.model.vocab_size or corpus.vocab_size,
-        n_kv_heads=cfg.model.n_kv_heads,
-        max_seq_len=cfg.data.seq_len,
-    )
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    model_state = loaded.state.get("model")
-    found = {k: tuple(v.shape) for k, v in model_state.items()} if isinstance(model_state, dict) else {}
-    if found != expected:
-        diff = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
-        first = diff[0] if diff else "model"
-        raise ValueError(
-            f"--resume {run_dir}: checkpoint step {loaded.step} is for a different model shape "
-            f"({first}: checkpoint {found.get(first)}, config {expected.get(first)}); resume with the run's own config"
-        )
-    saved_sha = loaded.state.get("tokenizer_sha256")
-    if saved_sha is not None:
-        sha = hashlib.sha256(Path(corpus.tokenizer_path).read_bytes()).hexdigest()
-        if sha != saved_sha:
-            raise ValueError(
-                f"--resume {run_dir}: checkpoint step {loaded.step} was trained with another tokenizer "
-                f"(sha256 {saved_sha[:12]}, the data now uses {sha[:12]}); resume with the run's own data settings"
-            )
-
-
-def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host: str, port: int) -> LaunchPlan:
-    """Validate the launch; raises ValueError (one line) and writes nothing if anything is wrong."""
+def plan_launch(
+    cfg: RunConfig,
+    run_dir: Path,
+    workers: int,
+    resume: bool,
+    host: str,
+    port: int,
+    command: tuple[str, ...] = TRAINER,
+    validate: Callable[[RunConfig, Path, bool], None] | None = None,
+) -> LaunchPlan:
+    """Validate the launch (``validate`` checks what the workers will run: the trainer's data and model);
+    raises ValueError (one line) and writes nothing if anything is wrong."""
     if workers < 1:
         raise ValueError(f"--workers = {workers} must be >= 1")
     if resume:
@@ -131,26 +84,30 @@ def plan_launch(cfg: RunConfig, run_dir: Path, workers: int, resume: bool, host:
             raise ValueError(f"--resume {run_dir}: not a run directory (no config.toml)")
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(f"output directory {run_dir} exists and is not empty; choose another or use --resume")
-    validate_vocab(cfg)
     f = cfg.failures
     schedule = build_schedule(
-        f.schedule, f.mttr_s, f.mtbf_s, f.seed, f.step_time_s, workers, cfg.train.steps, f.scenario, f.scenario_hours
+        f.schedule,
+        f.mttr_s,
+        f.mtbf_s,
+        f.seed,
+        f.step_time_s,
+        workers,
+        cfg.train.steps,
+        f.scenario,
+        f.scenario_hours,
+        cfg.train.microbatches,
     )
     if f.mtbf_s > 0 or f.mttr_s > 0 or f.scenario:
         # The resolved config names every event, so the run (and its workers) see exactly what is injected.
         cfg = replace(cfg, failures=replace(f, schedule=schedule.describe(), mtbf_s=0.0, mttr_s=0.0, scenario=""))
     sock = bind_listen_socket(host, port)
     try:
-        from unbroken.train.data import check_vocab, prepare_corpus
-
-        corpus = prepare_corpus(cfg.data)  # ValueError on bad data, before the run directory exists
-        check_vocab(corpus, cfg.model.vocab_size)
-        if resume:
-            check_resumable(cfg, run_dir, corpus)
+        if validate is not None:
+            validate(cfg, run_dir, resume)  # ValueError on bad data or checkpoints, before anything is written
     except BaseException:
         sock.close()
         raise
-    return LaunchPlan(cfg, run_dir, workers, resume, sock, host)
+    return LaunchPlan(cfg, run_dir, workers, resume, sock, tuple(command), host, f.mttr_s)
 
 
 class Launcher:
@@ -179,7 +136,8 @@ class Launcher:
         self.sock = plan.sock
         self.resume = plan.resume
         self.token = token_from_env() or new_token()
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
+        # c10d logs a C++ stack trace for every bounded store wait that times out: keep its errors only.
+        self.env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
         self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
         self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
 
@@ -226,14 +184,19 @@ class Launcher:
         self.address = json.loads(address_file.read_text())["address"]
         self.store = connect_store(self.address, token=self.token)
         for event in self.fired:
-            self.store.set(f"fired/{event}", "1")
+            self.store.set(keys.fired(event), "1")
 
     def start_worker(self, worker_id: int) -> None:
         log_path = self.run_dir / "logs" / f"worker-{worker_id}.log"
-        env = {**self.env, "UNBROKEN_LOCAL_WORKERS": str(self.plan.workers)}
+        env = {
+            **self.env,
+            COORDINATOR_ENV: self.address,
+            WORKER_ID_ENV: str(worker_id),
+            LOCAL_WORKERS_ENV: str(self.plan.workers),
+        }
         with open(log_path, "ab") as out:
             self.workers[worker_id] = subprocess.Popen(
-                [*self._python(), "worker", "--coordinator", self.address, "--worker-id", str(worker_id)],
+                list(self.plan.command),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -251,7 +214,7 @@ class Launcher:
         for wid, proc in self.workers.items():
             if proc.poll() is not None or wid in self.down or wid in self.pauses:
                 continue
-            key = f"inject/{wid}"
+            key = keys.inject(wid)
             try:
                 if not self.store.check([key]):
                     continue
@@ -261,19 +224,19 @@ class Launcher:
                 if event.kind in FATAL_KINDS and not self._other_members_alive(wid):
                     # A cluster never loses its last copy of the state to a scheduled failure (the paper's
                     # 32 ranks never all fail); random schedules plan in expected time and can overlap.
-                    self.store.set(f"fired/{info['event']}", "1")
-                    self.store.set(f"skip/{wid}", "1")
+                    self.store.set(keys.fired(info["event"]), "1")
+                    self.store.set(keys.skip(wid), "1")
                     self.store.delete_key(key)
                     why = "no other member of the group is alive: it would lose the training state"
-                    record = {"type": "injection_skipped", "worker": wid, "event": info["event"], "why": why}
-                    publish_record(self.store, {**record, "time": now})
+                    record = make(RecordKind.INJECTION_SKIPPED, now, worker=wid, event=info["event"], why=why)
+                    publish_record(self.store, record)
                     continue
                 self.store.delete_key(key)
-                self.store.set(f"injected/{wid}", json.dumps({"event": info["event"], "time": now}))
-                self.store.set(f"fired/{info['event']}", "1")
+                self.store.set(keys.injected(wid), json.dumps({"event": info["event"], "time": now}))
+                self.store.set(keys.fired(info["event"]), "1")
                 self.fired.add(info["event"])
-                record = {"type": "injected", "worker": wid, "event": info["event"], "kind": str(event.kind)}
-                publish_record(self.store, {**record, "time": now})
+                record = make(RecordKind.INJECTED, now, worker=wid, event=info["event"], kind=str(event.kind))
+                publish_record(self.store, record)
             except RuntimeError:
                 self.store = None  # the coordinator is shutting down: stop asking (each failed call logs a trace)
                 return
@@ -285,7 +248,7 @@ class Launcher:
                 self.pauses[wid] = time.monotonic() + event.seconds
                 continue
             self.down[wid] = {
-                "event": event,
+                "rejoin": event.rejoin_after_s,
                 "at": time.monotonic(),
                 "hung": event.kind is FailureKind.HANG,
                 "seen": len(self._records),
@@ -294,14 +257,15 @@ class Launcher:
     def _other_members_alive(self, wid: int) -> bool:
         """Whether a member of the newest epoch other than ``wid`` is alive (not killed, paused or exited)."""
         assert self.store is not None
-        members = json.loads(self.store.get(f"epoch/{int(self.store.get('epoch'))}"))["members"]
+        members = json.loads(self.store.get(keys.epoch(int(self.store.get(keys.EPOCH)))))["members"]
         return any(
             w != wid and w not in self.down and w not in self.pauses and self.workers[w].poll() is None for w in members
         )
 
     def _manage_down(self) -> None:
         """Continue paused workers; kill hung workers once the coordinator excluded them; restart downed
-        workers after their MTTR (a worker that left after a pause or a cut is down from its exit on)."""
+        workers after their MTTR (a worker that left after a pause or a cut is down from its exit on, and so
+        is one that died without a scheduled event, e.g. killed from outside, when ``restart_after_s`` is set)."""
         now = time.monotonic()
         for wid, until in list(self.pauses.items()):
             if now >= until:
@@ -312,8 +276,29 @@ class Launcher:
             proc = self.workers[wid]
             if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
                 del self.last_event[wid]
-                if event.rejoin_after_s is not None and event.kind in (FailureKind.PAUSE, FailureKind.CUT):
-                    self.down[wid] = {"event": event, "at": now, "hung": False, "seen": len(self._records)}
+                if event.rejoin_after_s is not None and event.kind in (
+                    FailureKind.PAUSE,
+                    FailureKind.CUT,
+                    FailureKind.STALL,
+                ):
+                    self.down[wid] = {
+                        "rejoin": event.rejoin_after_s,
+                        "at": now,
+                        "hung": False,
+                        "seen": len(self._records),
+                    }
+        if self.plan.restart_after_s > 0 and not self._finished():
+            for wid, proc in self.workers.items():
+                if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
+                    # Died without a scheduled event (killed from outside, excluded after a stop): a cluster's
+                    # scheduler would replace it.
+                    self.last_event.pop(wid, None)
+                    self.down[wid] = {
+                        "rejoin": self.plan.restart_after_s,
+                        "at": now,
+                        "hung": False,
+                        "seen": len(self._records),
+                    }
         for wid, info in list(self.down.items()):
             proc = self.workers[wid]
             if info["hung"] and proc.poll() is None:
@@ -323,7 +308,7 @@ class Launcher:
                     proc.wait()
                     self.reported.add(wid)  # already excluded; its exit is not news
                 continue
-            rejoin = info["event"].rejoin_after_s
+            rejoin = info["rejoin"]
             if rejoin is not None and proc.poll() is not None and now >= info["at"] + rejoin and self._coordinator_up():
                 del self.down[wid]
                 self.start_worker(wid)
@@ -335,7 +320,7 @@ class Launcher:
             code = proc.poll()
             if code is not None and code != 0 and wid not in self.reported:  # 0: finished the run
                 self.reported.add(wid)
-                self._store_set(f"dead/{wid}", "killed by SIGKILL" if code == -9 else f"exited with status {code}")
+                self._store_set(keys.dead(wid), "killed by SIGKILL" if code == -9 else f"exited with status {code}")
 
     def _finished(self) -> bool:
         return self._final_seen
@@ -354,7 +339,7 @@ class Launcher:
 
     def stop_all(self, reason: str) -> None:
         """Ask everyone to stop, wait a grace period, then kill what is left."""
-        self._store_set("stop", reason)
+        self._store_set(keys.STOP, reason)
         for info in self.down.values():
             info["hung"] = False  # a stopped process is killed below like the rest
         deadline = time.monotonic() + STOP_GRACE_S
@@ -376,12 +361,7 @@ class Launcher:
             chunk = f.read()
         complete = chunk[: chunk.rfind("\n") + 1]
         self._metrics_offset += len(complete.encode())
-        records = []
-        for line in complete.splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # blank, or torn when the coordinator was killed mid-write
+        records = [r for r in map(decode, complete.splitlines()) if r is not None]  # torn lines are skipped
         self._records += records
         self._failures_seen += sum(1 for r in records if r.get("type") == "failure")
         self._final_seen = self._final_seen or any(r.get("type") == "final" for r in records)
@@ -393,7 +373,7 @@ class Launcher:
         if not self.plan.resume:
             dump_config(self.cfg, self.run_dir)
         else:
-            ckpt.clean_partial(self.run_dir)  # temporary files of saves that were killed half-way
+            ckptfiles.clean_partial(self.run_dir)  # temporary files of saves that were killed half-way
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         started = time.monotonic()
         try:
@@ -444,18 +424,14 @@ class Launcher:
         self.start_coordinator()
         for wid in self.alive_ids():
             self.start_worker(wid)
-        record = {
-            "type": "restart",
-            "workers": self.alive_ids(),
-            "time": time.time(),
-            "stop_and_relaunch_s": time.monotonic() - t0,
-        }
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        record = make(
+            RecordKind.RESTART, time.time(), workers=self.alive_ids(), stop_and_relaunch_s=time.monotonic() - t0
+        )
+        append_records(self.run_dir, [record])
         progress.note(f"restart: relaunched workers {self.alive_ids()} from the last checkpoint")
 
     def _needs_restart(self) -> bool:
-        if self.cfg.recovery.policy != "restart":
+        if self.cfg.recovery.policy is not RecoveryPolicy.RESTART:
             return False
         exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.down)
         return self._failures_seen > self.failures_handled or exited
@@ -501,6 +477,14 @@ class Launcher:
                 file=sys.stderr,
             )
             return 1
+        stopped = [r for r in self._records if r.get("type") == RecordKind.STOPPED]
+        if not done and stopped:
+            # A check that guards the training state failed, or train.nonfinite = stop: the reason is the line.
+            print(f"unbroken: error: {stopped[-1]['reason']}", file=sys.stderr)
+            return 1
+        if done and (problem := self._final_checkpoint_problem()):
+            print(f"unbroken: the run finished but {problem}; see {self.run_dir / 'logs'}", file=sys.stderr)
+            return 1
         if self.show_summary:
             print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
         if self.cfg.metrics.tensorboard:
@@ -515,6 +499,18 @@ class Launcher:
                     print(f"  worker {wid}: {tail}", file=sys.stderr)
             return 1
         return 0
+
+    def _final_checkpoint_problem(self) -> str:
+        """What is wrong with the final checkpoint a finished run must leave (empty when it verifies)."""
+        final = next(r for r in reversed(self._records) if r.get("type") == RecordKind.FINAL)
+        try:
+            ckptfiles.read_verified(self.run_dir, int(final["step"]))
+        except ValueError as e:
+            return f"its final checkpoint (step {final['step']}) does not verify: {e}"
+        leftovers = ckptfiles.leftovers(self.run_dir)
+        if leftovers:
+            return f"{len(leftovers)} temporary checkpoint files were left behind ({leftovers[0].name})"
+        return ""
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -14,7 +14,9 @@ from typing import Any
 
 from torch.distributed import DistStoreError, TCPStore
 
+from unbroken.control import keys
 from unbroken.control.gateway import Tunnel, require_token
+from unbroken.core.records import encode
 
 STORE_TIMEOUT_S = 30.0
 
@@ -58,17 +60,17 @@ def open_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | No
     return store, tunnel
 
 
-def ring(store: TCPStore, bell: str = "bell") -> None:
-    """Ring a doorbell: ``bell`` wakes the coordinator (after writing something it must act on), ``news``
-    wakes every worker's watcher (after publishing an epoch or a stop)."""
-    n = store.add(f"{bell}/seq", 1)
-    store.set(f"{bell}/{n}", "")
+def ring(store: TCPStore, bell: str = keys.BELL) -> None:
+    """Ring a doorbell: ``keys.BELL`` wakes the coordinator (after writing something it must act on),
+    ``keys.NEWS`` wakes every worker's watcher (after publishing an epoch or a stop)."""
+    n = store.add(keys.doorbell_seq(bell), 1)
+    store.set(keys.doorbell(bell, n), "")
 
 
 def publish_record(store: TCPStore, record: dict[str, Any]) -> None:
-    """Queue one metrics record for the coordinator to append to the run's metrics.jsonl."""
-    seq = store.add("metrics/seq", 1)
-    store.set(f"metrics/{seq}", json.dumps(record, sort_keys=True))
+    """Queue one metrics record (``core.records`` encodes it) for the coordinator to append."""
+    seq = store.add(keys.METRICS_SEQ, 1)
+    store.set(keys.metrics(seq), encode(record))
 
 
 def wait_key(store: TCPStore, key: str, timeout_s: float) -> bool:

@@ -16,17 +16,71 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
-FLAVOURS = ("tiny", "small", "60m", "130m", "350m", "1b", "7b")
+FLAVOURS = ("tiny", "small", "60m", "130m", "350m", "1b", "7b")  # core.flavours.FLAVOURS (test_model checks)
+
+
+class RecoveryPolicy(StrEnum):
+    """What the survivors do when a worker dies (docs/library.md, "failures")."""
+
+    RECOVER = "recover"  # ReCoVer: the lost microbatches are recomputed in the same step (same trajectory)
+    DROP = "drop"  # torchft's behaviour: they are skipped and the gradient renormalised (the batch shrinks)
+    RESTART = "restart"  # checkpoint-and-restart: every worker stops; the survivors restart from the last one
+    MECEFO = "mecefo"  # MeCeFO: the dead worker's microbatches go to its ring neighbour, in efficient mode
+    MECEFO_SPREAD = "mecefo-spread"  # ours: they are spread over every survivor, in efficient mode
+
+    @property
+    def mecefo(self) -> bool:
+        return self in (RecoveryPolicy.MECEFO, RecoveryPolicy.MECEFO_SPREAD)
+
+
+class Reduction(StrEnum):
+    FP32 = "fp32"  # a SUM of float32 gradients (the order of summation changes with the membership)
+    EXACT = "exact"  # each microbatch gradient summed as int64 fixed point: bitwise independent of who did what
+
+
+class Workload(StrEnum):
+    """How the microbatches of a step are spread over the alive workers."""
+
+    EVEN = "even"  # equal quotas (the first M mod R workers get one more)
+    THROUGHPUT = "throughput"  # quotas minimise the slowest worker's time given per-microbatch times
+
+
+class NonfinitePolicy(StrEnum):
+    SKIP = "skip"  # the whole step is skipped on every member (no optimizer step), and recorded
+    STOP = "stop"  # the run stops, keeping the last good checkpoint
+
+
+class Backend(StrEnum):
+    AUTO = "auto"  # nccl with CUDA, else gloo
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+def _enum_fields(section: Any) -> None:
+    """Store enum fields as their enum (a section built in code may be given the plain string); ValueError
+    naming the key and what is allowed for an unknown value."""
+    name = type(section).__name__.removesuffix("Config").lower()
+    for f in fields(section):
+        kind = typing.get_type_hints(type(section))[f.name]
+        value = getattr(section, f.name)
+        if isinstance(kind, type) and issubclass(kind, Enum) and not isinstance(value, kind):
+            object.__setattr__(section, f.name, _coerce(f"{name}.{f.name}", value, kind))
+
+
+def option(default: Any, help: str) -> Any:
+    """A config field with its help text (``unbroken train --help`` lists every one)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    flavour: str = "small"  # one of FLAVOURS (see model.FLAVOURS for the sizes)
-    vocab_size: int = 0  # 0: taken from the tokenizer; otherwise must be >= the tokenizer's vocabulary
-    n_kv_heads: int = 0  # 0: the flavour's default (grouped-query attention when < n_heads)
+    flavour: str = option("small", "the built-in LLaMA's size: " + ", ".join(FLAVOURS))
+    vocab_size: int = option(0, "0: taken from the tokenizer; otherwise must be >= the tokenizer's vocabulary")
+    n_kv_heads: int = option(0, "0: the flavour's default (grouped-query attention when < n_heads)")
 
     def __post_init__(self) -> None:
         if self.flavour not in FLAVOURS:
@@ -39,16 +93,18 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # "shakespeare" (the embedded corpus) or a path: a text file, a folder of text files, a .jsonl file,
-    # a .parquet file, or a folder written by datasets' save_to_disk.
-    source: str = "shakespeare"
-    text_field: str = "text"  # the field holding the text in JSONL, parquet and datasets sources
-    tokenizer: str = ""  # "" trains a byte-level BPE on the training split; else a tokenizer.json path
-    vocab_size: int = 8192  # size of the BPE trained when tokenizer = ""
-    seq_len: int = 256  # tokens per sequence (the model sees seq_len inputs, predicts seq_len targets)
-    microbatch_size: int = 4  # sequences per microbatch
-    val_fraction: float = 0.05  # share of the text held out for validation (the tail of the corpus)
-    cache_dir: str = ".cache/unbroken"  # tokenizer and token arrays, keyed by a hash of the inputs
+    source: str = option(
+        "shakespeare",
+        '"shakespeare" (the embedded corpus) or a path: a text file, a folder of text files, a .jsonl or '
+        ".parquet file, or a folder written by datasets' save_to_disk",
+    )
+    text_field: str = option("text", "the field holding the text in JSONL, parquet and datasets sources")
+    tokenizer: str = option("", '"" trains a byte-level BPE on the training split; else a tokenizer.json path')
+    vocab_size: int = option(8192, 'size of the BPE trained when tokenizer = ""')
+    seq_len: int = option(256, "tokens per sequence (the model sees seq_len inputs, predicts seq_len targets)")
+    microbatch_size: int = option(4, "sequences per microbatch")
+    val_fraction: float = option(0.05, "share of the text held out for validation (the tail of the corpus)")
+    cache_dir: str = option(".cache/unbroken", "tokenizer and token arrays, keyed by a hash of the inputs")
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -65,24 +121,29 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200  # optimizer steps
-    microbatches: int = 8  # M: microbatches per step, fixed whatever the number of workers
-    lr: float = 3e-3  # peak learning rate
-    warmup_fraction: float = 0.1  # linear warm-up over this share of the steps
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    seed: int = 0  # model init and data order
-    eval_every: int = 50  # validation every this many steps (and at the end); 0 = only at the end
-    eval_microbatches: int = 8  # validation microbatches per evaluation
-    threads: int = 0  # torch intra-op threads per worker; 0 = cores / workers on this host
-    retain_host_memory: bool = True  # keep freed host buffers in the heap (no page faults per step; hostmem.py)
-    out_dir: str = ""  # "" = runs/<config name>-<timestamp>
+    steps: int = option(200, "optimizer steps")
+    microbatches: int = option(8, "M: microbatches per step, fixed whatever the number of workers")
+    lr: float = option(3e-3, "peak learning rate")
+    warmup_fraction: float = option(0.1, "linear warm-up over this share of the steps")
+    min_lr_ratio: float = option(0.1, "the cosine decays to lr * min_lr_ratio")
+    weight_decay: float = option(0.01, "AdamW weight decay (matrices only)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.999, "AdamW beta2")
+    eps: float = option(1e-8, "AdamW epsilon")
+    grad_clip: float = option(1.0, "max global gradient norm; 0 disables clipping")
+    seed: int = option(0, "model init and data order")
+    eval_every: int = option(50, "validation every this many steps (and at the end); 0 = only at the end")
+    eval_microbatches: int = option(8, "validation microbatches per evaluation")
+    threads: int = option(0, "torch intra-op threads per worker; 0 = cores / workers on this host")
+    retain_host_memory: bool = option(True, "keep freed host buffers in the heap (no page faults per step)")
+    nonfinite: NonfinitePolicy = option(
+        NonfinitePolicy.SKIP, "a NaN or infinite gradient: skip the step on every member, or stop the run"
+    )
+    max_nonfinite_skips: int = option(5, "stop after this many consecutive skipped steps")
+    out_dir: str = option("", '"" = runs/<config name>-<timestamp>')
 
     def __post_init__(self) -> None:
+        _enum_fields(self)
         if self.steps < 1:
             raise ValueError(f"train.steps = {self.steps} must be >= 1")
         if self.microbatches < 1:
@@ -111,25 +172,22 @@ class TrainConfig:
             raise ValueError(f"train.seed = {self.seed} must be >= 0")
         if self.threads < 0:
             raise ValueError(f"train.threads = {self.threads} must be >= 0 (0 = automatic)")
+        if self.max_nonfinite_skips < 1:
+            raise ValueError(f"train.max_nonfinite_skips = {self.max_nonfinite_skips} must be >= 1")
 
 
 @dataclass(frozen=True)
 class CommConfig:
-    backend: str = "auto"  # "auto" (nccl with CUDA, else gloo), "gloo" or "nccl"
-    # Gradient all-reduce bucket size; buckets overlap the last backward. DDP's default: on oversubscribed
-    # CPU cores each extra collective costs a scheduling round trip of every worker (4 MB: 5% slower here).
-    bucket_mb: float = 25.0
-    # The first bucket (the last layers' gradients, the first ones backward produces) closes at this size,
-    # so its reduction overlaps the rest of the backward (DDP's policy and default).
-    first_bucket_mb: float = 1.0
-    op_timeout_s: float = 60.0  # bound on any collective; past it the group is abandoned
-    heartbeat_interval_s: float = 0.25  # how often a worker tells the coordinator it is alive (8 per timeout)
-    heartbeat_timeout_s: float = 2.0  # a worker silent this long is declared dead (a hang, SIGSTOP)
-    join_timeout_s: float = 120.0  # how long the coordinator waits for the expected workers at start
+    backend: Backend = option(Backend.AUTO, "collectives between workers")
+    bucket_mb: float = option(25.0, "gradient all-reduce bucket size (DDP's default); buckets overlap the backward")
+    first_bucket_mb: float = option(1.0, "the first bucket closes at this size, so it overlaps the backward")
+    op_timeout_s: float = option(60.0, "bound on any collective; past it the coordinator decides (retry, exclude)")
+    heartbeat_interval_s: float = option(0.25, "how often a worker tells the coordinator it is alive")
+    heartbeat_timeout_s: float = option(2.0, "a worker silent this long is declared dead (a hang, SIGSTOP)")
+    join_timeout_s: float = option(120.0, "how long the coordinator waits for the expected workers at start")
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"comm.backend = {self.backend!r} is unknown; allowed: auto, gloo, nccl")
+        _enum_fields(self)
         for name in (
             "bucket_mb",
             "first_bucket_mb",
@@ -147,41 +205,22 @@ class CommConfig:
             )
 
 
-POLICIES = ("recover", "drop", "restart", "mecefo", "mecefo-spread")
-MECEFO_POLICIES = ("mecefo", "mecefo-spread")
-WORKLOADS = ("even", "throughput")
-REDUCTIONS = ("fp32", "exact")
-
-
 @dataclass(frozen=True)
 class RecoveryConfig:
-    # recover: lost microbatches are recomputed by survivors in the same step (ReCoVer; same trajectory);
-    # drop: they are skipped and the gradient normalised by what was computed (torchft's behaviour);
-    # restart: every worker stops and the survivors restart from the last checkpoint;
-    # mecefo: a dead worker's microbatches go to its ring neighbour, which runs them and its own in efficient
-    # mode (attention skipped in backward, FFN recomputed, low-rank FFN weight gradients; see [mecefo]);
-    # mecefo-spread: the lost microbatches are spread over all survivors, in efficient mode.
-    policy: str = "recover"
-    workload: str = "even"  # even, or throughput (a slow worker gets fewer microbatches)
-    # fp32: SUM of fp32 gradients (within tolerance of the failure-free run); exact: each microbatch's
-    # gradient is summed as int64 fixed point, so the result is bitwise independent of who computed what.
-    reduction: str = "fp32"
+    policy: RecoveryPolicy = option(RecoveryPolicy.RECOVER, "what the survivors do when a worker dies")
+    workload: Workload = option(Workload.EVEN, "even, or throughput (a slow worker gets fewer microbatches)")
+    reduction: Reduction = option(
+        Reduction.FP32, "fp32, or exact (int64 fixed point: bitwise the failure-free run whoever computed what)"
+    )
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"recovery.policy = {self.policy!r} is unknown; allowed: {', '.join(POLICIES)}")
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"recovery.workload = {self.workload!r} is unknown; allowed: {', '.join(WORKLOADS)}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"recovery.reduction = {self.reduction!r} is unknown; allowed: {', '.join(REDUCTIONS)}")
+        _enum_fields(self)
 
 
 @dataclass(frozen=True)
 class MecefoConfig:
-    # Rank r of the FFN weight-gradient projection in efficient mode (see docs/benchmarks.md for the measurement
-    # behind the default) and the SVD refresh period tau in steps (the paper's 100).
-    rank: int = 64
-    refresh_every: int = 100
+    rank: int = option(64, "rank r of the FFN weight-gradient projection in efficient mode")
+    refresh_every: int = option(100, "the projection bases are recomputed every this many steps (tau)")
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -192,18 +231,17 @@ class MecefoConfig:
 
 @dataclass(frozen=True)
 class FailureConfig:
-    # Injected failures, e.g. "kill:worker=2,step=10,phase=backward; hang:worker=1,step=5;
-    # slow:worker=1,factor=3,steps=5-20" (see unbroken/core/failures.py for the grammar).
-    schedule: str = ""
-    mttr_s: float = 0.0  # restart a killed worker after this many seconds so it rejoins; 0 = never
-    mtbf_s: float = 0.0  # add seeded random kills with this mean time between failures; 0 = none
-    seed: int = 0  # seed of the random kills
-    step_time_s: float = 1.0  # expected seconds per step, to place random kills (given in seconds) on steps
-    # MeCeFO's failure scenarios: low, mid or high (a failure every 2 / 1 / 0.5 h, back after 4 / 3 / 2 h),
-    # in the paper's 32-rank cluster; each worker stands for one rank and the run's steps for scenario_hours
-    # of cluster time (rule in unbroken/core/failures.py scenario_timing).
-    scenario: str = ""
-    scenario_hours: float = 64.0
+    schedule: str = option(
+        "",
+        'injected failures, e.g. "kill:worker=2,step=10,phase=backward; hang:worker=1,step=5" '
+        "(the grammar: unbroken/core/failures.py)",
+    )
+    mttr_s: float = option(0.0, "restart a worker that died (scheduled or not) after this many seconds; 0 = never")
+    mtbf_s: float = option(0.0, "add seeded random kills with this mean time between failures; 0 = none")
+    seed: int = option(0, "seed of the random kills")
+    step_time_s: float = option(1.0, "expected seconds per step, to place random kills (given in seconds) on steps")
+    scenario: str = option("", "MeCeFO's failure scenarios: low, mid or high (rule in unbroken/core/failures.py)")
+    scenario_hours: float = option(64.0, "hours of the paper's cluster time the run's steps stand for")
 
     def __post_init__(self) -> None:
         if self.scenario not in ("", "low", "mid", "high"):
@@ -219,8 +257,8 @@ class FailureConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 50  # save every this many steps (and at the end); 0 = only at the end
-    keep: int = 3  # number of checkpoints kept on disk (older ones are deleted after a good save)
+    every: int = option(50, "save every this many steps (and at the end); 0 = only at the end")
+    keep: int = option(3, "checkpoints kept on disk (older ones are deleted after a good save)")
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -231,7 +269,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
+    tensorboard: bool = option(False, "also write TensorBoard event files (needs the tensorboard extra)")
 
 
 @dataclass(frozen=True)
@@ -257,11 +295,20 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
     origin = typing.get_origin(expected)
     if origin in (types.UnionType, typing.Union):
         raise AssertionError(f"union field types are not supported in config ({key})")
-    if origin is tuple:  # tuple[str, ...]: a TOML array of strings
-        assert typing.get_args(expected) == (str, Ellipsis), f"unsupported config field type {expected} for {key}"
+    if origin is tuple:  # tuple[str, ...] or tuple[SomeEnum, ...]: a TOML array of strings
+        item, ellipsis = typing.get_args(expected)
+        assert ellipsis is Ellipsis, f"unsupported config field type {expected} for {key}"
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-            return tuple(value)
+            return tuple(_coerce(key, v, item) for v in value) if item is not str else tuple(value)
         raise ValueError(f"{key} = {value!r} has the wrong type; expected a list of strings")
+    if isinstance(expected, type) and issubclass(expected, Enum):
+        allowed = ", ".join(str(m.value) for m in expected)
+        if isinstance(value, str):
+            try:
+                return expected(value)
+            except ValueError:
+                raise ValueError(f"{key} = {value!r} is unknown; allowed: {allowed}") from None
+        raise ValueError(f"{key} = {value!r} has the wrong type; expected one of {allowed}")
     if expected is bool:
         if isinstance(value, bool):
             return value
@@ -281,7 +328,7 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
 
 def _parse_override_value(key: str, text: str, expected: type) -> Any:
     """Parse the text of ``--key=text`` into the field's type (a list of strings is comma-separated)."""
-    if expected is str:
+    if expected is str or (isinstance(expected, type) and issubclass(expected, Enum)):
         return text
     if typing.get_origin(expected) is tuple:
         return tuple(part.strip() for part in text.split(",") if part.strip())
@@ -405,6 +452,8 @@ def to_toml(cfg: Any) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, Enum):
+        return _toml_value(str(value.value))
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -438,3 +487,35 @@ def preset_path(name: str) -> Path:
     if not path.is_file():
         raise ValueError(f"no packaged config named {name!r} ({path})")
     return path
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "one of " + ", ".join(str(m.value) for m in tp)
+    if typing.get_origin(tp) is tuple:
+        return "list of " + _type_name(typing.get_args(tp)[0])
+    return getattr(tp, "__name__", str(tp))
+
+
+def describe(root: type = RunConfig, sections: tuple[str, ...] | None = None) -> str:
+    """Every section and key of a config tree with its type, default and help, as ``--help`` lists them."""
+    lines = []
+    for section_name, cls in _section_types(root).items():
+        if sections is not None and section_name not in sections:
+            continue
+        lines.append(f"[{section_name}]")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            default = f.default.value if isinstance(f.default, Enum) else f.default
+            shown = (
+                f'"{default}"'
+                if isinstance(default, str)
+                else str(default).lower()
+                if isinstance(default, bool)
+                else default
+            )
+            help_text = f.metadata.get("help", "")
+            lines.append(f"  --{section_name}.{f.name}  ({_type_name(hints[f.name])}; default {shown})")
+            if help_text:
+                lines.append(f"      {help_text}")
+    return "\n".join(lines)

@@ -12,6 +12,16 @@ Grammar (events separated by ``;``):
                                                       (its store tunnel and its gloo sockets), as a cut
                                                       link would; it leaves, and (rejoin=) is restarted
     slow:worker=1,factor=3,steps=5-20                 the worker computes 3x slower during steps 5..20
+    stall:worker=1,step=5,seconds=S[,rejoin=5]        the worker blocks S seconds inside the reduction while its
+                                                      heartbeats go on (a stalled link); the others' collective
+                                                      times out and the coordinator decides
+    nan:worker=1,step=5    inf:worker=1,step=5        the first microbatch the worker computes in that step gets
+                                                      a gradient with a NaN (an infinity) in one value
+    scale:step=5,microbatch=2,factor=1e6              microbatch 2 of step 5 has its loss (so its gradient)
+                                                      multiplied by 1e6, whoever computes it (a huge gradient:
+                                                      forces the exact mode's fixed point to grow)
+    dup:worker=1,step=5                               the worker reports one microbatch twice in its counts (an
+                                                      accounting fault: the run must stop cleanly)
 
 Phases of a step, in order: ``start`` (before any compute), ``forward`` (inside the first microbatch's
 forward), ``backward`` (inside the last local microbatch's backward, with part of the reduction already
@@ -39,8 +49,16 @@ class FailureKind(StrEnum):
     PAUSE = "pause"
     CUT = "cut"
     SLOW = "slow"
+    STALL = "stall"
+    NAN = "nan"
+    INF = "inf"
+    SCALE = "scale"
+    DUP = "dup"
 
 
+IN_WORKER_KINDS = frozenset(
+    {FailureKind.SLOW, FailureKind.STALL, FailureKind.NAN, FailureKind.INF, FailureKind.SCALE, FailureKind.DUP}
+)
 FATAL_KINDS = frozenset({FailureKind.KILL, FailureKind.HANG, FailureKind.CUT})  # the worker leaves the group
 
 
@@ -67,11 +85,19 @@ class FailureEvent:
     rejoin_after_s: float | None = None  # kill/hang: restart the worker this long after it was killed
     factor: float = 1.0  # slow: compute time multiplier
     last_step: int = -1  # slow: last step affected (inclusive)
-    seconds: float = 0.0  # pause: how long the worker stays stopped
+    seconds: float = 0.0  # pause, stall: how long the worker stays stopped
+    microbatch: int = -1  # scale: the microbatch id
 
     def describe(self) -> str:
         if self.kind is FailureKind.SLOW:
             return f"slow:worker={self.worker},factor={self.factor:g},steps={self.step}-{self.last_step}"
+        if self.kind is FailureKind.SCALE:
+            return f"scale:step={self.step},microbatch={self.microbatch},factor={self.factor:g}"
+        if self.kind in (FailureKind.NAN, FailureKind.INF, FailureKind.DUP):
+            return f"{self.kind}:worker={self.worker},step={self.step}"
+        if self.kind is FailureKind.STALL:
+            text = f"stall:worker={self.worker},step={self.step},seconds={self.seconds:g}"
+            return text + (f",rejoin={self.rejoin_after_s:g}" if self.rejoin_after_s is not None else "")
         text = f"{self.kind}:worker={self.worker},step={self.step},phase={self.phase}"
         if self.kind is FailureKind.PAUSE:
             text += f",seconds={self.seconds:g}"
@@ -84,6 +110,11 @@ _ALLOWED_KEYS = {
     FailureKind.PAUSE: {"worker", "step", "phase", "rejoin", "seconds"},
     FailureKind.CUT: {"worker", "step", "phase", "rejoin"},
     FailureKind.SLOW: {"worker", "factor", "steps"},
+    FailureKind.STALL: {"worker", "step", "seconds", "rejoin"},
+    FailureKind.NAN: {"worker", "step"},
+    FailureKind.INF: {"worker", "step"},
+    FailureKind.SCALE: {"step", "microbatch", "factor"},
+    FailureKind.DUP: {"worker", "step"},
 }
 
 
@@ -124,6 +155,15 @@ def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEven
             allowed = ", ".join(sorted(_ALLOWED_KEYS[kind]))
             raise ValueError(f"failure event {text!r}: unknown key {key!r} for {kind}; allowed: {allowed}")
         fields[key] = value.strip()
+    if kind is FailureKind.SCALE:
+        for needed in ("step", "microbatch", "factor"):
+            if needed not in fields:
+                raise ValueError(f"failure event {text!r}: scale needs step=, microbatch= and factor=")
+        factor = _float(fields["factor"], "factor", text)
+        if factor == 0:
+            raise ValueError(f"failure event {text!r}: factor must be > 0")
+        step, microbatch = _int(fields["step"], "step", text), _int(fields["microbatch"], "microbatch", text)
+        return FailureEvent(kind, -1, step, factor=factor, microbatch=microbatch)
     if "worker" not in fields:
         raise ValueError(f"failure event {text!r} names no worker")
     worker = _int(fields["worker"], "worker", text)
@@ -139,6 +179,16 @@ def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEven
         return FailureEvent(kind, worker, start, factor=factor, last_step=end)
     if "step" not in fields:
         raise ValueError(f"failure event {text!r} names no step")
+    if kind in (FailureKind.NAN, FailureKind.INF, FailureKind.DUP):
+        return FailureEvent(kind, worker, _int(fields["step"], "step", text))
+    if kind is FailureKind.STALL:
+        if "seconds" not in fields:
+            raise ValueError(f"failure event {text!r}: stall needs seconds= (how long the worker blocks)")
+        seconds = _float(fields["seconds"], "seconds", text)
+        if seconds <= 0:
+            raise ValueError(f"failure event {text!r}: seconds must be > 0")
+        rejoin = _float(fields["rejoin"], "rejoin", text) if "rejoin" in fields else default_rejoin_s
+        return FailureEvent(kind, worker, _int(fields["step"], "step", text), Phase.REDUCTION, rejoin, seconds=seconds)
     phase_text = fields.get("phase", Phase.BACKWARD if kind is FailureKind.KILL else Phase.START)
     try:
         phase = Phase(phase_text)
@@ -170,10 +220,16 @@ class FailureSchedule:
     def describe(self) -> str:
         return "; ".join(e.describe() for e in self.events)
 
-    def validate(self, num_workers: int, steps: int) -> None:
+    def validate(self, num_workers: int, steps: int, microbatches: int | None = None) -> None:
         """Refuse a schedule that names nothing real or cannot be survived; ValueError, one line."""
         for e in self.events:
-            if not 0 <= e.worker < num_workers:
+            if e.kind is FailureKind.SCALE:
+                if microbatches is not None and not 0 <= e.microbatch < microbatches:
+                    raise ValueError(
+                        f"failure event {e.describe()!r}: microbatch {e.microbatch} does not exist "
+                        f"(microbatches 0..{microbatches - 1})"
+                    )
+            elif not 0 <= e.worker < num_workers:
                 raise ValueError(
                     f"failure event {e.describe()!r}: worker {e.worker} does not exist (workers 0..{num_workers - 1})"
                 )
@@ -200,7 +256,7 @@ class FailureSchedule:
         return [
             e
             for e in self.events
-            if e.kind is not FailureKind.SLOW
+            if e.kind not in IN_WORKER_KINDS
             and e.worker == worker
             and e.phase == phase
             and (e.step == step or (phase in AT_OR_AFTER and e.step <= step))
@@ -217,6 +273,33 @@ class FailureSchedule:
             if e.kind is FailureKind.SLOW and e.worker == worker and e.step <= step <= e.last_step:
                 factor = max(factor, e.factor)
         return factor
+
+    def poison(self, worker: int, step: int) -> FailureEvent | None:
+        """The ``nan`` / ``inf`` event of ``worker`` at ``step``, if any."""
+        return next(
+            (
+                e
+                for e in self.events
+                if e.kind in (FailureKind.NAN, FailureKind.INF) and (e.worker, e.step) == (worker, step)
+            ),
+            None,
+        )
+
+    def scale_factor(self, step: int, microbatch: int) -> float:
+        """The product of the ``scale`` factors of microbatch ``microbatch`` of ``step`` (1 if none)."""
+        factor = 1.0
+        for e in self.events:
+            if e.kind is FailureKind.SCALE and (e.step, e.microbatch) == (step, microbatch):
+                factor *= e.factor
+        return factor
+
+    def stall(self, worker: int, step: int) -> FailureEvent | None:
+        return next(
+            (e for e in self.events if e.kind is FailureKind.STALL and (e.worker, e.step) == (worker, step)), None
+        )
+
+    def duplicate(self, worker: int, step: int) -> bool:
+        return any(e.kind is FailureKind.DUP and (e.worker, e.step) == (worker, step) for e in self.events)
 
     def merged(self, other: FailureSchedule) -> FailureSchedule:
         return FailureSchedule(self.events + other.events)
@@ -286,6 +369,7 @@ def build_schedule(
     steps: int,
     scenario: str = "",
     scenario_hours: float = 64.0,
+    microbatches: int | None = None,
 ) -> FailureSchedule:
     """The run's schedule from its ``[failures]`` settings, validated; ValueError before anything starts."""
     parsed = FailureSchedule.parse(schedule, mttr_s if mttr_s > 0 else None)
@@ -294,7 +378,7 @@ def build_schedule(
     if scenario:
         between_s, repair_s = scenario_timing(scenario, steps, scenario_hours, step_time_s, num_workers)
         parsed = parsed.merged(random_schedule(num_workers, steps, between_s, repair_s, step_time_s, seed))
-    parsed.validate(num_workers, steps)
+    parsed.validate(num_workers, steps, microbatches)
     return parsed
 
 

@@ -8,14 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class Policy(StrEnum):
-    """How microbatches are spread over the alive workers."""
-
-    EVEN = "even"  # equal quotas (the first M mod R workers get one more)
-    THROUGHPUT = "throughput"  # quotas minimise the slowest worker's time given per-microbatch times
+from unbroken.core.config import Workload
 
 
 @dataclass(frozen=True)
@@ -62,7 +56,7 @@ def plan_step(
     step: int,
     members: Sequence[int],
     num_microbatches: int,
-    policy: Policy | str = Policy.EVEN,
+    policy: Workload | str = Workload.EVEN,
     seconds_per_microbatch: Mapping[int, float] | None = None,
 ) -> Assignment:
     """Assign the step's microbatch ids [0, M) to ``members`` (worker ids) in contiguous blocks.
@@ -83,16 +77,16 @@ def plan_ids(
     members: Sequence[int],
     ids: Sequence[int] | range,
     num_microbatches: int,
-    policy: Policy | str = Policy.EVEN,
+    policy: Workload | str = Workload.EVEN,
     seconds_per_microbatch: Mapping[int, float] | None = None,
 ) -> Assignment:
     """Assign a subset of the step's ids (e.g. the ones a failure lost) over ``members``, as ``plan_step``."""
-    policy = Policy(policy)
+    policy = Workload(policy)
     ordered = tuple(sorted(set(members)))
     todo = sorted(set(ids))
     assert ordered, "a plan needs at least one member"
     assert all(0 <= j < num_microbatches for j in todo), todo
-    if policy is Policy.EVEN or not seconds_per_microbatch:
+    if policy is Workload.EVEN or not seconds_per_microbatch:
         quotas = even_quotas(len(todo), len(ordered))
     else:
         known = sorted(t for w, t in seconds_per_microbatch.items() if w in ordered and t > 0)
@@ -118,7 +112,7 @@ def recovery_plan(
     step: int,
     members: Sequence[int],
     held_counts: Sequence[float | int],
-    policy: Policy | str = Policy.EVEN,
+    policy: Workload | str = Workload.EVEN,
     seconds_per_microbatch: Mapping[int, float] | None = None,
 ) -> Assignment:
     """After a membership change: spread the ids nobody holds over the members (ReCoVer's in-step recovery).

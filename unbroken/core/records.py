@@ -1,30 +1,142 @@
-"""Metrics records: the format of ``RUN_DIR/metrics.jsonl`` and its one reader.
+"""Metrics records: their kinds and fields, the one writer of ``RUN_DIR/metrics.jsonl`` and its one reader.
 
-``RUN_DIR/metrics.jsonl`` holds one JSON object per line with a ``type`` (``step``, ``eval``, ``membership``,
-``failure``, ``checkpoint``, ``final``, ``resume``, ...). The coordinator writes it; the launcher, the report,
-the benchmarks, chaos and the tests read it through this module. Pure Python.
+A record is a JSON object on one line with a ``type`` (``RecordKind``) and that kind's fields (``FIELDS``;
+more may be present). Workers publish records through the coordinator, which appends them with
+``MetricsFile``; a worker that outlives its coordinator appends what was not drained with
+``append_records``. The launcher, the report, the benchmarks, chaos and the tests read them with
+``read_records``. Pure Python.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+METRICS_FILE = "metrics.jsonl"
 
-def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """All records of ``RUN_DIR/metrics.jsonl`` (of one ``type`` if given); a torn last line is ignored."""
-    path = Path(run_dir) / "metrics.jsonl"
+
+class RecordKind(StrEnum):
+    STEP = "step"  # a committed (or skipped) step
+    EVAL = "eval"  # a validation
+    MEMBERSHIP = "membership"  # a new membership epoch
+    FAILURE = "failure"  # a member declared dead
+    RECOVERY = "recovery"  # the survivors re-formed their group
+    CHECKPOINT = "checkpoint"  # a checkpoint written and verified
+    CHECKPOINT_REJECTED = "checkpoint_rejected"  # a damaged checkpoint skipped on resume
+    RESUME = "resume"  # the run continued from a checkpoint
+    FINAL = "final"  # the run's end: every member's parameter checksum
+    INJECTED = "injected"  # a scheduled fault delivered
+    INJECTION_SKIPPED = "injection_skipped"  # a scheduled fault not delivered, and why
+    COORDINATOR_LOST = "coordinator_lost"  # the workers saved the state after the coordinator died
+    RESTART = "restart"  # the restart policy relaunched the job
+    GATEWAY = "gateway"  # the coordinator's connection statistics at its end
+    NONFINITE_SKIP = "nonfinite_skip"  # a step skipped on every member for a non-finite gradient
+    STOPPED = "stopped"  # the run stopped on purpose (a broken invariant, train.nonfinite = stop)
+    STALL = "stall"  # a collective timed out with every heartbeat arriving: what the coordinator decided
+    USER = "user"  # anything a user's script logs
+
+
+FIELDS: dict[RecordKind, frozenset[str]] = {
+    RecordKind.STEP: frozenset(
+        {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens", "alive", "epoch", "microbatches", "committed"}
+        | {"recomputed", "dropped", "recoveries", "efficient"}
+    ),
+    RecordKind.EVAL: frozenset({"step", "val_loss", "val_ppl"}),
+    RecordKind.MEMBERSHIP: frozenset({"epoch", "members", "reason", "elapsed_s"}),
+    RecordKind.FAILURE: frozenset({"worker", "why", "epoch"}),
+    RecordKind.RECOVERY: frozenset({"step", "from_epoch", "epoch", "alive", "reform_s", "missing", "time_reformed"}),
+    RecordKind.CHECKPOINT: frozenset({"step", "path", "seconds"}),
+    RecordKind.CHECKPOINT_REJECTED: frozenset({"detail"}),
+    RecordKind.RESUME: frozenset({"step", "path"}),
+    RecordKind.FINAL: frozenset({"step", "checksums", "identical", "checkpoint"}),
+    RecordKind.INJECTED: frozenset({"worker", "event", "kind"}),
+    RecordKind.INJECTION_SKIPPED: frozenset({"worker", "event", "why"}),
+    RecordKind.COORDINATOR_LOST: frozenset({"step", "path"}),
+    RecordKind.RESTART: frozenset({"workers", "stop_and_relaunch_s"}),
+    RecordKind.GATEWAY: frozenset({"admitted", "rejected", "timed_out", "dropped"}),
+    RecordKind.NONFINITE_SKIP: frozenset({"step", "microbatches", "workers", "parameter", "streak"}),
+    RecordKind.STOPPED: frozenset({"reason"}),
+    RecordKind.STALL: frozenset({"epoch", "reported", "suspects", "decision"}),
+    RecordKind.USER: frozenset(),
+}
+
+
+def make(kind: RecordKind, time: float, /, **fields: Any) -> dict[str, Any]:
+    """A record of ``kind`` (its fields checked: a programmer's mistake is an AssertionError)."""
+    record = {"type": str(kind), **fields, "time": time}
+    missing = FIELDS[kind] - record.keys()
+    assert not missing, f"{kind} record lacks {sorted(missing)}"
+    return record
+
+
+def encode(record: dict[str, Any]) -> str:
+    """One line of metrics.jsonl (keys sorted, so equal records are equal lines)."""
+    kind = RecordKind(record["type"])
+    missing = FIELDS[kind] - record.keys()
+    assert not missing, f"{kind} record lacks {sorted(missing)}"
+    return json.dumps(record, sort_keys=True)
+
+
+def decode(line: str) -> dict[str, Any] | None:
+    """The record on ``line``, or None for a blank or torn line (a writer killed mid-line) or an unknown kind."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or record.get("type") not in RecordKind._value2member_map_:
+        return None
+    return record
+
+
+class MetricsFile:
+    """The writer: appends records to ``RUN_DIR/metrics.jsonl``, one line each, flushed per line."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(encode(record) + "\n")
+
+    def write_line(self, line: str) -> None:
+        """A line published by a worker (already ``encode``d there)."""
+        self._f.write(line.rstrip("\n") + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def append_records(run_dir: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Append ``records`` that are not already among the file's last lines (a worker writing what its dead
+    coordinator never drained); a line torn by the coordinator's death is ended first."""
+    path = Path(run_dir) / METRICS_FILE
+    with open(path, "a+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 2**18))
+        tail = f.read().decode(errors="replace")
+        lines = set(tail.splitlines())
+        out = "" if not tail or tail.endswith("\n") else "\n"
+        for record in records:
+            line = encode(record)
+            if line not in lines:
+                out += line + "\n"
+        f.write(out.encode())
+
+
+def read_records(run_dir: Path, kind: RecordKind | str | None = None) -> list[dict[str, Any]]:
+    """All records of ``RUN_DIR/metrics.jsonl`` (of one kind if given), in file order; torn lines skipped."""
+    path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
+    wanted = None if kind is None else str(RecordKind(kind))
     records = []
     for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if kind is None or record.get("type") == kind:
+        record = decode(line)
+        if record is not None and (wanted is None or record["type"] == wanted):
             records.append(record)
     return records
 
@@ -35,7 +147,7 @@ def committed_steps(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, An
     with the old leader or never written because the leader was cut off) only fills a step otherwise missing."""
     by_step: dict[int, dict[str, Any]] = {}
     for r in records:
-        if r.get("type") != "step" or (r.get("republished") and r["step"] in by_step):
+        if r.get("type") != RecordKind.STEP or (r.get("republished") and r["step"] in by_step):
             continue
         by_step[r["step"]] = r
     return {s: by_step[s] for s in sorted(by_step)}
@@ -43,4 +155,4 @@ def committed_steps(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, An
 
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Step -> training loss; when a resumed run repeated a step, the last record wins."""
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "step")}
+    return {r["step"]: r["loss"] for r in read_records(run_dir, RecordKind.STEP)}

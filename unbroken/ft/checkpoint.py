@@ -1,21 +1,27 @@
-"""Checkpoints on disk: atomic writes, a checksum manifest, and loading the newest good one.
+"""Checkpoints: the schema of the training state, its encoding, and atomic, verified files on disk.
 
-Owns the on-disk format only (what goes into the state is the trainer's business). A checkpoint is the
-pair ``checkpoints/step_<N>.pt`` (``torch.save`` of a dict of tensors and plain values) and
-``checkpoints/step_<N>.json`` (its manifest: step, size, sha256). Both are written to a temporary file,
-fsynced and renamed, the manifest last, so a checkpoint is either complete and verifiable or ignored.
-Loading uses ``weights_only=True``; a corrupt or partial checkpoint is reported and the previous good
-one is used.
+Owns the one format the training state has wherever it goes: a checkpoint file, and the bytes a live member
+sends a rejoining worker (``encode`` / ``decode``). The schema (``FORMAT_VERSION`` 2), built by
+``build_state`` and checked by ``validate_state``, nowhere else:
+
+    format      2
+    step        the next step to run (the state after committing step - 1)
+    model       the registered model's ``state_dict()``
+    optimizer   the registered optimizer's ``state_dict()`` (or None)
+    extra       {name: state} of the other registered objects
+    ft          the library's replicated state: the exact mode's scale, agreed speeds, the run of
+                consecutive non-finite skips, the last step's outcome, MeCeFO's projection bases
+    metadata    {name: str | int | float | bool} the user attached (the trainer: config, tokenizer hash, ...)
+
+On disk a checkpoint is the pair ``checkpoints/step_<N>.pt`` (``encode``) and its manifest, written atomically
+by ``core.ckptfiles`` (the file layout, pure Python). Loading uses ``weights_only=True``; a corrupt or partial
+checkpoint is reported and the previous good one is used.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +29,66 @@ from typing import Any
 
 import torch
 
+from unbroken.core import ckptfiles as files
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+STATE_KEYS = ("format", "step", "model", "optimizer", "extra", "ft", "metadata")
+
+
+def build_state(
+    step: int,
+    model: dict[str, Any],
+    optimizer: dict[str, Any] | None,
+    extra: dict[str, Any],
+    ft: dict[str, Any],
+    metadata: dict[str, Any],
+) -> dict[str, Any]:
+    """The training state in the checkpoint schema (see the module docstring)."""
+    state = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "model": model,
+        "optimizer": optimizer,
+        "extra": extra,
+        "ft": ft,
+        "metadata": metadata,
+    }
+    validate_state(state)
+    return state
+
+
+def validate_state(state: Any) -> None:
+    """ValueError (one line) unless ``state`` is in the checkpoint schema."""
+    if not isinstance(state, dict):
+        raise ValueError("does not hold a state dict")
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"has format {state.get('format')!r}; this version reads format {FORMAT_VERSION}")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"lacks {', '.join(missing)}")
+    if not isinstance(state["step"], int) or state["step"] < 0:
+        raise ValueError(f"has step {state['step']!r}, not an integer >= 0")
+    for key in ("model", "extra", "ft", "metadata"):
+        if not isinstance(state[key], dict):
+            raise ValueError(f"has {key} of type {type(state[key]).__name__}, not a dict")
+
+
+def encode(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """The state in ``data`` (``encode``'s output), loaded with ``weights_only``; ValueError if it is not one."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a usable state"
+        raise ValueError(f"cannot be loaded ({type(e).__name__}: {e})") from None
+    validate_state(state)
+    return state
 
 
 @dataclass(frozen=True)
@@ -36,133 +99,42 @@ class LoadedCheckpoint:
     skipped: tuple[str, ...]  # one line per newer checkpoint that was rejected, and why
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> None:
-    # One temporary name per process: two writers of the same step never share a half-written file.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        if midway is not None:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            midway()
-            f.write(data[len(data) // 2 :])
-        else:
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], keep: int, midway: Callable[[], None] | None = None
 ) -> Path:
     """Write the checkpoint of ``step`` atomically, then delete all but the ``keep`` newest ones.
 
     ``midway`` (failure injection) is called with half of the data file written."""
-    directory = checkpoint_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    name = f"step_{step:08d}"
-    data_path = directory / f"{name}.pt"
-    _write_atomic(data_path, data, midway)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "file": data_path.name,
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "time": time.time(),
-    }
-    _write_atomic(directory / f"{name}.json", json.dumps(manifest, indent=1).encode())
-    _fsync_dir(directory)
-    _prune(directory, keep)
-    return data_path
+    validate_state(state)
+    return files.write_checkpoint_files(run_dir, step, encode(state), keep, midway)
 
 
-def _prune(directory: Path, keep: int) -> None:
-    manifests = sorted(directory.glob("step_*.json"))
-    for manifest in manifests[:-keep] if keep > 0 else []:
-        manifest.unlink(missing_ok=True)  # manifest first: a half-deleted checkpoint is never "complete"
-        manifest.with_suffix(".pt").unlink(missing_ok=True)
-
-
-def clean_partial(run_dir: Path) -> list[Path]:
-    """Remove temporary files left by an interrupted save and data files with no manifest."""
-    directory = checkpoint_dir(run_dir)
-    removed: list[Path] = []
-    if not directory.is_dir():
-        return removed
-    for path in directory.glob("*.tmp"):
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    for path in directory.glob("step_*.pt"):
-        if not path.with_suffix(".json").exists():
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
-
-
-def list_checkpoints(run_dir: Path) -> list[int]:
-    """Steps that have a manifest, newest first (not yet verified)."""
-    steps = []
-    for manifest in checkpoint_dir(run_dir).glob("step_*.json"):
-        try:
-            steps.append(int(manifest.stem.split("_", 1)[1]))
-        except ValueError:
-            continue
-    return sorted(steps, reverse=True)
-
-
-def _verify_and_load(manifest_path: Path) -> tuple[int, dict[str, Any]]:
+def verify(run_dir: Path, step: int) -> dict[str, Any]:
+    """The state of the checkpoint of ``step`` after verifying it (manifest, checksum, schema, step);
+    ValueError (one line) if it does not verify."""
+    data = files.read_verified(run_dir, step)
+    name = files.checkpoint_path(run_dir, step).name
     try:
-        manifest = json.loads(manifest_path.read_text())
-        step, file_name, sha = int(manifest["step"]), manifest["file"], manifest["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"manifest {manifest_path.name} is unreadable ({e})") from None
-    data_path = manifest_path.with_name(file_name)
-    try:
-        data = data_path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{data_path.name} is missing or unreadable ({e.strerror})") from None
-    if len(data) != manifest.get("bytes", len(data)):
-        raise ValueError(f"{data_path.name} has {len(data)} bytes, the manifest says {manifest['bytes']}")
-    if hashlib.sha256(data).hexdigest() != sha:
-        raise ValueError(f"{data_path.name} fails its checksum")
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a usable checkpoint"
-        raise ValueError(f"{data_path.name} cannot be loaded ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict):
-        raise ValueError(f"{data_path.name} does not hold a state dict")
-    return step, state
+        state = decode(data)
+    except ValueError as e:
+        raise ValueError(f"{name} {e}") from None
+    if state["step"] != step:
+        raise ValueError(f"{name} holds step {state['step']}, its manifest says {step}")
+    return state
 
 
 def load_latest(run_dir: Path, log_rejections: bool = True) -> LoadedCheckpoint | None:
     """The newest checkpoint that verifies; newer ones that fail are skipped (and logged). None if none."""
     skipped: list[str] = []
-    for step in list_checkpoints(run_dir):
-        manifest_path = checkpoint_dir(run_dir) / f"step_{step:08d}.json"
+    for step in files.list_checkpoints(run_dir):
         try:
-            loaded_step, state = _verify_and_load(manifest_path)
+            state = verify(run_dir, step)
         except ValueError as e:
             if log_rejections:
                 log.warning("checkpoint of step %d rejected: %s; trying the previous one", step, e)
             skipped.append(f"step {step}: {e}")
             continue
-        return LoadedCheckpoint(loaded_step, manifest_path.with_suffix(".pt"), state, tuple(skipped))
+        return LoadedCheckpoint(step, files.checkpoint_path(run_dir, step), state, tuple(skipped))
     for line in skipped if log_rejections else []:
         log.warning("no usable checkpoint: %s", line)
     return None
@@ -171,15 +143,17 @@ def load_latest(run_dir: Path, log_rejections: bool = True) -> LoadedCheckpoint 
 def verify_all(run_dir: Path) -> tuple[list[str], list[Path]]:
     """Every checkpoint that has a manifest must verify: (one line per one that does not, leftover files
     of interrupted saves: temporary files and data files without a manifest, which loading ignores)."""
-    directory = checkpoint_dir(run_dir)
     problems: list[str] = []
-    if not directory.is_dir():
-        return problems, []
-    for manifest in sorted(directory.glob("step_*.json")):
+    for step in sorted(files.list_checkpoints(run_dir)):
         try:
-            _verify_and_load(manifest)
+            verify(run_dir, step)
         except ValueError as e:
-            problems.append(f"{manifest.name}: {e}")
-    leftovers = sorted(directory.glob("*.tmp"))
-    leftovers += [p for p in sorted(directory.glob("step_*.pt")) if not p.with_suffix(".json").exists()]
-    return problems, leftovers
+            problems.append(f"step_{step:08d}: {e}")
+    return problems, files.leftovers(run_dir)
+
+
+# Re-exported: the file layout is core.ckptfiles's.
+checkpoint_dir = files.checkpoint_dir
+checkpoint_path = files.checkpoint_path
+list_checkpoints = files.list_checkpoints
+clean_partial = files.clean_partial

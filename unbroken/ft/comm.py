@@ -18,10 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
+
+from unbroken.control import keys
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,18 @@ def default_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return requested
+
+
+class WaitStatus(Enum):
+    """How a bounded wait on collectives ended."""
+
+    DONE = "done"
+    INTERRUPTED = "interrupted"  # ``interrupted()`` turned true (a member was removed, the run stops)
+    TIMED_OUT = "timed out"  # the deadline passed with every member still in the group (a stall, a partition)
+    FAILED = "failed"  # the backend reported an error (e.g. a connection reset by a dead peer)
+
+    def __bool__(self) -> bool:
+        return self is WaitStatus.DONE
 
 
 @dataclass
@@ -127,19 +142,20 @@ def form_group(
     timeout_s: float,
     device: torch.device,
     interrupted: Callable[[], bool] = lambda: False,
-) -> Group | None:
+) -> tuple[Group | None, WaitStatus]:
     """Build the epoch's process group under the store prefix ``pg/<epoch>`` (every member calls this).
 
     The rendezvous blocks until every member has arrived, so it runs on a helper thread while this one
-    watches ``interrupted`` (a newer epoch: a member died before arriving). Returns None if interrupted
-    or if the rendezvous failed; the abandoned thread ends at the group timeout.
+    watches ``interrupted`` (a newer epoch: a member died before arriving) and the ``timeout_s`` deadline (a
+    member that never arrives while alive). Returns the group, or None and why not; an abandoned rendezvous
+    thread ends at the store's timeout.
     """
     ordered = tuple(sorted(members))
     assert worker_id in ordered, (worker_id, ordered)
     rank = ordered.index(worker_id)
     if len(ordered) == 1:
-        return Group(epoch, ordered, 0, None, device)
-    prefixed = PrefixStore(f"pg/{epoch}", store)
+        return Group(epoch, ordered, 0, None, device), WaitStatus.DONE
+    prefixed = PrefixStore(keys.group_prefix(epoch), store)
     timeout = datetime.timedelta(seconds=timeout_s)
     result: list[dist.ProcessGroup | BaseException] = []
     finished = threading.Event()
@@ -158,14 +174,18 @@ def form_group(
             finished.set()
 
     threading.Thread(target=build, name=f"rendezvous-{epoch}", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
     while not finished.wait(CHECK_INTERVAL_S):
         if interrupted():
             log.warning("epoch %d superseded while forming its group", epoch)
-            return None
+            return None, WaitStatus.INTERRUPTED
+        if time.monotonic() > deadline:  # a member never arrived (the rendezvous thread is abandoned)
+            log.warning("forming the group of epoch %d timed out after %.1f s", epoch, timeout_s)
+            return None, WaitStatus.TIMED_OUT
     if isinstance(result[0], BaseException):
         log.warning("forming the group of epoch %d failed: %s", epoch, result[0])
-        return None
-    return Group(epoch, ordered, rank, result[0], device)
+        return None, WaitStatus.FAILED
+    return Group(epoch, ordered, rank, result[0], device), WaitStatus.DONE
 
 
 class Pending:
@@ -182,8 +202,9 @@ def wait_all(
     pending: Sequence[Pending],
     timeout_s: float,
     interrupted: Callable[[], bool],
-) -> bool:
-    """Wait for every collective; ``False`` if ``interrupted()`` turns true or time runs out.
+) -> WaitStatus:
+    """Wait for every collective; anything but ``DONE`` (falsy) if ``interrupted()`` turns true, time runs
+    out, or the backend fails.
 
     ``interrupted`` is typically "the membership epoch changed" and must be cheap (a cached value). A gloo
     collective whose peer died errors only on the dead rank's neighbours; everyone else would block until
@@ -197,29 +218,29 @@ def wait_all(
             p.work.get_future().add_done_callback(lambda _f, e=finished: e.set())
             while not finished.is_set():
                 if interrupted():
-                    return False
+                    return WaitStatus.INTERRUPTED
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     log.warning("collective timed out after %.1f s", timeout_s)
-                    return False
+                    return WaitStatus.TIMED_OUT
                 finished.wait(min(remaining, CHECK_INTERVAL_S))
         elif interrupted():
-            return False
+            return WaitStatus.INTERRUPTED
         if p.work is not None:
             try:
                 p.work.wait()  # completed: surfaces a backend error (e.g. a reset connection) as an exception
             except RuntimeError as e:
                 log.warning("collective failed: %s", e)
-                return False
-    return True
+                return WaitStatus.FAILED
+    return WaitStatus.DONE
 
 
-def allreduce_async(group: Group, tensor: torch.Tensor) -> Pending:
-    """Start a SUM all-reduce of ``tensor`` in place over the group."""
+def allreduce_async(group: Group, tensor: torch.Tensor, max_op: bool = False) -> Pending:
+    """Start a SUM (``max_op``: MAX) all-reduce of ``tensor`` in place over the group."""
     if group.pg is None:
         return Pending(None)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = dist.ReduceOp.MAX if max_op else dist.ReduceOp.SUM
     try:
         work = group.pg.allreduce([tensor], opts)
     except RuntimeError as e:  # a dead group fails at once
@@ -257,19 +278,29 @@ def _failed() -> Pending:
     return Pending(_FailedWork())  # type: ignore[arg-type]
 
 
+@dataclass
+class LocalFlags:
+    """What the exact fold saw in this step's local microbatches (reported through the side vector)."""
+
+    nonfinite_ids: list[int] = field(default_factory=list)  # microbatches with a NaN or an infinity
+    first_bad_param: int | None = None  # index of the first parameter whose gradient was not finite
+    overflow: int = 0  # microbatches whose gradient did not fit the fixed point
+
+
 class GradientReducer:
     """Sums the workers' local gradients into a separate flat buffer, bucket by bucket.
 
-    Buckets hold parameters in reverse registration order (the order backward produces them). In ``fp32``
-    mode, while a step's last local backward runs, a bucket's all-reduce starts as soon as all its
-    gradients are final, so communication overlaps compute (as DDP does). Buckets start strictly in index
-    order on every worker, so the collectives match across workers whatever order the hooks fire in.
+    Buckets hold parameters in reverse registration order (the order backward produces them). While a step's
+    last local backward runs (``arm``), a bucket's all-reduce starts as soon as all its gradients are final,
+    so communication overlaps compute (as DDP does). Buckets start strictly in index order on every worker,
+    so the collectives match across workers whatever order the hooks fire in.
 
-    In ``exact`` mode every microbatch's gradient is folded (``fold()``) into a local int64 fixed-point
-    accumulator with a per-tensor power-of-two scale; integer addition is associative, so the reduced
-    gradient is bitwise the same whichever worker computed which microbatch. A microbatch whose gradient
-    would not fit sets ``overflowed`` (a property of the microbatch, so every worker sees the same thing
-    after the reduction) and the step is redone with larger bounds.
+    In ``exact`` mode every microbatch's gradient is folded into a local int64 fixed-point accumulator with a
+    per-tensor power-of-two scale (``exact.FixedPointScale``, set with ``set_exponents``); integer addition
+    is associative, so the reduced gradient is bitwise the same whichever worker computed which microbatch.
+    The armed backward folds each gradient as soon as it is final, so exact mode overlaps too. A gradient
+    that is not finite, or that would not fit, is noted in ``flags`` (a property of the microbatch, so every
+    worker agrees after the reduction); the step is then skipped or redone, never committed.
 
     The local contribution (``param.grad`` in fp32 mode, the int64 accumulator in exact mode) is never
     touched by a collective, so a reduction interrupted by a failure is restarted on the next group from it.
@@ -289,8 +320,8 @@ class GradientReducer:
         device = self.params[0].device
         element_bytes = 8 if exact else 4
         # A small first bucket (DDP's policy) starts the reduction of the last layers' gradients while the
-        # rest of the backward runs. Exact mode launches everything after the backward: nothing to overlap.
-        first_bytes = bucket_bytes if exact or first_bucket_bytes is None else first_bucket_bytes
+        # rest of the backward runs.
+        first_bytes = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
         self.buckets: list[list[int]] = []
         current: list[int] = []
         current_bytes = 0
@@ -316,65 +347,116 @@ class GradientReducer:
         self.extras = torch.zeros(num_extras, dtype=torch.float64)
         self.accumulator = torch.zeros(offset, dtype=torch.int64, device=device) if exact else None
         self.exponents = [0] * len(self.params)
-        self.overflowed = False
+        self.limit = math.inf
+        self.flags = LocalFlags()
+        self.observed = [0.0] * len(self.params)  # exact mode: max |microbatch gradient| seen, per tensor
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._group: Group | None = None
         self._ready: list[int] = [0] * len(self.buckets)
         self._launched = 0
         self._pending: list[Pending] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # only while a backward is armed
+        self._armed_microbatch: int | None = None
+        self._armed_bad = False
 
     def _view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         p = self.params[index]
         return buffer[self.offsets[index] : self.offsets[index] + p.numel()]
 
     # -- exact mode ---------------------------------------------------------------------------------
-    def set_bounds(self, bounds: Sequence[float], num_microbatches: int) -> None:
-        """Choose each tensor's scale 2**e so that M microbatch gradients bounded by ``bounds`` fit in int64."""
-        assert self.exact and len(bounds) == len(self.params)
-        headroom_bits = 62 - math.ceil(math.log2(max(2, num_microbatches)))
-        self.exponents = [headroom_bits - math.ceil(math.log2(max(b, 1e-30))) for b in bounds]
-        self._limit = float(2**headroom_bits)
+    def set_exponents(self, exponents: Sequence[int], limit: float) -> None:
+        """Exact mode: values are rounded to multiples of ``2**-exponents[i]``; |value x 2**e| < ``limit``."""
+        assert self.exact and len(exponents) == len(self.params)
+        self.exponents = list(exponents)
+        self.limit = limit
 
     def reset_local(self) -> None:
         """Forget the local contribution (a new step, or a step that must be redone)."""
         if self.accumulator is not None:
             self.accumulator.zero_()
-        self.overflowed = False
+        self.flags = LocalFlags()
+        self.observed = [0.0] * len(self.params)
         for p in self.params:
             p.grad = None
 
     @torch.no_grad()
-    def fold(self) -> None:
-        """Exact mode: move the gradient of the microbatch just back-propagated into the accumulator."""
+    def _fold_one(self, index: int, microbatch: int) -> bool:
+        """Fold parameter ``index``'s gradient into the accumulator; False if it is not finite or does not fit."""
+        p = self.params[index]
+        grad = p.grad
+        if grad is None:
+            return True
+        p.grad = None
+        peak = float(torch.linalg.vector_norm(grad, float("inf")))
+        if not math.isfinite(peak):
+            if microbatch not in self.flags.nonfinite_ids:
+                self.flags.nonfinite_ids.append(microbatch)
+            if self.flags.first_bad_param is None or index < self.flags.first_bad_param:
+                self.flags.first_bad_param = index
+            return False
+        self.observed[index] = max(self.observed[index], peak)
+        scale = 2.0 ** self.exponents[index]
+        if peak * scale >= self.limit:
+            return False
+        # Multiplying a float32 by a power of two is exact, and every product is below 2^62 here, so rounding
+        # it in float32 gives the same integer as in any wider type.
+        self._view(self.accumulator, index).add_(grad.reshape(-1).mul(scale).round_().long())
+        return True
+
+    def fold(self, microbatch: int) -> None:
+        """Exact mode: move the gradient of microbatch ``microbatch``, just back-propagated, into the accumulator
+        (the armed backward folds its own gradients as they come)."""
         assert self.accumulator is not None
-        for index, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            scaled = p.grad.reshape(-1).double() * (2.0 ** self.exponents[index])
-            if bool(scaled.abs().max() >= self._limit):
-                self.overflowed = True
-            self._view(self.accumulator, index).add_(scaled.round_().long())
-            p.grad = None
+        ok = all([self._fold_one(i, microbatch) for i in range(len(self.params))])
+        self._note(microbatch, ok)
+
+    def _note(self, microbatch: int, ok: bool) -> None:
+        if not ok and microbatch not in self.flags.nonfinite_ids:
+            self.flags.overflow += 1
+
+    def check_nonfinite(self, microbatch_ids: Sequence[int]) -> None:
+        """fp32 mode: note whether this worker's local gradient (its microbatches ``microbatch_ids``) holds a
+        NaN or an infinity (one fused pass; called only on the path that diagnoses a skipped step)."""
+        assert not self.exact
+        grads = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        if not grads:
+            return
+        peaks = torch._foreach_norm([g for _, g in grads], float("inf"))
+        bad = [i for (i, _), peak in zip(grads, peaks, strict=True) if not math.isfinite(float(peak))]
+        if bad:
+            self.flags.first_bad_param = bad[0]
+            self.flags.nonfinite_ids = list(microbatch_ids)
 
     # -- overlapped launch --------------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
             if self._group is None:
                 return
+            if self.exact:
+                assert self._armed_microbatch is not None
+                if not self._fold_one(index, self._armed_microbatch):
+                    self._armed_bad = True
             self._ready[self.bucket_of[index]] += 1
             self._launch_ready()
 
         return hook
 
-    def arm(self, group: Group) -> None:
-        """Overlap the coming backward (the last local one of the step) with the reduction on ``group``.
+    def arm(self, group: Group, microbatch: int) -> None:
+        """Overlap the coming backward of ``microbatch`` (the last local one of the step) with the reduction
+        on ``group``: each bucket's all-reduce starts once its gradients are final (exact mode: folded).
 
         The gradient hooks exist only from here to the launch: the step's other backwards (local
         accumulation, like DDP's ``no_sync``) run without a Python call per parameter."""
         self._start(group)
-        if not self.exact and not self._hooks:
+        self._armed_microbatch = microbatch
+        self._armed_bad = False
+        if not self._hooks:
             self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    @property
+    def armed(self) -> int | None:
+        """The microbatch whose backward is armed (its gradients are folded and launched as they come)."""
+        return self._armed_microbatch
 
     @property
     def launched(self) -> int:
@@ -419,6 +501,11 @@ class GradientReducer:
     def launch_gradients(self, group: Group) -> None:
         """Start every bucket that has not started yet (from the intact local contribution)."""
         self._unhook()
+        if self._armed_microbatch is not None:
+            if self.exact:  # gradients the hooks never saw (no hook fires for a parameter without a gradient)
+                ok = all([self._fold_one(i, self._armed_microbatch) for i in range(len(self.params))])
+                self._note(self._armed_microbatch, ok and not self._armed_bad)
+            self._armed_microbatch = None
         if self._group is not group:
             self._start(group)
         self._ready = [len(bucket) for bucket in self.buckets]  # params with no grad this step count as ready
@@ -430,12 +517,11 @@ class GradientReducer:
         self.extras.copy_(extras)
         self._pending.append(allreduce_async(self._group, self.extras))
 
-    def wait(self, timeout_s: float, interrupted: Callable[[], bool]) -> torch.Tensor | None:
-        """The reduced extras once every collective finished, or ``None`` if interrupted."""
+    def wait(self, timeout_s: float, interrupted: Callable[[], bool]) -> tuple[WaitStatus, torch.Tensor | None]:
+        """The wait's status and, when ``DONE``, the reduced extras."""
         pending, self._pending, self._group = self._pending, [], None
-        if not wait_all(pending, timeout_s, interrupted):
-            return None
-        return self.extras.clone()
+        status = wait_all(pending, timeout_s, interrupted)
+        return status, (self.extras.clone() if status else None)
 
     def disarm(self) -> None:
         """Forget an interrupted reduction. Its collectives may still run on the abandoned group and write
@@ -453,11 +539,12 @@ class GradientReducer:
         In fp32 mode each ``param.grad`` becomes a view of the reduced buffer (no copy back, unlike DDP's
         default): the step's local gradients are no longer needed once the reduction completed, and the
         buffer is next written by the following step's reduction, after ``reset_local`` has dropped these
-        views."""
+        views. In exact mode the integers are converted (int64 to float32 rounds once; the power-of-two scale
+        is exact)."""
         for index, p in enumerate(self.params):
             view = self._view(self.flat, index).view_as(p)
             if self.exact:
-                p.grad = (view.double() * (2.0 ** -self.exponents[index])).float()
+                p.grad = view.to(p.dtype).mul_(2.0 ** -self.exponents[index])
             else:
                 p.grad = view
             if scale != 1.0:

@@ -43,16 +43,12 @@ thread, so every worker of one torch build and CPU type computes bit-identical V
 (float64 because the error of a computed singular subspace grows as machine epsilon over the gap
 between the r-th and (r+1)-th singular values, which can be small). They live in the handle, not in
 the model (no parameters or buffers), so the model's state dict and parameter checksums are
-unaffected; ``bases()`` / ``load_bases()`` let a trainer checkpoint or broadcast them. The SVD costs
-about 0.5 s per refresh for the ``small`` flavour and 5 s for ``60m`` on this CPU; it grows as
-in_features^2 x out_features, about 1 s per matrix at 350M size and an hour or more per refresh at 7B
-size (a GPU run would want a device SVD).
+unaffected; ``bases()`` / ``load_bases()`` let a trainer checkpoint or broadcast them. The SVD's cost
+grows as in_features^2 x out_features (docs/benchmarks.md, "MeCeFO", has the figures).
 
-``DEFAULT_RANK`` (the ``[mecefo] rank`` default, 64) was chosen from measurements on ``small`` (see
-docs/benchmarks.md, "MeCeFO"): the FFN weight-gradient error against the exact one falls slowly with r
-(0.74 at r = 8, 0.61 at r = 64, 0.57 at r = 128, 0.35 at full rank, where only the skipped attention
-remains). At 64 the FFN error reaches the paper's 0.6 level (0.605) for 0.47 of the exact weight-gradient
-cost; doubling to 128 gains only 0.03.
+``DEFAULT_RANK`` (64) was chosen from the gradient-error measurements in docs/benchmarks.md ("MeCeFO"):
+the FFN weight-gradient error falls slowly with r, and 64 reaches the paper's error level for about half
+of the exact weight-gradient cost.
 """
 
 from __future__ import annotations
@@ -66,13 +62,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unbroken.core.config import MecefoConfig
-
 __all__ = ["DEFAULT_RANK", "LAYOUTS", "BlockLayout", "EfficientBackward", "EfficientConfig", "apply_efficient_backward"]
 
-# The transform's settings are the [mecefo] config section (rank r, refresh period tau): one definition.
-EfficientConfig = MecefoConfig
-DEFAULT_RANK = MecefoConfig.rank
+DEFAULT_RANK = 64
+
+
+@dataclass(frozen=True)
+class EfficientConfig:
+    """The transform's settings: rank r of the FFN weight-gradient projection and the refresh period tau
+    (steps) of its bases (a run's ``[mecefo]`` section)."""
+
+    rank: int = DEFAULT_RANK
+    refresh_every: int = 100
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.refresh_every < 1:
+            raise ValueError(
+                f"efficient mode needs rank >= 1 and refresh_every >= 1 (got {self.rank}, {self.refresh_every})"
+            )
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,10 @@ class EfficientBackward:
     def active(self) -> bool:
         """Whether forwards run now are efficient."""
         return self._on
+
+    def set_active(self, on: bool) -> None:
+        """Switch efficient mode on or off for the forwards that follow (``enabled()`` as a context)."""
+        self._on = on
 
     @contextlib.contextmanager
     def enabled(self, on: bool = True) -> Iterator[None]:

@@ -61,16 +61,17 @@ def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
     leader's step records are stamped when it publishes them, right after each commit), so everything a
     worker does per step counts, its bookkeeping between steps included. DDP's loop does nothing between
     steps, so its loop-body time is the same measure."""
-    from unbroken.control.launcher import Launcher, plan_launch
-    from unbroken.core.records import read_metrics
+    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.core.records import read_records
+    from unbroken.train.trainer import validate_launch
 
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         run_dir = Path(tmp) / "run"
-        plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0)
+        plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
         code = Launcher(plan, show_progress=False, show_summary=False).run()
         if code != 0:
             raise RuntimeError(f"unbroken run failed (exit {code}); logs in {run_dir}/logs")
-        commits = [r["time"] for r in committed_steps(read_metrics(run_dir)).values()]
+        commits = [r["time"] for r in committed_steps(read_records(run_dir)).values()]
         return [b - a for a, b in zip(commits[WARMUP_STEPS - 1 : -1], commits[WARMUP_STEPS:], strict=True)]
 
 
@@ -234,16 +235,17 @@ def format_ddp(rows: list[dict[str, Any]], cfg: RunConfig) -> str:
 
 def _run_with_schedule(cfg: RunConfig, workers: int, keep: Path | None = None) -> list[dict[str, Any]]:
     """Run to the end and return the metrics records (the run directory is kept under ``keep`` if given)."""
-    from unbroken.control.launcher import Launcher, plan_launch
-    from unbroken.core.records import read_metrics
+    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.core.records import read_records
+    from unbroken.train.trainer import validate_launch
 
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-"))
     run_dir = (keep or tmp) / "run"
-    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0)
+    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
     code = Launcher(plan, show_progress=False, show_summary=False).run()
     if code != 0:
         raise RuntimeError(f"run failed (exit {code}); logs kept in {run_dir}/logs")
-    records = read_metrics(run_dir)
+    records = read_records(run_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     return records
 

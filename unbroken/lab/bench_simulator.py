@@ -95,9 +95,9 @@ def _measure(records: list[dict[str, Any]], allreduce_s: float, cores: int, pena
 
 
 def _real_run(config: str, out: Path, policy: str, overrides: list[str]) -> list[dict[str, Any]]:
-    from unbroken.control.launcher import Launcher, plan_launch
+    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
     from unbroken.core.config import load_config
-    from unbroken.core.records import read_metrics
+    from unbroken.core.records import read_records
 
     common = [
         f"--train.steps={REAL_STEPS}",
@@ -113,10 +113,13 @@ def _real_run(config: str, out: Path, policy: str, overrides: list[str]) -> list
     ]
     cfg = load_config(config, [*common, *overrides])
     run_dir = out / policy
-    code = Launcher(plan_launch(cfg, run_dir, 4, False, "127.0.0.1", 0), False, False).run()
+    from unbroken.train.trainer import validate_launch
+
+    plan = plan_launch(cfg, run_dir, 4, False, "127.0.0.1", 0, TRAINER, validate_launch)
+    code = Launcher(plan, False, False).run()
     if code != 0:
         raise RuntimeError(f"the {policy} run failed (exit {code}); logs in {run_dir / 'logs'}")
-    return read_metrics(run_dir)
+    return read_records(run_dir)
 
 
 def bench_simulator(config: str, overrides: list[str]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
-from unbroken.core.records import read_metrics
+from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 
 KINDS = (
@@ -191,10 +191,10 @@ def _run(cmd: list[str], timeout_s: float) -> tuple[int | None, float]:
 def reference_run(config: str, out: Path, workers: int, steps: int, overrides: list[str]) -> Reference:
     """The failure-free run every trial is compared with."""
     code, wall = _run(_train_cmd(config, out, workers, steps, overrides, ""), 600)
-    final = read_metrics(out, "final")
+    final = read_records(out, "final")
     if code != 0 or not final:
         raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
-    losses = {r["step"]: r["loss"] for r in read_metrics(out, "step")}
+    losses = {r["step"]: r["loss"] for r in read_records(out, "step")}
     return Reference(losses, next(iter(final[-1]["checksums"].values())), wall)
 
 
@@ -205,7 +205,7 @@ def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, micro
         v.append(f"hang: no exit within the trial timeout ({outcome.wall_s:.0f} s)")
     elif outcome.code != 0:
         v.append(f"exit status {outcome.code}")
-    records = read_metrics(run_dir)
+    records = read_records(run_dir)
     by_type: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_type.setdefault(str(r.get("type")), []).append(r)
@@ -432,7 +432,7 @@ def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | N
     settled_at: float | None = None
     while proc.poll() is None:
         time.sleep(0.5)
-        memberships = read_metrics(run_dir, "membership")
+        memberships = read_records(run_dir, "membership")
         for child in _children(proc.pid):
             args = _cmdline(child)
             name = "coordinator" if "coordinator" in args else "worker 0" if args[-2:] == ["--worker-id", "0"] else ""
@@ -448,8 +448,8 @@ def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | N
             proc.send_signal(signal.SIGINT)  # enough: every worker is back, 10 s of samples after the last change
             break
     proc.communicate(timeout=120)
-    memberships = read_metrics(run_dir, "membership")
-    steps_done = len({r["step"] for r in read_metrics(run_dir, "step")})
+    memberships = read_records(run_dir, "membership")
+    steps_done = len({r["step"] for r in read_records(run_dir, "step")})
     print(
         f"churn run: {len(memberships) - 1} membership changes, {steps_done} steps, "
         f"{time.monotonic() - t0:.0f} s (exit {proc.returncode})"

@@ -91,7 +91,7 @@ def load_run(run_dir: Path, role: str = "run") -> Run:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines) and not text.endswith("\n"):
-                torn = True  # the same leniency as metrics.read_metrics: a killed writer leaves half a line
+                torn = True  # the same leniency as metrics.read_records: a killed writer leaves half a line
                 continue
             raise ValueError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict) or not isinstance(record.get("type"), str):

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from unbroken.core import plan as planlib
+from unbroken.core.config import RecoveryPolicy
 from unbroken.core.failures import FailureSchedule, Phase
 from unbroken.sim.planner import Planner
 from unbroken.sim.scenario import HOUR, Costs, Scenario
@@ -77,7 +78,13 @@ class Engine:
     event falls into is simulated event by event (``_step_in_place`` or ``_step_restart``)."""
 
     def __init__(
-        self, policy: str, sc: Scenario, costs: Costs, timeline: Timeline, planner: Planner, end_s: float
+        self,
+        policy: RecoveryPolicy,
+        sc: Scenario,
+        costs: Costs,
+        timeline: Timeline,
+        planner: Planner,
+        end_s: float,
     ) -> None:
         self.policy, self.sc, self.c, self.tl, self.planner = policy, sc, costs, timeline, planner
         self.M = sc.model.microbatches
@@ -175,11 +182,11 @@ class Engine:
     def _steady_plan(self) -> tuple[float, np.ndarray, planlib.Assignment]:
         """(step time, each member's compute, plan) of the current group; the plan is canonical (members
         0..n-1) for the even policies and in replica ids for MeCeFO."""
-        mecefo = self.policy in ("mecefo", "mecefo-spread")
+        mecefo = self.policy.mecefo
         key: object = tuple(self.members) if mecefo else len(self.members)
         if key not in self._steady:
             if mecefo:
-                assignment = self.planner.mecefo(tuple(self.members), None, self.policy == "mecefo-spread")
+                assignment = self.planner.mecefo(tuple(self.members), None, self.policy is RecoveryPolicy.MECEFO_SPREAD)
                 work = np.array([self._work(assignment, w) for w in self.members])
             else:
                 assignment = self.planner.steady(len(self.members))
@@ -194,13 +201,13 @@ class Engine:
         return (len(ids) - efficient + efficient * self.c.efficient_factor) * self.c.microbatch_s
 
     def _own_ids(self, assignment: planlib.Assignment, members: list[int], i: int) -> tuple[int, ...]:
-        if self.policy in ("mecefo", "mecefo-spread"):
+        if self.policy.mecefo:
             return assignment.ids_for(members[i])
         return assignment.ids[i]
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self) -> Engine:
-        restart = self.policy == "restart"
+        restart = self.policy is RecoveryPolicy.RESTART
         while not self._done():
             self._check_horizon(self.t)
             if restart:
@@ -243,7 +250,7 @@ class Engine:
     def _event_strides(self, step_s: float) -> float:
         """Whole steps before an event changes one. Under ``restart`` any event does; for the in-step policies
         a member's death does, while a repair lets the step it falls in finish (the replica joins after it)."""
-        if self.policy == "restart":
+        if self.policy is RecoveryPolicy.RESTART:
             t = self._peek()[0]
             return (t - self.t) // step_s if t < math.inf else math.inf
         limit = math.inf
@@ -261,7 +268,7 @@ class Engine:
         end = self.t + self.c.save_s
         te, replica, up = self._peek()
         relevant = self.sc.run.restart_on_rejoin if up else self._position(replica, self.members) >= 0
-        if self.policy == "restart" and te < end and relevant:
+        if self.policy is RecoveryPolicy.RESTART and te < end and relevant:
             self._spend("checkpoint", self.t, te)
             self.t = te
             return
@@ -380,7 +387,7 @@ class Engine:
             self.lost["detection"] += max(0.0, detect_ready - max(busy_until, last_death))
             self.lost["re-formation"] += self.c.reform_s
             phase_start, work[:] = milestone, 0.0
-            if self.policy == "drop":
+            if self.policy is RecoveryPolicy.DROP:
                 dropped += len(pending)
             else:
                 self.recomputed_mb += len(pending)
@@ -404,14 +411,14 @@ class Engine:
         extras: dict[int, tuple[int, ...]],
     ) -> None:
         """Plan ``todo`` over the live members (positions ``live`` of ``members``) with unbroken.core.plan."""
-        if self.policy == "recover":
+        if self.policy is RecoveryPolicy.RECOVER:
             for k, ids in self.planner.spread_nonempty(live.size, len(todo)):
                 if ids:
                     extras[int(live[k])] = extras.get(int(live[k]), ()) + tuple(todo[j] for j in ids)
                     work[live[k]] = len(ids) * self.c.microbatch_s
             return
         survivors = tuple(members[int(i)] for i in live)
-        assignment = self.planner.mecefo(survivors, tuple(todo), self.policy == "mecefo-spread")
+        assignment = self.planner.mecefo(survivors, tuple(todo), self.policy is RecoveryPolicy.MECEFO_SPREAD)
         for worker, ids in assignment.ids.items():
             if ids:
                 i = self._position(worker, members)

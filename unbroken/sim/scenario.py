@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unbroken.core.config import POLICIES, load_tree
+from unbroken.core.config import RecoveryPolicy, load_tree
 from unbroken.core.failures import FATAL_KINDS, SCENARIOS, FailureSchedule, Phase
 from unbroken.core.flavours import FLAVOURS, flops_per_token, model_args, num_params
 
@@ -66,16 +66,18 @@ def read_trace(path: str, gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 @dataclass(frozen=True)
 class RunSection:
-    policies: tuple[str, ...] = ("recover", "restart")  # compared side by side on one failure timeline
+    # compared side by side on one failure timeline
+    policies: tuple[RecoveryPolicy, ...] = (RecoveryPolicy.RECOVER, RecoveryPolicy.RESTART)
     hours: float = 24.0  # simulated wall-clock hours; 0 = until `steps` are committed
     steps: int = 0  # stop once this many steps are committed; 0 = run for `hours`
     restart_on_rejoin: bool = True  # restart: a repaired replica joins by restarting the job (torchelastic)
     report_gpu_hours: float = 0.0  # also report the committed tokens when this many GPU-hours are used
 
     def __post_init__(self) -> None:
-        _check(bool(self.policies), f"run.policies is empty; allowed: {', '.join(POLICIES)}")
+        allowed = ", ".join(RecoveryPolicy)
+        _check(bool(self.policies), f"run.policies is empty; allowed: {allowed}")
         for p in self.policies:
-            _check(p in POLICIES, f"run.policies: {p!r} is unknown; allowed: {', '.join(POLICIES)}")
+            _check(isinstance(p, RecoveryPolicy), f"run.policies: {p!r} is unknown; allowed: {allowed}")
         _check(len(set(self.policies)) == len(self.policies), f"run.policies = {list(self.policies)} repeats one")
         _check(math.isfinite(self.hours) and self.hours >= 0, f"run.hours = {self.hours} must be >= 0")
         _check(self.steps >= 0, f"run.steps = {self.steps} must be >= 0")
@@ -194,7 +196,7 @@ class CheckpointSection:
             _check(value >= 0, f"checkpoint.{name} = {value} must be >= 0 (0 = never)")
 
     def of(self, policy: str) -> int:
-        return self.every if policy == "restart" else self.in_place_every
+        return self.every if policy is RecoveryPolicy.RESTART else self.in_place_every
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from unbroken.core.config import RecoveryPolicy
 from unbroken.sim.engine import Engine, NeedLongerTimeline, makespan
 from unbroken.sim.planner import Planner
 from unbroken.sim.scenario import GIVE_UP_S, HOUR, Costs, Scenario
@@ -93,7 +94,7 @@ def check_finishes(sc: Scenario, costs: Costs, step_s: float) -> None:
     if rate == 0:
         return
     for policy in sc.run.policies:
-        if policy == "restart":
+        if policy is RecoveryPolicy.RESTART:
             steps = sc.checkpoint.every or sc.run.steps or 1
             window = costs.detect_s + costs.restart_s + steps * step_s + (costs.save_s if sc.checkpoint.every else 0)
             needs = "detect_s + restart_s + the steps to the next checkpoint"

@@ -1,0 +1,194 @@
+"""The step protocol driven by threads of this process on real gloo groups (``ftharness``): seconds, no processes.
+
+The oracles are derived, not observed: exact reduction makes N workers equal one worker bit for bit; in fp32
+a failure changes only the order of a sum of the same M microbatch gradients, so the reduced gradient stays
+within the summation bound ``2 * gamma(M - 1) * sum_j |g_j|`` of the failure-free one; MeCeFO averages the
+attention gradient over the microbatches that produced one, which is a sum worked out here by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from ftharness import Died, ThreadJob
+from torch import nn
+
+from unbroken.core.config import RunConfig
+from unbroken.ft.api import Context
+from unbroken.train.model import FLAVOURS, Transformer
+
+pytestmark = pytest.mark.timeout(120)
+
+U = 2.0**-24  # float32 unit roundoff
+
+
+def config(**sections: dict) -> RunConfig:
+    cfg = RunConfig()
+    base = {
+        "train": {"steps": 4, "microbatches": 4, "threads": 1},
+        "comm": {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 0.1, "join_timeout_s": 30.0},
+        "checkpoint": {"every": 0},
+    }
+    for name, values in {**base, **sections}.items():
+        cfg = replace(cfg, **{name: replace(getattr(cfg, name), **{**base.get(name, {}), **values})})
+    return cfg
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def batch(step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A microbatch's data: a pure function of (step, id)."""
+    gen = torch.Generator().manual_seed(1000 * step + microbatch)
+    return torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def loss_of(model: nn.Module, step: int, microbatch: int) -> torch.Tensor:
+    x, y = batch(step, microbatch)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def train_loop(ctx: Context, model: nn.Module, die_at: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The user's loop: SGD on the MLP; ``die_at = (step, k)`` dies before its k-th microbatch of that step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.register_state(model, opt)
+    for step in ctx.steps():
+        for k, mb in enumerate(step.microbatches()):
+            if die_at == (step.index, k):
+                raise Died
+            step.backward(loss_of(model, step.index, mb))
+        step.commit(opt)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_exact_reduction_makes_three_workers_one(tmp_path: Path) -> None:
+    cfg = config(recovery={"reduction": "exact"})
+    results = {}
+    for n in (1, 3):
+        job = ThreadJob(tmp_path / f"w{n}", cfg, n)
+        models = [mlp() for _ in range(n)]
+        try:
+            results[n] = job.run(lambda ctx, w, models=models: train_loop(ctx, models[w]))
+        finally:
+            job.close()
+    ref = results[1][0]
+    for params in results[3].values():
+        assert all(torch.equal(params[k], ref[k]) for k in ref)
+
+
+def test_exact_reduction_with_a_death_mid_step_is_the_failure_free_run(tmp_path: Path) -> None:
+    cfg = config(recovery={"reduction": "exact"})
+    clean = ThreadJob(tmp_path / "clean", cfg, 3)
+    failed = ThreadJob(tmp_path / "failed", cfg, 3)
+    try:
+        models = [mlp() for _ in range(3)]
+        ref = clean.run(lambda ctx, w: train_loop(ctx, models[w]))[0]
+        models = [mlp() for _ in range(3)]
+        results = failed.run(lambda ctx, w: train_loop(ctx, models[w], die_at=(2, 0) if w == 1 else None))
+    finally:
+        clean.close()
+        failed.close()
+    assert sorted(results) == [0, 2]  # worker 1 died in step 2, before its first microbatch
+    for params in results.values():
+        assert all(torch.equal(params[k], ref[k]) for k in ref)
+
+
+def test_fp32_reduced_gradient_after_a_failure_is_within_the_summation_bound(tmp_path: Path) -> None:
+    """Worker 2 dies holding its microbatch of step 0; the survivors recompute it. Both runs sum the same M
+    float32 microbatch gradients (each is computed by the same kernels whoever computes it), in different
+    orders: each result is within gamma(M - 1) * sum_j |g_j| of the exact sum, so they are within twice that
+    of each other, elementwise (gamma(n) = n u / (1 - n u), u the unit roundoff)."""
+    M = 4
+    cfg = config(train={"steps": 1, "microbatches": M})
+
+    def loop(ctx: Context, w: int, models: list[nn.Module], die: bool) -> list[torch.Tensor]:
+        model = models[w]
+        ctx.register_state(model)
+        grads: list[torch.Tensor] = []
+        for step in ctx.steps():
+            for mb in step.microbatches():
+                if die and w == 2:
+                    raise Died
+                step.backward(loss_of(model, step.index, mb))
+            grads = [p.grad.clone() for p in model.parameters()]
+            step.commit()
+        return grads
+
+    runs = {}
+    for name, die in (("clean", False), ("failed", True)):
+        job = ThreadJob(tmp_path / name, cfg, 4)
+        models = [mlp() for _ in range(4)]
+        try:
+            runs[name] = job.run(lambda ctx, w, models=models, die=die: loop(ctx, w, models, die))
+        finally:
+            job.close()
+    assert sorted(runs["failed"]) == [0, 1, 3]
+    model = mlp()
+    magnitude = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    for j in range(M):
+        model.zero_grad()
+        (loss_of(model, 0, j) / M).backward()
+        for acc, p in zip(magnitude, model.parameters(), strict=True):
+            acc += p.grad.double().abs()
+    gamma = (M - 1) * U / (1 - (M - 1) * U)
+    clean, failed = runs["clean"][0], runs["failed"][0]
+    for a, b, s in zip(clean, failed, magnitude, strict=True):
+        assert bool(((a.double() - b.double()).abs() <= 2 * gamma * s).all())
+
+
+def test_mecefo_averages_attention_gradients_over_the_microbatches_that_produced_them(tmp_path: Path) -> None:
+    """Two workers, M = 4: worker 0 computes ids 0 and 1 exactly; worker 1 dies before its ids 2 and 3, which
+    worker 0 then adopts in efficient mode (attention skipped in backward). The attention parameters' step
+    gradient must be the mean over the two exact microbatches, (g0 + g1) / 2, by hand below."""
+    M = 4
+    cfg = config(recovery={"policy": "mecefo"}, train={"steps": 1, "microbatches": M}, mecefo={"rank": 8})
+    args = replace(FLAVOURS["tiny"], vocab_size=64, max_seq_len=16, dim=32, ffn_hidden=64)
+
+    def model() -> Transformer:
+        torch.manual_seed(0)
+        return Transformer(args)
+
+    def tokens(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(j)
+        seq = torch.randint(0, args.vocab_size, (2, 17), generator=gen)
+        return seq[:, :-1], seq[:, 1:]
+
+    def xent(m: nn.Module, j: int) -> torch.Tensor:
+        x, y = tokens(j)
+        return nn.functional.cross_entropy(m(x).reshape(-1, args.vocab_size), y.reshape(-1))
+
+    def loop(ctx: Context, w: int, models: list[nn.Module]) -> dict[str, torch.Tensor]:
+        m = models[w]
+        ctx.register_state(m)
+        for step in ctx.steps():
+            for mb in step.microbatches():
+                if w == 1:
+                    raise Died
+                step.backward(xent(m, mb))
+            grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            step.commit()
+        return grads
+
+    job = ThreadJob(tmp_path / "mecefo", cfg, 2)
+    models = [model(), model()]
+    try:
+        grads = job.run(lambda ctx, w: loop(ctx, w, models))[0]
+    finally:
+        job.close()
+    reference = model()
+    exact = [{}, {}]
+    for j in (0, 1):
+        reference.zero_grad()
+        (xent(reference, j) / M).backward()
+        exact[j] = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    attention = [n for n in exact[0] if ".attention." in n or "attention_norm" in n]
+    assert attention
+    for name in attention:
+        # (g0/M + g1/M) summed as autograd accumulates them, then x M/2 (exact: powers of two)
+        expected = (exact[0][name] + exact[1][name]) * (M / 2)
+        assert torch.equal(grads[name], expected), name

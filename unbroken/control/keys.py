@@ -1,0 +1,110 @@
+"""The coordinator's store: every key, who writes it and who reads it. The one place a key is spelled.
+
+    key                       written by                   read by
+    config                    coordinator (start)          workers: the resolved config (TOML)
+    run_dir                   coordinator (start)          workers: where checkpoints go
+    expected                  coordinator (start)          workers: the configured workers (MeCeFO's ring)
+    resume                    coordinator (start)          workers: "1" when the run continues (--resume)
+    register/seq              workers (add)                coordinator: registration requests so far
+    register/<n>              a registering worker         coordinator: {worker_id, host, pid}
+    register/<n>/id           coordinator                  that worker: its admitted id
+    register/<n>/late         coordinator                  that worker: "1" if it joins a running job
+    hb/<id>                   worker (add, heartbeats)     coordinator: a counter that must keep moving
+    dead/<id>                 launcher / agent             coordinator: the worker's process exited (why)
+    epoch                     coordinator                  workers, launcher: the newest epoch number
+    epoch/<e>                 coordinator                  workers, launcher: {epoch, members, reason, reform}
+    timeout/<e>/<id>          a worker                     coordinator: a collective of epoch e timed out
+    metrics/seq, metrics/<n>  the leader, launcher, agent  coordinator: metrics records to append (JSON)
+    final/<id>                workers (the run's end)      the leader: every member's parameter checksum
+    done                      the leader                   everyone: the run finished
+    stop                      anyone                       everyone: stop now (the reason)
+    bell/seq, bell/<n>        anyone with news             coordinator: its doorbell (wake up and look)
+    news/seq, news/<n>        coordinator                  workers: their doorbell (a new epoch or a stop)
+    inject/<id>               a worker at a failure point  launcher / agent: deliver the scheduled signal
+    injected/<id>             launcher / agent             coordinator: when the fault was delivered
+    fired/<event>             launcher / agent, worker     workers: this scheduled event already fired
+    skip/<id>                 launcher / agent             that worker: the event was not delivered
+    pg/<e>/...                torch.distributed            the members of epoch e: their group's rendezvous
+
+docs/library.md lists the same table for users.
+"""
+
+from __future__ import annotations
+
+CONFIG = "config"
+RUN_DIR = "run_dir"
+EXPECTED = "expected"
+RESUME = "resume"
+REGISTER_SEQ = "register/seq"
+EPOCH = "epoch"
+METRICS_SEQ = "metrics/seq"
+DONE = "done"
+STOP = "stop"
+
+
+def register(n: int) -> str:
+    return f"register/{n}"
+
+
+def register_id(n: int) -> str:
+    return f"register/{n}/id"
+
+
+def register_late(n: int) -> str:
+    return f"register/{n}/late"
+
+
+def heartbeat(worker: int) -> str:
+    return f"hb/{worker}"
+
+
+def dead(worker: int) -> str:
+    return f"dead/{worker}"
+
+
+def epoch(e: int) -> str:
+    return f"epoch/{e}"
+
+
+def timeout(e: int, worker: int) -> str:
+    return f"timeout/{e}/{worker}"
+
+
+def metrics(n: int) -> str:
+    return f"metrics/{n}"
+
+
+def final(worker: int) -> str:
+    return f"final/{worker}"
+
+
+def doorbell_seq(bell: str) -> str:
+    return f"{bell}/seq"
+
+
+def doorbell(bell: str, n: int) -> str:
+    return f"{bell}/{n}"
+
+
+BELL = "bell"  # the coordinator's doorbell
+NEWS = "news"  # the workers' doorbell
+
+
+def inject(worker: int) -> str:
+    return f"inject/{worker}"
+
+
+def injected(worker: int) -> str:
+    return f"injected/{worker}"
+
+
+def fired(event: str) -> str:
+    return f"fired/{event}"
+
+
+def skip(worker: int) -> str:
+    return f"skip/{worker}"
+
+
+def group_prefix(e: int) -> str:
+    return f"pg/{e}"

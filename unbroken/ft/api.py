@@ -1,0 +1,371 @@
+"""The public API: fault tolerance inside the user's own training loop.
+
+    import unbroken.ft as ft
+
+    ctx = ft.init()                                   # joins the job named by the launcher's environment
+    model, opt = MyModel(), torch.optim.AdamW(...)
+    ctx.register_state(model=model, optimizer=opt)    # what a rejoining worker receives, what checkpoints hold
+    for step in ctx.steps():                          # resumes from the last checkpoint transparently
+        for mb in step.microbatches():                # this worker's microbatch ids; more after a failure
+            loss = loss_fn(model(*batch_for(step.index, mb)))   # the data: a pure function of (step, id)
+            step.backward(loss)
+        step.commit(opt)                              # the step's explicit end
+
+Owns ``Context`` (the worker's handle on the job) and ``Step`` (one optimizer step), thin shells over the
+step protocol (``protocol.StepProtocol``): ``microbatches()`` yields the ids the plan gives this worker and,
+after the last one, reduces; if a member died meanwhile it recovers and yields the ids that were lost, so the
+loop body runs for them too; ``commit`` applies the agreed gradient (or skips a non-finite one on every
+member) and steps the optimizer. Nothing here raises into model code; when this worker must leave (the job
+stops, it was excluded) the process ends with the status the launcher expects.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from unbroken.control.client import CoordinatorClient
+from unbroken.control.gateway import TunnelError
+from unbroken.core.config import RunConfig
+from unbroken.core.failures import FailureSchedule
+from unbroken.core.records import RecordKind
+from unbroken.ft import process
+from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
+from unbroken.ft.inject import FaultInjector, remove
+from unbroken.ft.protocol import (
+    EXIT_COORDINATOR_LOST,
+    EXIT_STOPPED,
+    ProtocolConfig,
+    StepProtocol,
+    StopRun,
+)
+from unbroken.ft.state import StepOutcome, TrainingState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Context", "Step", "StepOutcome", "init"]
+
+
+class Context:
+    """A worker's handle on the job: its config and run directory, registration of the training state, the
+    steps, and a fault-tolerant evaluation. Made by ``init()``."""
+
+    def __init__(self, job: process.Job) -> None:
+        self._job = job
+        self.config: RunConfig = job.config
+        self.run_dir: Path = job.run_dir
+        self.state = TrainingState()
+        self._proto: StepProtocol | None = None
+        self._client: CoordinatorClient | None = None
+        self._closed = False
+        atexit.register(self.close)
+
+    # -- what the user registers ------------------------------------------------------------------
+    def register_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        metadata: dict[str, str | int | float | bool] | None = None,
+        **extra: Any,
+    ) -> None:
+        """Register the training state: ``model`` (its parameters are what the reduction sums), the
+        ``optimizer``, and any ``extra`` objects with ``state_dict()`` / ``load_state_dict()`` (or plain dicts
+        of tensors and numbers). A rejoining worker receives all of it from a live peer; checkpoints hold it
+        with ``metadata``. Under the MeCeFO policies the model gets the efficient-backward transform here.
+
+        Raises:
+            ValueError: called twice, after ``steps()``, or a MeCeFO policy with a model that has no
+                LLaMA-family blocks.
+        """
+        if self.state.model is not None:
+            raise ValueError("register_state() was already called; register everything at once")
+        self.state.model = model
+        self.state.optimizer = optimizer
+        self.state.extra = dict(extra)
+        self.state.metadata = dict(metadata or {})
+        if self.config.recovery.policy.mecefo:
+            m = self.config.mecefo
+            self.state.efficient = apply_efficient_backward(model, EfficientConfig(m.rank, m.refresh_every))
+
+    # -- the steps --------------------------------------------------------------------------------
+    @property
+    def worker_id(self) -> int:
+        assert self._client is not None, "known once steps() has started"
+        return self._client.worker_id
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current group (0 is the leader, who writes checkpoints)."""
+        assert self._proto is not None and self._proto.group is not None
+        return self._proto.group.rank
+
+    @property
+    def size(self) -> int:
+        """How many workers are in the current group."""
+        assert self._proto is not None and self._proto.group is not None
+        return self._proto.group.size
+
+    def steps(self, total: int | None = None) -> Iterator[Step]:
+        """The steps of the run, from the one the job is at (``--resume``: the last checkpoint's; a rejoining
+        worker: the live members') to ``total`` (default ``config.train.steps``). Joins the job on first use.
+        After the last step the final checkpoint is on disk and every member's parameters are recorded."""
+        total = self.config.train.steps if total is None else total
+        if total < 1:
+            raise ValueError(f"steps(total={total}): must be >= 1")
+        with self._guard():
+            proto = self._join(total)
+        while proto.state.step < total:
+            if (reason := self._client.stopped) is not None:  # type: ignore[union-attr]
+                self._leave(StopRun(reason))
+            step = Step(self, proto, proto.state.step)
+            yield step
+            if step._status is _Status.OPEN and proto.state.step == step.index:
+                raise RuntimeError(f"step {step.index}: commit() was not called")
+        with self._guard():
+            proto.finish()
+
+    def _join(self, total: int) -> StepProtocol:
+        if self._proto is not None:
+            return self._proto
+        if self.state.model is None:
+            raise ValueError("call register_state(model=...) before steps()")
+        job = self._job
+        self._client = job.register()
+        process.name_logs(f"worker {self._client.worker_id}")
+        injector = FaultInjector(FailureSchedule.parse(self.config.failures.schedule))
+        injector.attach(self._client.store, self._client.worker_id)
+        model = self.state.model
+        device = next(model.parameters()).device
+        self._proto = StepProtocol(
+            ProtocolConfig.of(self.config),
+            self._client,
+            self.state,
+            self.run_dir,
+            injector,
+            job.backend,
+            device,
+            tuple(range(job.expected_workers())),
+            total,
+        )
+        self._proto.join(resume=job.resume(), late=self._client.late)
+        return self._proto
+
+    def evaluate(self, num_items: int, loss_of: Callable[[int], float]) -> float | None:
+        """The mean of ``loss_of(k)`` over ``k in range(num_items)``, the items split over the members (each
+        computes its share). None if a failure interrupted it: skip this evaluation (the protocol has already
+        recovered, and the next step goes on as usual)."""
+        proto = self._proto
+        assert proto is not None and proto.group is not None, "evaluate() runs between steps"
+        total = torch.zeros(2, dtype=torch.float64)
+        for k in range(proto.group.rank, num_items, proto.group.size):
+            total[0] += float(loss_of(k))
+            total[1] += 1
+        with self._guard():
+            if not proto.allreduce_interruptible(total):
+                return None
+        return float(total[0] / total[1])
+
+    def log(self, kind: str, **fields: Any) -> None:
+        """Publish a metrics record of ``kind`` (e.g. ``"eval"``) into the run's metrics.jsonl (the leader's)."""
+        assert self._proto is not None
+        self._proto.publish(RecordKind(kind), **fields)
+
+    # -- leaving -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Around every call into the protocol: a decision to stop, or a broken connection to the coordinator,
+        ends this worker (``_leave``); the user's code never sees either."""
+        try:
+            yield
+        except StopRun as e:
+            self._leave(e)
+        except (RuntimeError, TunnelError) as e:
+            if not self._connection_error(e):
+                raise
+            self._leave(StopRun(str(e).splitlines()[0] if str(e) else type(e).__name__))
+
+    def _connection_error(self, e: Exception) -> bool:
+        """A store call failed (the connection to the coordinator broke), as opposed to a bug."""
+        client = self._client
+        if client is None:
+            return False
+        return client.wait_lost(2 * self.config.comm.heartbeat_timeout_s + 1.0) is not None
+
+    def _leave(self, e: StopRun) -> None:
+        """This worker stops: say why, tell the others if the job must stop, and end (``process.leave``)."""
+        client, proto = self._client, self._proto
+        code = e.code
+        if client is not None and client.lost == "coordinator":
+            line = process.stop_without_coordinator(proto, self.run_dir)
+            log.error("%s", line)
+            code = EXIT_COORDINATOR_LOST
+        elif client is not None and client.lost == "cut":
+            log.error("stopping: %s; leaving the job (the others go on without this worker)", client.stopped)
+            code = EXIT_STOPPED
+        elif client is not None and client.done():
+            log.info("the run finished before this worker could take part; leaving")
+            code = 0
+        else:
+            log.error("stopping: %s", e)
+            if e.fatal and client is not None and client.stopped is None:
+                if e.shared and proto is not None and proto.group is not None and not proto.leader:
+                    # The leader saw the same; it stops the job once its records are out. If it died
+                    # meanwhile, stop it from here.
+                    client.wait_stopped(2 * self.config.comm.heartbeat_timeout_s)
+                if client.stopped is None:
+                    client.flush_metrics(timeout_s=5.0)
+                    client.stop_job(str(e))  # the coordinator records why (the first reason given)
+        self.close()
+        self._job.leave(code)
+
+    def close(self) -> None:
+        """Stop the heartbeats and watchers (done at exit; idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._client is not None:
+            self._client.close()
+        self._job.close()
+
+
+class _Status:
+    OPEN = "open"  # microbatches not finished yet
+    REDUCED = "reduced"  # the gradient is agreed: commit() next
+    COMMITTED = "committed"
+    ELSEWHERE = "elsewhere"  # the others committed it while this worker recovered; it received their state
+
+
+class Step:
+    """One optimizer step: ``microbatches()``, ``backward()`` for each, then ``commit()``."""
+
+    def __init__(self, ctx: Context, proto: StepProtocol, index: int) -> None:
+        self._ctx = ctx
+        self._proto = proto
+        self.index = index
+        self._status = _Status.OPEN
+        self._awaiting: int | None = None
+        self._started = time.perf_counter()
+        self._t0 = 0.0
+        self._hooks: list[Any] = []
+        self._first = True
+        self._factor = 1.0
+
+    @property
+    def efficient(self) -> bool:
+        """Whether the current microbatch runs in MeCeFO's efficient mode (set by the library)."""
+        return self._awaiting is not None and self._proto.is_efficient(self._awaiting)
+
+    def microbatches(self) -> Iterator[int]:
+        """The microbatch ids this worker computes in this step: its share of the plan, then, if a member died
+        meanwhile, its share of the lost ones (so the loop body runs for those too). Call ``backward`` once
+        per id. When the iteration ends, ``param.grad`` holds the step's agreed gradient."""
+        if self._status is not _Status.OPEN:
+            raise RuntimeError(f"step {self.index}: microbatches() was already iterated")
+        proto, guard = self._proto, self._ctx._guard
+        try:
+            with guard():
+                todo = proto.start_step()
+            while True:
+                if proto.state.step != self.index:
+                    proto.pending_todo = todo
+                    self._status = _Status.ELSEWHERE
+                    return
+                for k, j in enumerate(todo):
+                    with guard():
+                        self._enter(j, first=k == 0, last=k == len(todo) - 1)
+                    yield j
+                    if self._awaiting is not None:
+                        raise RuntimeError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
+                with guard():
+                    todo_next = proto.reduce_step()
+                if todo_next is None:
+                    self._status = _Status.REDUCED
+                    return
+                todo = todo_next
+        finally:
+            self._exit()
+
+    def _enter(self, microbatch: int, first: bool, last: bool) -> None:
+        proto = self._proto
+        proto.injector.step = self.index
+        model = proto.state.model
+        assert model is not None
+        self._hooks = proto.injector.phase_hooks(model, first=first, last=last)
+        self._hooks += proto.injector.poison_hook(model, first_of_step=self._first)
+        self._first = False
+        if last:
+            proto.before_last_microbatch(microbatch)
+        eb = proto.state.efficient
+        if eb is not None:
+            eb.set_active(proto.is_efficient(microbatch))
+        self._awaiting = microbatch
+        self._factor = proto.injector.loss_factor(microbatch)
+        self._t0 = time.perf_counter()
+
+    def _exit(self) -> None:
+        remove(self._hooks)
+        self._hooks = []
+        eb = self._proto.state.efficient
+        if eb is not None:
+            eb.set_active(False)
+
+    def backward(self, loss: torch.Tensor, tokens: int = 0) -> None:
+        """Back-propagate this microbatch's loss (its mean over its tokens); the library divides it by M, the
+        microbatches of a step, so the step's gradient is their average whoever computed them. ``tokens``:
+        how many tokens the microbatch trained on (for the step records' throughput)."""
+        j = self._awaiting
+        if j is None:
+            raise RuntimeError("step.backward() outside the microbatches() loop, or twice for one microbatch")
+        proto = self._proto
+        if self._factor != 1.0:
+            loss = loss * self._factor
+        with self._ctx._guard():  # failure injection inside the backward talks to the launcher
+            (loss / proto.M).backward()
+        remove(self._hooks)
+        self._hooks = []
+        eb = proto.state.efficient
+        if eb is not None:
+            eb.set_active(False)
+        elapsed = time.perf_counter() - self._t0
+        slow = proto.injector.slow_factor()
+        if slow > 1.0:
+            time.sleep((slow - 1.0) * elapsed)  # an injected slow-down: this worker computes `slow` x slower
+            elapsed *= slow
+        self._awaiting = None
+        proto.after_backward(j, float(loss.detach()), tokens, elapsed)
+
+    def commit(self, optimizer: torch.optim.Optimizer | None = None, clip_grad_norm: float = 0.0) -> StepOutcome:
+        """End the step: unless the gradient is not finite (then the step is skipped on every member alike),
+        clip it to ``clip_grad_norm`` (0: no clipping) and step ``optimizer`` (default: the registered one);
+        then save the checkpoint if one is due. Returns what the step did (the others' outcome if they
+        committed it while this worker was recovering)."""
+        proto, ctx = self._proto, self._ctx
+        if self._status == _Status.ELSEWHERE:
+            self._status = _Status.COMMITTED
+            return proto.state.last
+        if self._status != _Status.REDUCED:
+            raise RuntimeError(f"step {self.index}: iterate microbatches() to the end before commit()")
+        optimizer = optimizer if optimizer is not None else proto.state.optimizer
+        with ctx._guard():
+            outcome = proto.commit(optimizer, clip_grad_norm, time.perf_counter() - self._started)
+            self._status = _Status.COMMITTED
+            proto.save_checkpoint_if_due()
+        return outcome
+
+
+def init(config: RunConfig | None = None, run_dir: str | os.PathLike[str] | None = None) -> Context:
+    """Join the job named by the environment (``UNBROKEN_COORDINATOR``, set by ``unbroken launch``, the
+    per-host agent, or by hand under torchrun/srun with ``UNBROKEN_TOKEN``), or, without one, start a job of
+    one worker in this process (``config`` and ``run_dir`` then say what and where; defaults: the default
+    config and ``runs/<script>-<time>``). Sets the process up for training (threads, logging, memory)."""
+    return Context(process.Job.from_environment(config, Path(run_dir) if run_dir is not None else None))

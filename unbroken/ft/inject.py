@@ -1,0 +1,141 @@
+"""Fault injection inside a worker: the failure schedule's events that fire at named points of a step.
+
+Owns the worker's side of the schedule (``core.failures``): at a named phase of a step it asks the process
+that started it (launcher or agent) for the real signal (``kill``, ``hang``, ``pause``) or cuts its own
+connections (``cut``); and it applies the faults a worker produces in itself: a slowed-down microbatch
+(``slow``), a poisoned microbatch gradient (``nan``, ``inf``), a scaled microbatch (``scale``, to force a
+fixed-point overflow), a stall inside the reduction while the heartbeats go on (``stall``) and a
+microbatch reported twice (``dup``, to prove the accounting check). With an empty schedule it does
+nothing (the null object every worker holds).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from unbroken.core.failures import FailureKind, FailureSchedule, Phase, cut_connections
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_S = 5.0  # how long a worker waits at an injection point for the process that signals it
+
+
+class FaultInjector:
+    """The schedule's events for one worker. ``store`` and ``worker`` are set once it has joined."""
+
+    def __init__(self, schedule: FailureSchedule) -> None:
+        self.schedule = schedule
+        self.store: Any = None
+        self.worker = -1
+        self.step = 0  # the step the worker is in (set by the protocol)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.schedule.events)
+
+    def attach(self, store: Any, worker: int) -> None:
+        self.store = store
+        self.worker = worker
+
+    def inject(self, phase: Phase, step: int | None = None) -> None:
+        """If the schedule says so, tell the launcher we reached (step, phase) and wait to be signalled.
+
+        A kill, hang or pause is a real signal from the launcher (SIGKILL, SIGSTOP, SIGSTOP + SIGCONT);
+        without one (a worker started by hand), the worker acts on itself after a few seconds. A cut is done
+        here once the launcher has recorded it: every TCP connection of this process is shut down.
+        """
+        step = self.step if step is None else step
+        candidates = self.schedule.injections(self.worker, step, phase)
+        if not candidates or self.store is None:
+            return
+        store = self.store
+        # Each event fires once per run, also when a restart replays its step.
+        event = next((e for e in candidates if not store.check([f"fired/{e.describe()}"])), None)
+        if event is None:
+            return
+        log.warning("injection point reached: %s", event.describe())
+        key = f"inject/{self.worker}"
+        store.set(key, json.dumps({"event": event.describe(), "time": time.time()}))
+        deadline = time.monotonic() + HANDSHAKE_S
+        while time.monotonic() < deadline and store.check([key]):
+            time.sleep(0.005)  # the launcher takes the key, then signals
+        if store.check([f"skip/{self.worker}"]):  # the launcher spares the group's last alive member
+            store.delete_key(f"skip/{self.worker}")
+            log.warning("injection skipped: no other member of the group is alive")
+            return
+        if event.kind is FailureKind.CUT:
+            log.warning("cutting %d connections", cut_connections())
+            return
+        if event.kind is FailureKind.PAUSE:
+            # SIGSTOP arrives within the launcher's poll period; after SIGCONT this sleep ends at once.
+            time.sleep(0.5 if not store.check([key]) else event.seconds)
+            return
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
+
+    def phase_hooks(self, model: nn.Module, first: bool, last: bool) -> list[Any]:
+        """One-shot hooks that fire inside the forward of the first / the backward of the last microbatch
+        (on the model's middle sub-module)."""
+        if not self.enabled:
+            return []
+        handles = []
+        modules = [m for m in model.modules() if m is not model] or [model]
+        middle = modules[len(modules) // 2]
+        if first and self.schedule.injection(self.worker, self.step, Phase.FORWARD) is not None:
+            handles.append(middle.register_forward_hook(lambda *_: self.inject(Phase.FORWARD)))
+        if last and self.schedule.injection(self.worker, self.step, Phase.BACKWARD) is not None:
+            handles.append(middle.register_full_backward_hook(lambda *_: self.inject(Phase.BACKWARD)))
+        return handles
+
+    def slow_factor(self) -> float:
+        return self.schedule.slow_factor(self.worker, self.step)
+
+    def loss_factor(self, microbatch: int) -> float:
+        """``scale`` events: the factor microbatch ``microbatch`` of this step's loss is multiplied by, whoever
+        computes it (so a recomputation after a failure is the same microbatch)."""
+        return self.schedule.scale_factor(self.step, microbatch)
+
+    def poison_hook(self, model: nn.Module, first_of_step: bool) -> list[Any]:
+        """``nan`` / ``inf`` events: the first microbatch this worker computes in the step gets a gradient with
+        one non-finite value in the model's middle parameter (its loss stays finite)."""
+        event = self.schedule.poison(self.worker, self.step) if first_of_step else None
+        if event is None:
+            return []
+        params = list(model.parameters())
+        target = params[len(params) // 2]
+        value = float("nan") if event.kind is FailureKind.NAN else float("inf")
+        log.warning("poisoning this microbatch's gradient: %s", event.describe())
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            out = grad.clone()
+            out.view(-1)[0] = value
+            return out
+
+        return [target.register_hook(poison)]
+
+    def stall(self, step: int) -> None:
+        """``stall`` events: block inside the reduction (the heartbeat thread goes on)."""
+        event = self.schedule.stall(self.worker, step)
+        if event is None or self.store is None or self.store.check([f"fired/{event.describe()}"]):
+            return
+        self.store.set(f"fired/{event.describe()}", "1")
+        log.warning("stalling %.1f s inside the reduction: %s", event.seconds, event.describe())
+        time.sleep(event.seconds)
+
+    def duplicates(self, step: int) -> bool:
+        """``dup`` events: report one microbatch twice in this step's counts."""
+        return self.schedule.duplicate(self.worker, step)
+
+
+def remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()

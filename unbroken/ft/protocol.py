@@ -1,0 +1,812 @@
+"""The step protocol of one worker: plan, compute, reduce, recover, commit (docs/library.md has the diagram).
+
+Owns the sequence of collectives every member runs for a step, and what happens when the membership
+changes in the middle of it: the group is abandoned, the next epoch's group is formed, whoever is behind
+receives the state, the microbatch ids that no live member holds are planned again over the survivors, and
+the reduction is issued again from each survivor's intact local contribution. A step ends in an explicit
+commit: only when the reduced counts show each of the M ids exactly once (``drop``: at most once), the
+members agree on the epoch, and the gradient is finite; otherwise the step is redone (fixed-point overflow),
+skipped on every member alike (a non-finite gradient) or the run stops cleanly (a broken invariant).
+
+It knows the registered state (``state.TrainingState``), the collectives (``comm``), the side vector
+(``sidevec``), the coordinator (through ``control.client``) and the fault injector (``inject``); it knows
+nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object, not a
+process: unit tests drive several of them from threads of one process on real gloo groups.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbroken.control import keys
+from unbroken.control.client import CoordinatorClient
+from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
+from unbroken.core.failures import Phase
+from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
+from unbroken.core.records import RecordKind, append_records, make
+from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.comm import (
+    GradientReducer,
+    Group,
+    Pending,
+    WaitStatus,
+    allreduce_async,
+    broadcast_async,
+    form_group,
+    retire_group,
+    wait_all,
+)
+from unbroken.ft.exact import FixedPointScale
+from unbroken.ft.inject import FaultInjector
+from unbroken.ft.sidevec import Reduced, SideVector
+from unbroken.ft.state import StepOutcome, TrainingState
+
+log = logging.getLogger(__name__)
+
+EXIT_STOPPED = 3  # this worker left: excluded, cut off, or the job was stopped
+EXIT_COORDINATOR_LOST = 4  # the coordinator is gone; the state was checkpointed for --resume
+EXIT_INVARIANT = 5  # a check that protects the training state failed; the run stopped, the last checkpoint kept
+EXIT_NONFINITE = 6  # a non-finite gradient under train.nonfinite = "stop", or too many consecutive skips
+RECENT_RECORDS = 64  # metrics records a leader keeps, to write them itself if the coordinator dies
+
+
+class StopRun(Exception):
+    """This worker must stop. ``fatal``: the whole job must stop too (else only this worker leaves).
+    ``shared``: every member reached the same decision from the same reduced values, so the group's leader
+    stops the job (after the records that explain it) and the others wait for it."""
+
+    def __init__(self, reason: str, fatal: bool = True, code: int = EXIT_STOPPED, shared: bool = False) -> None:
+        super().__init__(reason)
+        self.fatal = fatal
+        self.code = code
+        self.shared = shared
+
+
+class InvariantViolation(StopRun):
+    """A check that guards the training state failed: the run stops before anything is committed."""
+
+    def __init__(self, reason: str, shared: bool = True) -> None:
+        super().__init__(reason, fatal=True, code=EXIT_INVARIANT, shared=shared)
+
+
+class Interrupted(Exception):
+    """A collective was abandoned because the membership changed; recovery starts (internal only)."""
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """The settings the protocol reads, from the run's config."""
+
+    microbatches: int
+    policy: RecoveryPolicy
+    reduction: Reduction
+    workload: Workload
+    op_timeout_s: float
+    join_timeout_s: float
+    bucket_bytes: int
+    first_bucket_bytes: int
+    nonfinite: NonfinitePolicy
+    max_nonfinite_skips: int
+    checkpoint_every: int
+    checkpoint_keep: int
+
+    @staticmethod
+    def of(cfg: RunConfig) -> ProtocolConfig:
+        return ProtocolConfig(
+            microbatches=cfg.train.microbatches,
+            policy=cfg.recovery.policy,
+            reduction=cfg.recovery.reduction,
+            workload=cfg.recovery.workload,
+            op_timeout_s=cfg.comm.op_timeout_s,
+            join_timeout_s=cfg.comm.join_timeout_s,
+            bucket_bytes=int(cfg.comm.bucket_mb * 2**20),
+            first_bucket_bytes=int(cfg.comm.first_bucket_mb * 2**20),
+            nonfinite=cfg.train.nonfinite,
+            max_nonfinite_skips=cfg.train.max_nonfinite_skips,
+            checkpoint_every=cfg.checkpoint.every,
+            checkpoint_keep=cfg.checkpoint.keep,
+        )
+
+
+class StepProtocol:
+    """One worker's side of the protocol. Call order per step (``api.Step`` does it):
+    ``start_step`` -> for each id: ``before_microbatch``, the user's forward, ``backward`` -> ``reduce_step``
+    (again with the ids it returns until it returns None) -> ``commit``."""
+
+    def __init__(
+        self,
+        cfg: ProtocolConfig,
+        client: CoordinatorClient,
+        state: TrainingState,
+        run_dir: Path,
+        injector: FaultInjector,
+        backend: str,
+        device: torch.device,
+        ring: tuple[int, ...],
+        total: int,
+    ) -> None:
+        assert state.model is not None
+        self.cfg = cfg
+        self.total = total  # the run's steps: the state after the last one is the final checkpoint
+        self.M = cfg.microbatches
+        self.client = client
+        self.state = state
+        self.run_dir = run_dir
+        self.injector = injector
+        self.backend = backend
+        self.device = device
+        self.ring = ring  # the configured workers in ring order (MeCeFO's neighbours)
+        self.params = list(state.model.parameters())
+        self.names = [n for n, _ in state.model.named_parameters()]
+        self.exact = cfg.reduction is Reduction.EXACT
+        if self.exact:
+            state.scale = FixedPointScale(len(self.params), self.M)
+        self.side = SideVector(self.M)
+        self.reducer = GradientReducer(
+            self.params,
+            cfg.bucket_bytes,
+            self.side.size,
+            exact=self.exact,
+            first_bucket_bytes=cfg.first_bucket_bytes,
+        )
+        self.group: Group | None = None
+        self.resume_pending = False
+        self.recovering = False
+        # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
+        # they all take in joiners at the same step boundary (a join interrupts no collective).
+        self.switch_epoch = 0
+        self.pending_todo: list[int] | None = None
+        self.efficient_ids: frozenset[int] = frozenset()
+        self.quotas: dict[int, int] = {}
+        self.my_speed = 0.0
+        self._begin_local()
+        # per step
+        self.recoveries = self.redos = 0
+        self.recomputed = 0
+        self.reduced: Reduced | None = None
+        self._nonfinite = False
+        self._diagnosis: Reduced | None = None
+        self.last_counts: list[int] = [1] * self.M
+        self.last_tokens = 0
+        # The records this worker published lately: written by itself if the coordinator dies undrained.
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
+
+    # -- identity and membership -------------------------------------------------------------------
+    @property
+    def wid(self) -> int:
+        return self.client.worker_id
+
+    @property
+    def leader(self) -> bool:
+        assert self.group is not None
+        return self.group.rank == 0
+
+    def interrupted(self) -> bool:
+        """True when a member of the current group was removed or its group must be re-formed (a newer epoch
+        says so), or the run is being stopped (cached, cheap). A join does not interrupt: the group's
+        collectives complete, and the joiner is taken in at the next step boundary."""
+        assert self.group is not None
+        group, client = self.group, self.client
+        if client.stopped is not None or client.removed_since(group.epoch, group.members):
+            return True
+        # While recovering, any newer epoch interrupts: members may skip an epoch that is already superseded,
+        # so a collective on it might never be matched.
+        return self.recovering and client.latest_epoch > group.epoch
+
+    def _wait(self, pending: list[Pending]) -> None:
+        status = wait_all(pending, self.cfg.op_timeout_s, self.interrupted)
+        if status is WaitStatus.TIMED_OUT:
+            self._report_timeout()
+        if not status:
+            raise Interrupted
+
+    def _report_timeout(self) -> None:
+        """A collective of the current group timed out while nobody was removed: tell the coordinator, which
+        sees every heartbeat and decides (retry with a fresh group, then exclude who stalls again)."""
+        assert self.group is not None
+        self.client.report_timeout(self.group.epoch)
+
+    def form_next_group(self) -> None:
+        """Wait for an epoch newer than the current group's that includes this worker and build its group;
+        if that epoch is superseded while its group forms (another member died), move on to the newest."""
+        client = self.client
+        after = self.group.epoch if self.group is not None else 0
+        while True:
+            epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
+            if epoch is None:
+                reason = client.stop_reason()
+                if reason is None and client.current_epoch() > after:
+                    raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
+                raise StopRun(reason or "no new membership epoch was published in time")
+            group, status = form_group(
+                client.new_connection(),  # its own: an abandoned rendezvous may block in a store wait
+                epoch.epoch,
+                epoch.members,
+                self.wid,
+                self.backend,
+                self.cfg.op_timeout_s,
+                self.device,
+                lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
+            )
+            if group is not None:
+                # The old group's destructor may block until its abandoned collectives time out: not here.
+                retire_group(self.group, self.cfg.op_timeout_s + 1.0)
+                self.group = group
+                return
+            if status is WaitStatus.TIMED_OUT:
+                client.report_timeout(epoch.epoch)  # the rendezvous timed out: a live member never came
+            after = epoch.epoch
+
+    def publish(self, kind: RecordKind, **fields: Any) -> None:
+        """Publish a metrics record (the group's leader only, so each is written once)."""
+        if self.group is not None and self.leader:
+            record = make(kind, time.time(), **fields)
+            self.recent.append(record)
+            self.client.publish_metrics(record)
+
+    def append_undrained(self, closing: dict[str, Any]) -> None:
+        """The coordinator died: append the recent records it never wrote, then ``closing``, to metrics.jsonl."""
+        try:
+            append_records(self.run_dir, [*self.recent, closing])
+        except OSError as e:
+            log.warning("could not append to the metrics of %s: %s", self.run_dir, e)
+
+    # -- state ------------------------------------------------------------------------------------
+    def sync_state(self) -> bool:
+        """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was cut
+        short while others committed) receives the state of the lowest-ranked member that is ahead, as the
+        checkpoint schema's bytes. True if this worker was behind."""
+        assert self.group is not None
+        steps = torch.zeros(self.group.size, dtype=torch.float64)
+        steps[self.group.rank] = self.state.step
+        self._wait([allreduce_async(self.group, steps)])
+        ahead = float(steps.max())
+        if float(steps.min()) == ahead:
+            return False
+        src = int((steps == ahead).nonzero()[0])
+        behind = self.state.step < ahead
+        payload = ckpt.encode(self.state.snapshot()) if self.group.rank == src else b""
+        checksum = self.state.checksum() if self.group.rank == src else ""
+        header = torch.zeros(2 + 64, dtype=torch.float64)
+        if self.group.rank == src:
+            header[0], header[1] = len(payload), ahead
+            header[2:] = torch.tensor(list(bytes.fromhex(checksum)) + [0] * 32, dtype=torch.float64)
+        self._wait([broadcast_async(self.group, header, src)])
+        if self.group.rank != src:
+            self.injector.inject(Phase.RECEIVE, step=int(header[1]))
+        data = torch.zeros(int(header[0]), dtype=torch.uint8)
+        if self.group.rank == src:
+            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self._wait([broadcast_async(self.group, data, src)])
+        if behind:
+            state = ckpt.decode(data.numpy().tobytes())
+            self.state.restore(state)
+            expected = bytes(int(x) for x in header[2:34].tolist()).hex()
+            if self.state.checksum() != expected:
+                raise InvariantViolation(
+                    f"step {self.state.step}: after receiving the state from member {self.group.members[src]} "
+                    f"the parameters' checksum is {self.state.checksum()[:12]}, the sender's {expected[:12]}",
+                    shared=False,
+                )
+            self.begin_step()
+        return behind
+
+    def load_checkpoint(self) -> None:
+        """Load the newest good checkpoint (``--resume``, on the leader)."""
+        loaded = ckpt.load_latest(self.run_dir)
+        if loaded is None:
+            raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
+        for line in loaded.skipped:
+            self.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
+        try:
+            self.state.restore(loaded.state)
+        except ValueError as e:
+            raise StopRun(f"checkpoint {loaded.path.name}: {e}") from None
+        self.publish(RecordKind.RESUME, step=loaded.step, path=str(loaded.path))
+        log.info("resumed from %s (step %d)", loaded.path, loaded.step)
+
+    def republish_last_step(self) -> None:
+        """The last committed step's record may have been lost with the old leader (killed between its commit
+        and its publish): the new leader publishes it again, marked ``republished``."""
+        last = self.state.last
+        if self.group is None or not self.leader or self.state.step < 1 or math.isnan(last.loss):
+            return
+        fields = self._step_fields(self.state.step - 1, last, math.nan, fresh=False)
+        self.publish(RecordKind.STEP, **fields, republished=True)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def _begin_local(self) -> None:
+        self.done: list[int] = []
+        self.done_efficient: list[int] = []
+        self.local_losses: dict[int, float] = {}
+        self.local_tokens: dict[int, int] = {}
+
+    def begin_step(self) -> None:
+        """Fresh local state for the current step: no microbatch done, empty accumulators."""
+        self._begin_local()
+        self.reducer.reset_local()
+        eb = self.state.efficient
+        if eb is not None and self.state.step >= 0 and self.state.step % eb.config.refresh_every == 0:
+            # The projection bases follow the weights at steps 0, tau, 2 tau, ...: every member computes them
+            # from identical weights; a joiner receives them with the state.
+            if eb.bases_step != self.state.step:
+                eb.refresh(self.state.step)
+        if self.state.scale is not None:
+            self.reducer.set_exponents(self.state.scale.exponents(), self.state.scale.limit)
+
+    def plan(self, todo: list[int] | None = None) -> Assignment:
+        """The assignment of ``todo`` (default: all M ids) of the current step over the group's members;
+        every member computes the same one. Sets the ids this worker runs in efficient mode (MeCeFO)."""
+        assert self.group is not None
+        if self.cfg.policy.mecefo:
+            ring = sorted(set(self.ring) | set(self.group.members))
+            spread = self.cfg.policy is RecoveryPolicy.MECEFO_SPREAD
+            plan = mecefo_plan(self.state.step, ring, self.group.members, self.M, todo, spread=spread)
+        else:
+            ids = range(self.M) if todo is None else todo
+            plan = plan_ids(self.state.step, self.group.members, ids, self.M, self.cfg.workload, self.state.speeds)
+        self.efficient_ids = plan.efficient
+        return plan
+
+    def start_step(self) -> list[int]:
+        """The ids this worker computes first in the current step (after any recovery due now)."""
+        assert self.group is not None
+        self.recoveries = self.recomputed = self.redos = 0
+        self.reduced = None
+        if self.pending_todo is not None:
+            todo, self.pending_todo = self.pending_todo, None
+            return todo
+        if self.client.removed_since(self.group.epoch, self.group.members) or self.switch_epoch > self.group.epoch:
+            # A death between steps, or a join the group agreed on in the last reduction.
+            self.recoveries += 1
+            return self.recover()
+        self.injector.inject(Phase.START)
+        plan = self.plan()
+        self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+        return list(plan.ids_for(self.wid))
+
+    def is_efficient(self, microbatch: int) -> bool:
+        return microbatch in self.efficient_ids
+
+    def before_last_microbatch(self, microbatch: int) -> None:
+        """Overlap the reduction with the last local backward of the step."""
+        assert self.group is not None
+        self.reducer.arm(self.group, microbatch)
+
+    def after_backward(self, microbatch: int, loss: float, tokens: int, seconds: float) -> None:
+        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
+        if self.exact and self.reducer.armed != microbatch:
+            self.reducer.fold(microbatch)
+        self.local_losses[microbatch] = loss
+        self.local_tokens[microbatch] = tokens
+        self.done.append(microbatch)
+        if microbatch in self.efficient_ids:
+            self.done_efficient.append(microbatch)
+        self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
+
+    def reduce(self) -> Reduced:
+        """Reduce the local contribution and the side vector over the group; raises Interrupted."""
+        assert self.group is not None
+        # Every gradient first: launching them finishes the exact fold of the last microbatch, whose flags
+        # (non-finite, overflow) the side vector carries.
+        self.reducer.launch_gradients(self.group)
+        flags = self.reducer.flags
+        done = list(self.done)
+        if self.injector.duplicates(self.state.step) and done:
+            done.append(done[0])  # an injected accounting fault: one id reported twice
+        extras = self.side.encode(
+            worker=self.wid,
+            losses=self.local_losses,
+            tokens=self.local_tokens,
+            done=done,
+            efficient=self.done_efficient,
+            nonfinite=flags.nonfinite_ids,
+            overflow=flags.overflow,
+            seconds=self.my_speed,
+            bad_param=flags.first_bad_param,
+            epoch=self.group.epoch,
+            newest_epoch=self.client.latest_epoch if self.leader else 0,
+        )
+        # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
+        # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
+        # after the survivors had already finished and committed the step).
+        self.injector.inject(Phase.REDUCTION)
+        self.injector.stall(self.state.step)
+        self.reducer.launch_extras(extras)
+        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.interrupted)
+        if status is WaitStatus.TIMED_OUT:
+            self._report_timeout()
+        if reduced is None:
+            self.reducer.disarm()
+            raise Interrupted
+        return self.side.decode(reduced)
+
+    def reduce_step(self) -> list[int] | None:
+        """After this worker's microbatches: reduce. None when the step's gradient is reduced (and, unless it
+        is not finite, in ``param.grad``); else the ids to compute next (after a recovery, or all of this
+        worker's again after a fixed-point overflow)."""
+        try:
+            reduced = self.reduce()
+            self.check_invariants(reduced)
+            if self.exact and reduced.overflow > 0 and not any(reduced.nonfinite):
+                return self._grow_scale()
+            nonfinite = any(reduced.nonfinite) if self.exact else self._reduced_nonfinite(reduced)
+        except Interrupted:
+            # Recover outside the handler: the exception's traceback holds the abandoned collectives, which
+            # keep the old group's connections open, so peers still waiting on them would hang.
+            pass
+        else:
+            self.reduced = reduced
+            self._nonfinite = nonfinite
+            if not nonfinite:
+                counted = sum(reduced.counted)
+                self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
+                if sum(reduced.efficient):
+                    self.normalise_attention(counted - sum(reduced.efficient), counted)
+            return None
+        todo = self.recover()
+        self.recoveries += 1
+        self.recomputed += len(todo)
+        return todo
+
+    def _grow_scale(self) -> list[int]:
+        """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
+        microbatches (MAX-reduced), grow the bounds above it, and redo the step."""
+        assert self.group is not None and self.state.scale is not None
+        observed = torch.tensor(self.reducer.observed, dtype=torch.float64)
+        pending = allreduce_async(self.group, observed, max_op=True)
+        self._wait([pending])
+        grown = self.state.scale.grow(observed.tolist())
+        self.redos += 1
+        log.warning(
+            "step %d: fixed-point overflow in %d tensors (first: %s); redoing the step with larger bounds",
+            self.state.step,
+            len(grown),
+            self.names[grown[0]] if grown else "-",
+        )
+        self.begin_step()
+        return list(self.plan().ids_for(self.wid))
+
+    def _reduced_nonfinite(self, reduced: Reduced) -> bool:
+        """fp32 mode: whether the reduced gradient (the same bits on every member) holds a NaN or an infinity;
+        if so, find out from every member's local gradient who and what (one more small reduction)."""
+        peak = float(torch.linalg.vector_norm(self.reducer.flat, float("inf")))
+        if math.isfinite(peak):
+            return False
+        assert self.group is not None
+        self.reducer.check_nonfinite(self.done)
+        flags = self.reducer.flags
+        diagnosis = self.side.encode(
+            worker=self.wid,
+            losses={},
+            tokens={},
+            done=[],
+            efficient=[],
+            nonfinite=flags.nonfinite_ids,
+            overflow=0,
+            seconds=0.0,
+            bad_param=flags.first_bad_param,
+            epoch=self.group.epoch,
+        )
+        self._wait([allreduce_async(self.group, diagnosis)])
+        self._diagnosis = self.side.decode(diagnosis)
+        return True
+
+    def check_invariants(self, reduced: Reduced) -> None:
+        """The checks that guard the training state (explicit: they hold under ``python -O`` too)."""
+        assert self.group is not None
+        step, counted = self.state.step, reduced.counted
+        if self.cfg.policy is RecoveryPolicy.DROP:
+            bad = [j for j, c in enumerate(counted) if c > 1]
+            if bad or sum(counted) < 1:
+                raise InvariantViolation(
+                    f"step {step}: microbatch counts {counted} (members {list(self.group.members)}, epoch "
+                    f"{self.group.epoch}): under drop each id is counted at most once and one at least"
+                )
+        else:
+            bad = [j for j, c in enumerate(counted) if c != 1]
+            if bad:
+                raise InvariantViolation(
+                    f"step {step}: microbatch ids {bad} were counted {[counted[j] for j in bad]} times "
+                    f"(members {list(self.group.members)}, epoch {self.group.epoch}); each must be counted "
+                    "exactly once"
+                )
+        if reduced.members != self.group.size or reduced.epoch_sum != self.group.epoch * self.group.size:
+            raise InvariantViolation(
+                f"step {step}: the members disagree on the epoch: {reduced.members} contributions summing to "
+                f"epoch {reduced.epoch_sum}, expected {self.group.size} of epoch {self.group.epoch}"
+            )
+
+    @torch.no_grad()
+    def normalise_attention(self, contributed: int, counted: int) -> None:
+        """MeCeFO: attention parameters got gradients only from the exact microbatches; average over those
+        (``contributed``) instead of over every counted one. With none, their gradient is zero this step."""
+        eb = self.state.efficient
+        assert eb is not None
+        for p in eb.attention_parameters():
+            if p.grad is None:
+                continue
+            if contributed > 0:
+                p.grad.mul_(counted / contributed)
+            else:
+                p.grad.zero_()
+
+    def commit(self, optimizer: torch.optim.Optimizer | None, clip_grad_norm: float, seconds: float) -> StepOutcome:
+        """The step's explicit end: the optimizer steps (the gradient is finite and every invariant held) or
+        the step is skipped on every member alike; then the step advances, and the checkpoint if one is due."""
+        assert self.reduced is not None and self.group is not None
+        step, reduced = self.state.step, self.reduced
+        counted = sum(reduced.counted)
+        loss = sum(reduced.loss[j] for j in range(self.M) if reduced.counted[j] > 0) / max(1, counted)
+        lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else math.nan
+        common = {
+            "recomputed": self.recomputed,
+            "dropped": self.M - counted,
+            "recoveries": self.recoveries,
+            "efficient": sum(reduced.efficient),
+            "overflow_redos": self.redos,
+        }
+        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.group.members}
+        self.switch_epoch = reduced.newest_epoch
+        if self._nonfinite:
+            outcome = self._skip(step, reduced, loss, lr, common)
+        else:
+            self.injector.inject(Phase.OPTIMIZER)
+            if clip_grad_norm > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip_grad_norm, foreach=True))
+            else:
+                grad_norm = float(
+                    torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
+                )
+            if optimizer is not None:
+                optimizer.step()
+            if self.state.scale is not None:
+                grads = [p.grad if p.grad is not None else torch.zeros(1) for p in self.params]
+                peaks = torch._foreach_norm(grads, float("inf"))
+                self.state.scale.track([float(x) for x in peaks])
+            self.state.nonfinite_streak = 0
+            outcome = StepOutcome(loss, grad_norm, lr, **common)
+        self.state.last = outcome
+        self.state.step = step + 1
+        self.last_counts = reduced.counted
+        self.last_tokens = sum(t for j, t in enumerate(reduced.tokens) if reduced.counted[j] > 0)
+        self.publish(RecordKind.STEP, **self._step_fields(step, outcome, seconds))
+        self.begin_step()
+        return outcome
+
+    def _skip(self, step: int, reduced: Reduced, loss: float, lr: float, common: dict[str, int]) -> StepOutcome:
+        found = reduced if self.exact else self._diagnosis
+        assert found is not None
+        ids = [j for j, n in enumerate(found.nonfinite) if n]
+        workers = sorted(found.bad_param)
+        param = self.names[min(found.bad_param.values())] if found.bad_param else "?"
+        what = (
+            f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
+            f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
+            f"{', '.join(map(str, workers)) or '?'}), first in parameter {param}"
+        )
+        if self.cfg.nonfinite is NonfinitePolicy.STOP:
+            raise StopRun(
+                f"{what}; stopped (train.nonfinite = stop); {self._last_checkpoint_words()}",
+                fatal=True,
+                code=EXIT_NONFINITE,
+                shared=True,
+            )
+        self.state.nonfinite_streak += 1
+        self.publish(
+            RecordKind.NONFINITE_SKIP,
+            step=step,
+            microbatches=ids,
+            workers=workers,
+            parameter=param,
+            streak=self.state.nonfinite_streak,
+        )
+        log.warning("%s; skipping the step on every member (%d in a row)", what, self.state.nonfinite_streak)
+        if self.state.nonfinite_streak >= self.cfg.max_nonfinite_skips:
+            raise StopRun(
+                f"{what}; {self.state.nonfinite_streak} consecutive steps skipped for non-finite gradients "
+                f"(train.max_nonfinite_skips = {self.cfg.max_nonfinite_skips}); {self._last_checkpoint_words()}",
+                fatal=True,
+                code=EXIT_NONFINITE,
+                shared=True,
+            )
+        return StepOutcome(loss, math.nan, lr, skipped=True, **common)
+
+    def _last_checkpoint_words(self) -> str:
+        saved = ckpt.list_checkpoints(self.run_dir)
+        return f"the last good checkpoint is step {saved[0]}" if saved else "no checkpoint was written yet"
+
+    def _step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
+        """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
+        record has no counts, tokens or timing of its own)."""
+        assert self.group is not None
+        fields: dict[str, Any] = {
+            "step": step,
+            "loss": outcome.loss,
+            "lr": outcome.lr,
+            "grad_norm": outcome.grad_norm,
+            "step_time_s": seconds,
+            "tokens": self.last_tokens if fresh else 0,
+            "tokens_per_s": self.last_tokens / seconds if fresh and seconds > 0 else math.nan,
+            "alive": self.group.size,
+            "epoch": self.group.epoch,
+            "microbatches": self.M,
+            "committed": not outcome.skipped,
+            "skipped": outcome.skipped,
+            "recomputed": outcome.recomputed,
+            "dropped": outcome.dropped,
+            "recoveries": outcome.recoveries,
+            "efficient": outcome.efficient,
+            "overflow_redos": outcome.overflow_redos,
+        }
+        if fresh:
+            fields["counted"] = int(sum(self.last_counts))
+            fields["counted_once"] = all(c == 1 for c in self.last_counts)
+            fields["quotas"] = {str(w): n for w, n in self.quotas.items()}
+        return fields
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def checkpoint_due(self, next_step: int) -> bool:
+        """Whether the state at ``next_step`` (after committing ``next_step - 1``) is to be saved: every
+        ``checkpoint.every`` steps, and always at the end of the run."""
+        every = self.cfg.checkpoint_every
+        return next_step == self.total or (every > 0 and next_step > 0 and next_step % every == 0)
+
+    def save_checkpoint_if_due(self) -> None:
+        """After a commit: the leader saves the state if a checkpoint is due (a phase of no collective: if the
+        leader dies while writing, the others find out at their next collective and, once re-formed, the
+        new leader writes it, ``ensure_checkpoint``)."""
+        if self.group is not None and self.leader and self.checkpoint_due(self.state.step):
+            self.write_checkpoint()
+
+    def ensure_checkpoint(self) -> None:
+        """On the leader of a new group: if the current state's checkpoint is due but not on disk and whole (its
+        writer died half-way), write it now, replacing the dead writer's temporary files."""
+        assert self.group is not None
+        if self.leader and self.state.step > 0 and self.checkpoint_due(self.state.step):
+            try:
+                ckpt.verify(self.run_dir, self.state.step)
+            except ValueError:
+                log.warning("the checkpoint of step %d is missing or damaged: writing it", self.state.step)
+                self.write_checkpoint()
+
+    def write_checkpoint(self) -> None:
+        step = self.state.step
+        t0 = time.perf_counter()
+        ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
+        path = ckpt.save_checkpoint(
+            self.run_dir,
+            step,
+            self.state.snapshot(),
+            self.cfg.checkpoint_keep,
+            midway=lambda: self.injector.inject(Phase.CHECKPOINT, step=step),
+        )
+        self.publish(RecordKind.CHECKPOINT, step=step, path=str(path), seconds=time.perf_counter() - t0)
+
+    # -- recovery -----------------------------------------------------------------------------------
+    def recover(self) -> list[int]:
+        """Join the next membership epoch: form its group, agree on the step and state (whoever is behind
+        receives it), find the current step's microbatches that no member holds, and return this worker's
+        share of them (none under ``drop`` when a member died). Every member runs exactly this sequence of
+        collectives after every membership change (start, failure, join), wherever it was, so the collectives
+        always match."""
+        old_members = self.group.members if self.group is not None else ()
+        self.recovering = True
+        try:
+            return self._recover(old_members)
+        finally:
+            self.recovering = False
+
+    def _recover(self, old_members: tuple[int, ...]) -> list[int]:
+        while True:
+            t0 = time.monotonic()
+            old_epoch = self.group.epoch if self.group is not None else 0
+            try:
+                if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
+                    reason = "membership changed; the restart policy restarts from the last checkpoint"
+                    raise StopRun(reason, fatal=False)
+                self.form_next_group()
+                formed = time.monotonic()
+                if self.resume_pending:
+                    self.resume_pending = False
+                    if self.leader:
+                        self.load_checkpoint()
+                        self.begin_step()
+                was_behind = self.sync_state()
+                held = torch.zeros(self.M, dtype=torch.float64)
+                held[self.done] = 1.0
+                self._wait([allreduce_async(self.group, held)])
+            except Interrupted:
+                continue  # another change while recovering: go again from the newest epoch (the handler ends here)
+            assert self.group is not None
+            if was_behind or (old_members and old_members[0] not in self.group.members):
+                self.republish_last_step()
+            self.ensure_checkpoint()
+            counts = [int(c) for c in held.tolist()]
+            if any(c > 1 for c in counts):
+                raise InvariantViolation(
+                    f"step {self.state.step}: after re-forming epoch {self.group.epoch}, microbatch ids "
+                    f"{[j for j, c in enumerate(counts) if c > 1]} are held by more than one member"
+                )
+            missing = [j for j, c in enumerate(counts) if c == 0]
+            if old_epoch > 0:
+                self.publish(
+                    RecordKind.RECOVERY,
+                    step=self.state.step,
+                    from_epoch=old_epoch,
+                    epoch=self.group.epoch,
+                    alive=self.group.size,
+                    reform_s=formed - t0,
+                    missing=missing,
+                    time_reformed=time.time(),
+                )
+            died = not set(old_members) <= set(self.group.members)
+            if self.cfg.policy is RecoveryPolicy.DROP and old_epoch > 0 and died and len(missing) < self.M:
+                # Someone died mid-step: their microbatches are lost. (A join alone loses nothing, and a step
+                # nobody had started yet is planned as usual.)
+                return []
+            plan = self.plan(missing)
+            if len(missing) == self.M:
+                self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+            return list(plan.ids_for(self.wid))
+
+    def join(self, resume: bool, late: bool) -> None:
+        """The first recovery of this worker: form the first group (or join a running one), agree on the state
+        (``resume``: the leader loads the newest checkpoint; ``late``: this worker receives it)."""
+        self.resume_pending = resume and not late
+        if late:
+            self.state.step = -1  # behind everyone: it receives the state from a live peer
+        self.begin_step()
+        self.pending_todo = self.recover()
+        assert self.group is not None
+        log.info(
+            "member of epoch %d as rank %d of %d at step %d",
+            self.group.epoch,
+            self.group.rank,
+            self.group.size,
+            self.state.step,
+        )
+
+    def allreduce_interruptible(self, tensor: torch.Tensor) -> bool:
+        """SUM-reduce ``tensor`` over the group; False (and this worker has recovered, keeping its share of the
+        next step for when it starts) if a failure interrupted it."""
+        assert self.group is not None
+        try:
+            self._wait([allreduce_async(self.group, tensor)])
+            return True
+        except Interrupted:
+            pass
+        self.pending_todo = self.recover()
+        return False
+
+    def finish(self) -> None:
+        """The end of the run: every member's parameter checksum; the leader then checks that the final
+        checkpoint is on disk and whole (writing it if its writer died), records the checksums and marks the
+        run done, so a run that says "done" has its final state saved."""
+        store = self.client.store
+        while True:
+            store.set(keys.final(self.wid), self.state.checksum())
+            if self.allreduce_interruptible(torch.zeros(1)):
+                break
+        assert self.group is not None
+        if self.leader:
+            self.ensure_checkpoint()
+            ckpt.clean_partial(self.run_dir)
+            checksums = {str(w): store.get(keys.final(w)).decode() for w in self.group.members}
+            self.publish(
+                RecordKind.FINAL,
+                step=self.state.step,
+                checksums=checksums,
+                identical=len(set(checksums.values())) == 1,
+                checkpoint=str(ckpt.checkpoint_path(self.run_dir, self.state.step)),
+            )
+            self.client.flush_metrics()  # the coordinator drains the records once more on "done", then ends
+            self.client.mark_done()

@@ -1,0 +1,131 @@
+"""The training state every replica holds identically: what the user registered and the library's own part.
+
+Owns ``TrainingState``: the registered model, optimizer and extra objects, the metadata, and the library's
+replicated state (the next step, the exact mode's scale, the agreed per-worker speeds, the run of
+consecutive non-finite skips, the last step's outcome, MeCeFO's bases). ``snapshot()`` is the state in
+the checkpoint schema (``checkpoint.build_state``), used both for checkpoints and for the bytes a live
+member sends a rejoining one; ``restore()`` is its inverse; ``checksum()`` fingerprints the parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.efficient import EfficientBackward
+from unbroken.ft.exact import FixedPointScale
+
+
+@dataclass
+class StepOutcome:
+    """What one committed (or skipped) step did, as every member saw it."""
+
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    lr: float = math.nan
+    recomputed: int = 0  # microbatches recomputed by survivors because their first owner died
+    dropped: int = 0  # microbatches skipped (``drop`` policy)
+    recoveries: int = 0  # group re-formations during the step
+    efficient: int = 0  # microbatches computed in MeCeFO's efficient mode
+    overflow_redos: int = 0  # exact mode: the step was redone this many times with a larger fixed-point scale
+    skipped: bool = False  # a non-finite gradient: no optimizer step
+
+
+def param_checksum(model: nn.Module) -> str:
+    """sha256 over the bytes of every parameter, in order: equal iff the parameters are bitwise equal."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if hasattr(obj, "state_dict") else obj
+
+
+def _load_into(name: str, obj: Any, state: Any) -> None:
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    elif isinstance(obj, dict) and isinstance(state, dict):
+        obj.clear()
+        obj.update(state)
+    else:
+        raise TypeError(f"registered state {name!r} has neither load_state_dict() nor is a dict")
+
+
+class TrainingState:
+    """Everything a rejoining worker receives and a checkpoint holds."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.extra: dict[str, Any] = {}
+        self.metadata: dict[str, Any] = {}
+        self.step = 0
+        self.speeds: dict[int, float] = {}  # agreed seconds per microbatch of each worker (throughput workload)
+        self.nonfinite_streak = 0  # consecutive steps skipped for a non-finite gradient
+        self.last = StepOutcome()
+        self.scale: FixedPointScale | None = None  # exact mode only
+        self.efficient: EfficientBackward | None = None  # MeCeFO policies only
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state in the checkpoint schema (tensors are the live ones: encode it before changing them)."""
+        assert self.model is not None, "register_state(model=...) first"
+        ft = {
+            "scale": self.scale.state_dict() if self.scale is not None else None,
+            "speeds": {str(w): s for w, s in self.speeds.items()},
+            "nonfinite_streak": self.nonfinite_streak,
+            "last": asdict(self.last),
+            "mecefo_bases": self.efficient.bases() if self.efficient is not None else None,
+        }
+        return ckpt.build_state(
+            self.step,
+            self.model.state_dict(),
+            self.optimizer.state_dict() if self.optimizer is not None else None,
+            {name: _state_of(obj) for name, obj in self.extra.items()},
+            ft,
+            dict(self.metadata),
+        )
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load ``state`` (the checkpoint schema, validated) into the registered objects and the library's part.
+
+        Raises:
+            ValueError: it does not fit what is registered (another model shape, other objects, another M).
+        """
+        assert self.model is not None
+        ckpt.validate_state(state)
+        own = self.model.state_dict()
+        theirs = state["model"]
+        mismatch = sorted(k for k in own.keys() | theirs.keys() if k not in own or k not in theirs)
+        mismatch += sorted(k for k in own.keys() & theirs.keys() if tuple(own[k].shape) != tuple(theirs[k].shape))
+        if mismatch:
+            raise ValueError(f"the state is for a different model (first mismatch: {mismatch[0]})")
+        if set(state["extra"]) != set(self.extra):
+            raise ValueError(f"the state holds {sorted(state['extra'])}, this worker registered {sorted(self.extra)}")
+        self.model.load_state_dict(theirs)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self.extra.items():
+            _load_into(name, obj, state["extra"][name])
+        ft = state["ft"]
+        if self.scale is not None:
+            if ft["scale"] is None:
+                raise ValueError("the state was saved without exact reduction; it has no fixed-point scale")
+            self.scale.load_state_dict(ft["scale"])
+        if self.efficient is not None and ft["mecefo_bases"] is not None:
+            self.efficient.load_bases(ft["mecefo_bases"])
+        self.speeds = {int(w): float(s) for w, s in ft["speeds"].items()}
+        self.nonfinite_streak = int(ft["nonfinite_streak"])
+        self.last = StepOutcome(**ft["last"])
+        self.step = state["step"]
+
+    def checksum(self) -> str:
+        assert self.model is not None
+        return param_checksum(self.model)
