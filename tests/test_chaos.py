@@ -55,3 +55,17 @@ def test_small_campaign_keeps_every_invariant(tmp_path: Path, data_cache_dir: Pa
     assert "with a violation: 0" in table, table
     total = next(line for line in table.splitlines() if line.startswith("total")).split()
     assert int(total[1]) >= 3 and total[1] == total[2], table
+
+
+@pytest.mark.timeout(400)
+def test_random_time_faults_from_outside_keep_every_invariant(tmp_path: Path, data_cache_dir: Path) -> None:
+    """One trial of outside SIGKILLs and SIGSTOPs at random instants, after a huge microbatch gradient has grown
+    the exact mode's scale: every invariant holds, the final checkpoint is the failure-free run's."""
+    cmd = [sys.executable, "-m", "unbroken", "chaos", TINY, "--mode", "random-time", "--trials", "1", "--seed", "3"]
+    cmd += ["--steps", "30", "--out", str(tmp_path / "chaos"), f"--data.cache_dir={data_cache_dir}"]
+    cmd += ["--failures.schedule=scale:step=2,microbatch=1,factor=1e9"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "with a violation: 0" in result.stdout
+    total = next(line for line in result.stdout.splitlines() if line.startswith("total")).split()
+    assert int(total[1]) >= 1 and total[1] == total[2], result.stdout

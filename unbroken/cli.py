@@ -202,7 +202,9 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     out = Path(args.out) if args.out else None
     if args.churn:
         return run_churn(config, args.churn, args.workers, args.steps or 100000, out, overrides)
-    return run_campaign(config, args.trials, args.seed, args.workers, args.steps or 40, out, args.keep, overrides)
+    return run_campaign(
+        config, args.trials, args.seed, args.workers, args.steps or 40, out, args.keep, overrides, args.mode
+    )
 
 
 def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
@@ -295,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--steps", type=int, help="steps per run (default 40; churn: until stopped)")
     chaos.add_argument("--out", help="keep the runs here (default: a temporary folder, kept on a violation)")
     chaos.add_argument("--keep", action="store_true", help="keep every run, not only those with a violation")
+    chaos.add_argument(
+        "--mode",
+        choices=["named", "random-time"],
+        default="named",
+        help="faults at the code's named points (default), or from outside at random instants",
+    )
     churn_help = "instead: one run with this many membership changes, sampling memory, threads and descriptors"
     chaos.add_argument("--churn", type=int, metavar="CHANGES", help=churn_help)
     chaos.set_defaults(func=cmd_chaos)

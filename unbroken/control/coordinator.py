@@ -137,7 +137,15 @@ class Coordinator:
                 break  # the worker incremented the counter but has not written its request yet
             request = read_json(self.store, keys.register(n))
             wid = request.get("worker_id", -1)
-            if wid is None or wid < 0 or wid in self.members or (wid in self.admitted and self.epoch == 0):
+            # Before the first epoch an admitted id may register again: a restart of a process that died
+            # (its death was reported) keeps its id; anything else is a duplicate and gets a fresh one.
+            replaced = wid in self.admitted and self.epoch == 0 and self.store.check([keys.dead(wid)])
+            if (
+                wid is None
+                or wid < 0
+                or wid in self.members
+                or (wid in self.admitted and not replaced and self.epoch == 0)
+            ):
                 wid = max([self.next_worker_id, *[w + 1 for w in self.admitted]])
             # A worker that died may come back under its old id (the launcher restarts it so).
             self.next_worker_id = max(self.next_worker_id, wid + 1)

@@ -1,6 +1,12 @@
 """The chaos campaign behind ``unbroken chaos``: many short real runs with seeded random faults, each checked
 against the invariants a fault-tolerant run must keep; and the churn run that measures leaks.
 
+Two modes. ``named`` (the default): each trial's faults are failure-schedule events at the code's named
+points (a phase of a step, while receiving the state, during a checkpoint). ``random-time``: an outside
+process (``lab.faultdriver``) sends SIGKILL, or SIGSTOP then SIGCONT, to random workers (worker 0 included,
+sometimes two at once) at uniformly random instants, so faults land anywhere: inside a gloo send, a store
+write, between two parameter updates; killed and excluded workers are restarted after ``RANDOM_MTTR_S``.
+
 Owns fault campaigns, not fault mechanics: every fault goes through the failure-schedule grammar and the
 launcher's injection (``failures``, ``launcher``), on real processes with real signals. A trial is fully
 determined by its seed (``unbroken chaos --seed S --trials 1`` reproduces trial S). Each run is compared
@@ -142,6 +148,7 @@ class Reference:
     losses: dict[int, float]
     checksum: str
     wall_s: float
+    run_dir: Path
 
 
 @dataclass
@@ -195,7 +202,7 @@ def reference_run(config: str, out: Path, workers: int, steps: int, overrides: l
     if code != 0 or not final:
         raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
     losses = {r["step"]: r["loss"] for r in read_records(out, "step")}
-    return Reference(losses, next(iter(final[-1]["checksums"].values())), wall)
+    return Reference(losses, next(iter(final[-1]["checksums"].values())), wall, out)
 
 
 def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, microbatches: int) -> None:
@@ -248,6 +255,30 @@ def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, micro
     problems, leftovers = ckpt.verify_all(run_dir)
     v += [f"damaged checkpoint {p}" for p in problems]
     outcome.leftovers = len(leftovers)
+    if final:
+        v += _final_checkpoint_differences(run_dir, ref.run_dir, steps)
+
+
+def _final_checkpoint_differences(run_dir: Path, reference: Path, steps: int) -> list[str]:
+    """The final checkpoint must be the failure-free run's, tensor by tensor (model and optimizer)."""
+    import torch
+
+    try:
+        mine, theirs = ckpt.verify(run_dir, steps), ckpt.verify(reference, steps)
+    except ValueError as e:
+        return [f"final checkpoint: {e}"]
+    differ = [k for k in theirs["model"] if not torch.equal(mine["model"][k], theirs["model"][k])]
+    moments = [
+        (i, name)
+        for i, state in theirs["optimizer"]["state"].items()
+        for name, tensor in state.items()
+        if not torch.equal(mine["optimizer"]["state"][i][name], tensor)
+    ]
+    out = [f"final checkpoint: parameter {k} differs from the failure-free run's" for k in differ[:3]]
+    out += [f"final checkpoint: optimizer state {i}/{n} differs" for i, n in moments[:3]]
+    if mine["ft"]["scale"] != theirs["ft"]["scale"]:
+        out.append("final checkpoint: the exact mode's fixed-point scale differs")
+    return out
 
 
 def run_trial(
@@ -258,6 +289,69 @@ def run_trial(
     timeout = 3 * ref.wall_s + 90
     code, wall = _run(_train_cmd(config, run_dir, workers, steps, overrides, trial.schedule), timeout)
     outcome = Outcome(trial, code, wall)
+    check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
+    return outcome
+
+
+RANDOM_MTTR_S = 0.5  # a killed worker is restarted this long after its exit (a cluster scheduler's replacement)
+
+
+def run_random_trial(
+    config: str, out: Path, seed: int, workers: int, steps: int, overrides: list[str], ref: Reference
+) -> Outcome:
+    """One run attacked from outside (``lab.faultdriver``): 3 to 6 SIGKILLs or SIGSTOP+SIGCONTs of random
+    workers at uniformly random instants of the run, sometimes two at once; killed or excluded workers are
+    restarted by the launcher and rejoin."""
+    rng = random.Random(seed)
+    count = rng.randint(3, 6)
+    run_dir = out / f"random-{seed}"
+    log_path = out / f"random-{seed}.faults.jsonl"
+    log_path.unlink(missing_ok=True)
+    cmd = _train_cmd(config, run_dir, workers, steps, [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"], "")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.lab.faultdriver",
+            "--launcher-pid",
+            str(proc.pid),
+            "--run-dir",
+            str(run_dir),
+            "--seed",
+            str(seed),
+            "--duration",
+            f"{0.8 * ref.wall_s:.2f}",
+            "--faults",
+            str(count),
+            "--log",
+            str(log_path),
+        ]
+    )
+    timeout = 3 * ref.wall_s + 90
+    try:
+        proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        code = None
+    wall = time.monotonic() - t0
+    try:
+        driver.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        driver.wait()
+    trial = Trial(seed, [], {}, "random-time")
+    outcome = Outcome(trial, code, wall)
+    if log_path.exists():
+        for line in log_path.read_text().splitlines():
+            outcome.injected[f"random {json.loads(line)['kind']}"] += 1
     check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
     return outcome
 
@@ -277,7 +371,8 @@ def print_table(outcomes: list[Outcome], header: str) -> None:
         (broken if o.violations else survived).update(o.injected)
     print(header)
     print(f"{'fault':<24} {'injected':>9} {'survived':>9} {'in runs with a violation':>25}")
-    for kind in (*KINDS, *sorted(set(injected) - set(KINDS))):
+    named = any(kind in injected for kind in KINDS)
+    for kind in (*(KINDS if named else ()), *sorted(set(injected) - set(KINDS))):
         print(f"{kind:<24} {injected[kind]:>9} {survived[kind]:>9} {broken[kind]:>25}")
     total, ok = sum(injected.values()), sum(survived.values())
     print(f"{'total':<24} {total:>9} {ok:>9} {total - ok:>25}")
@@ -318,10 +413,25 @@ def _write_summary(path: Path, outcomes: list[Outcome], workers: int, steps: int
     os.replace(tmp, path)
 
 
+MODES = ("named", "random-time")
+
+
 def run_campaign(
-    config: str, trials: int, seed: int, workers: int, steps: int, out: Path | None, keep: bool, overrides: list[str]
+    config: str,
+    trials: int,
+    seed: int,
+    workers: int,
+    steps: int,
+    out: Path | None,
+    keep: bool,
+    overrides: list[str],
+    mode: str = "named",
 ) -> int:
-    """Run ``trials`` trials (seeds ``seed`` .. ``seed + trials - 1``); 0 if no invariant was broken."""
+    """Run ``trials`` trials (seeds ``seed`` .. ``seed + trials - 1``); 0 if no invariant was broken. ``mode``:
+    ``named`` faults at the code's named points (the failure schedule), or ``random-time`` faults from outside
+    at random instants (``lab.faultdriver``)."""
+    if mode not in MODES:
+        raise ValueError(f"--mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
     if trials < 1 or workers < 3 or steps < 12:
         raise ValueError(
             f"chaos needs --trials >= 1, --workers >= 3 and --steps >= 12 (got {trials}, {workers}, {steps})"
@@ -333,7 +443,8 @@ def run_campaign(
     print(f"reference run: {steps} steps in {ref.wall_s:.1f} s", flush=True)
     outcomes = []
     for s in range(seed, seed + trials):
-        o = run_trial(config, base, s, workers, steps, overrides, ref)
+        trial = run_trial if mode == "named" else run_random_trial
+        o = trial(config, base, s, workers, steps, overrides, ref)
         outcomes.append(o)
         status = "ok" if not o.violations else f"{len(o.violations)} VIOLATION(S)"
         faults = ", ".join(f"{k} x{n}" for k, n in sorted(o.injected.items())) or "none fired"
@@ -343,15 +454,15 @@ def run_campaign(
             flush=True,
         )
         if not o.violations and not keep:
-            shutil.rmtree(base / f"trial-{s}", ignore_errors=True)
+            shutil.rmtree(base / (f"trial-{s}" if mode == "named" else f"random-{s}"), ignore_errors=True)
         _write_summary(base / "chaos.json", outcomes, workers, steps)  # after each trial, for a stopped campaign
     header = (
-        f"chaos campaign: {trials} runs (seeds {seed}..{seed + trials - 1}), {workers} workers, {steps} steps, "
-        f"exact reduction, {time.monotonic() - t0:.0f} s"
+        f"chaos campaign ({mode}): {trials} runs (seeds {seed}..{seed + trials - 1}), {workers} workers, "
+        f"{steps} steps, exact reduction, {time.monotonic() - t0:.0f} s"
     )
     print_table(outcomes, header)
     if any(o.violations for o in outcomes):
-        print(f"reproduce one: unbroken chaos --seed SEED --trials 1 (runs kept in {base})")
+        print(f"reproduce one: unbroken chaos --mode {mode} --seed SEED --trials 1 (runs kept in {base})")
         return 1
     if out is None and not keep:
         shutil.rmtree(base, ignore_errors=True)
