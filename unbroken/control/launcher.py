@@ -30,6 +30,7 @@ from typing import Any
 
 from unbroken.control import keys
 from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
+from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.control.progress import ProgressView, print_summary
 from unbroken.control.store import bind_listen_socket, connect_store, publish_record, ring
@@ -42,7 +43,6 @@ POLL_S = 0.005
 # The main loop's period without injections (progress updates); a process exit wakes it at once. The
 # launcher shares the workers' cores: every wake-up is taken from training.
 IDLE_WAIT_S = 0.25
-START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
 
@@ -146,42 +146,9 @@ class Launcher:
         return [sys.executable, "-m", "unbroken"]
 
     def start_coordinator(self) -> None:
-        logs = self.run_dir / "logs"
-        fd = self.sock.fileno()
-        cmd = [
-            *self._python(),
-            "coordinator",
-            "--listen-fd",
-            str(fd),
-            "--run-dir",
-            str(self.run_dir),
-            "--workers",
-            str(len(self.alive_ids())),
-            "--parent-pid",
-            str(os.getpid()),
-            "--address-file",
-            str(self.run_dir / "coordinator.json"),
-        ]
-        if self.resume:
-            cmd.append("--resume")
-        (self.run_dir / "coordinator.json").unlink(missing_ok=True)  # a previous run's address
-        with open(logs / "coordinator.log", "ab") as out:
-            self.coordinator = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(fd,),
-                start_new_session=True,
-                env=self.env,
-            )
-        self.sock.close()  # the coordinator holds its own copy of the listening socket
-        address_file = self.run_dir / "coordinator.json"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not address_file.exists():
-            if self.coordinator.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the coordinator did not start; see {logs / 'coordinator.log'}")
-            time.sleep(POLL_S)
-        self.address = json.loads(address_file.read_text())["address"]
+        self.coordinator, self.address = spawn_coordinator(
+            self.sock, self.run_dir, len(self.alive_ids()), self.resume, self.env
+        )
         self.store = connect_store(self.address, token=self.token)
         for event in self.fired:
             self.store.set(keys.fired(event), "1")
@@ -322,6 +289,11 @@ class Launcher:
                 self.reported.add(wid)
                 self._store_set(keys.dead(wid), "killed by SIGKILL" if code == -9 else f"exited with status {code}")
 
+    def _nobody_left(self) -> bool:
+        """No worker process runs and none is due to restart (e.g. every one failed before joining)."""
+        restarts = any(info["rejoin"] is not None for info in self.down.values())
+        return not self._finished() and not restarts and all(p.poll() is not None for p in self.workers.values())
+
     def _finished(self) -> bool:
         return self._final_seen
 
@@ -397,6 +369,9 @@ class Launcher:
                         return 130
                     assert self.coordinator is not None
                     if self.coordinator.poll() is not None:
+                        break
+                    if self._nobody_left():
+                        self.stop_all("every worker exited and none is due to restart")
                         break
                     # Injections need a prompt answer (the worker waits at its phase to be signalled).
                     self._wait_for_exit(POLL_S if self.cfg.failures.schedule else IDLE_WAIT_S)

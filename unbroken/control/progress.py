@@ -33,6 +33,7 @@ class ProgressView:
         self.live = enabled and sys.stdout.isatty()
         self.every = max(1, total_steps // 20)
         self.val = ""
+        self.alive: int | None = None  # members of the newest epoch (a step record's count lags a rejoin)
         self._bar: Any = None
 
     def __enter__(self) -> ProgressView:
@@ -70,17 +71,41 @@ class ProgressView:
             self.note(
                 f"eval at step {record['step'] + 1}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.1f}"
             )
-        elif kind in ("membership", "failure", "resume", "checkpoint_rejected"):
-            self.note(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("type", "time")))
+        elif kind in ("membership", "failure", "resume", "checkpoint_rejected", "nonfinite_skip", "stall", "stopped"):
+            if kind == "membership":
+                self.alive = len(record["members"])
+            self.note(describe(record))
         elif kind == "step":
             if self._bar is not None:
-                info = (
-                    f"loss {record['loss']:.3f}{self.val} | {record['tokens_per_s']:,.0f} tok/s | "
-                    f"alive {record['alive']}"
-                )
+                alive = self.alive if self.alive is not None else record["alive"]
+                info = f"loss {record['loss']:.3f}{self.val} | {record['tokens_per_s']:,.0f} tok/s | alive {alive}"
                 self._bar.update(self._task, completed=record["step"] + 1, info=info)
             elif self.enabled and ((record["step"] + 1) % self.every == 0 or record["step"] == 0):
                 print(format_step(record, self.total), flush=True)
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line a person reads about a membership, failure or other event record."""
+    kind = record["type"]
+    if kind == "membership":
+        return f"epoch {record['epoch']}: members {record['members']} ({record['reason']})"
+    if kind == "failure":
+        detected = f", detected in {record['detection_s'] * 1000:.0f} ms" if "detection_s" in record else ""
+        return f"worker {record['worker']} failed: {record.get('event') or record['why']}{detected}"
+    if kind == "resume":
+        return f"resumed from step {record['step']} ({record['path']})"
+    if kind == "checkpoint_rejected":
+        return f"checkpoint rejected: {record['detail']}"
+    if kind == "nonfinite_skip":
+        return (
+            f"step {record['step']} skipped on every worker: non-finite gradient in microbatches "
+            f"{record['microbatches']} of workers {record['workers']} (first: {record['parameter']})"
+        )
+    if kind == "stall":
+        return f"collective timed out in epoch {record['epoch']}: {record['decision']} (suspects {record['suspects']})"
+    if kind == "stopped":
+        return f"stopped: {record['reason']}"
+    return kind
 
 
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -133,7 +158,9 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
     table = Table(title=f"unbroken run summary ({run_dir})", show_header=False)
     table.add_row("steps", f"{s['steps']} of {total_steps}")
     table.add_row("tokens", f"{s['tokens']:,}")
-    table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} (mean of the last 10 steps)")
+    last = min(10, s["steps"])
+    mean = f"mean of the last {last} steps" if last > 1 else "the last step"
+    table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} ({mean})")
     table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
     table.add_row("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s")
     if s["failures"]:

@@ -81,6 +81,9 @@ class ModelConfig:
     flavour: str = option("small", "the built-in LLaMA's size: " + ", ".join(FLAVOURS))
     vocab_size: int = option(0, "0: taken from the tokenizer; otherwise must be >= the tokenizer's vocabulary")
     n_kv_heads: int = option(0, "0: the flavour's default (grouped-query attention when < n_heads)")
+    hf_config: str = option(
+        "", 'train Hugging Face LlamaForCausalLM instead: a config.json path or a preset ("llama-tiny")'
+    )
 
     def __post_init__(self) -> None:
         if self.flavour not in FLAVOURS:
@@ -480,10 +483,10 @@ def replace(section: Any, **changes: Any) -> Any:
     return dataclasses.replace(section, **changes)
 
 
-def preset_path(name: str) -> Path:
-    """The config shipped with the package as ``unbroken/configs/<name>.toml`` (``tiny``, ``default``,
-    ``sim/recover_512``, ...); ValueError (one line) if there is none."""
-    path = Path(str(importlib.resources.files("unbroken") / "configs" / f"{name}.toml"))
+def preset_path(name: str, suffix: str = ".toml") -> Path:
+    """The config shipped with the package as ``unbroken/configs/<name><suffix>`` (``tiny``, ``default``,
+    ``sim/recover_512``, ``hf_llama_tiny`` with ``.json``, ...); ValueError (one line) if there is none."""
+    path = Path(str(importlib.resources.files("unbroken") / "configs" / f"{name}{suffix}"))
     if not path.is_file():
         raise ValueError(f"no packaged config named {name!r} ({path})")
     return path

@@ -5,9 +5,9 @@ gradient are ``batch x seq_len x vocab`` floats: 16 MiB for the small model). gl
 blocks with ``mmap`` and returns them to the kernel on ``free``, or trims the top of its heap once enough
 is free there, and whether a given process ends up doing so depends on its allocation history (glibc
 raises its mmap threshold after the first free of a large block). When it does, every microbatch
-page-faults its buffers back in: measured here, 17,000-28,000 minor faults per step on the small model,
-some 5% of a step. ``retain_freed_memory`` pins both thresholds, so buffers up to 32 MiB come from the
-heap and freed memory stays in it: the process's resident size stays at its peak, and a steady step
+page-faults its buffers back in (docs/benchmarks.md has the count of minor faults per step and its cost).
+``retain_freed_memory`` pins both thresholds, so buffers up to 32 MiB come from the heap and freed memory
+stays in it: the process's resident size stays at its peak, and a steady step
 faults nothing. Where there is no glibc (macOS, musl) it does nothing.
 """
 

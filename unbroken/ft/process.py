@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +32,7 @@ from unbroken.control.client import (
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
 from unbroken.control.store import bind_listen_socket, connect_store
-from unbroken.core.config import RunConfig, config_from_toml_text, dump_config, to_toml
+from unbroken.core.config import RunConfig, config_from_toml_text, dump_config
 from unbroken.core.logs import init_logger
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.hostmem import retain_freed_memory
@@ -111,8 +112,9 @@ class Job:
 
     @staticmethod
     def standalone(config: RunConfig, run_dir: Path | None, exit_process: bool = True) -> Job:
-        """A job of one worker with its coordinator in this process (``python my_script.py``)."""
-        from unbroken.control.coordinator import Coordinator
+        """A job of one worker with its own coordinator (a child process that ends with this one):
+        ``python my_script.py`` runs as ``unbroken launch --workers 1 my_script.py`` would."""
+        from unbroken.control.coordinator import spawn_coordinator
 
         if run_dir is None:
             script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "run"
@@ -123,19 +125,8 @@ class Job:
             dump_config(config, run_dir)
         token = os.environ.get(TOKEN_ENV) or new_token()
         sock = bind_listen_socket("127.0.0.1", 0)
-        coordinator = Coordinator(
-            sock,
-            to_toml(config),
-            run_dir.resolve(),
-            1,
-            config.comm.heartbeat_timeout_s,
-            config.comm.join_timeout_s,
-            resume=resume,
-            token=token,
-        )
-        thread = threading.Thread(target=coordinator.run, name="coordinator", daemon=True)
-        thread.start()
-        return Job(coordinator.address, token, config, run_dir, 0, exit_process, local=(coordinator, thread))
+        proc, address = spawn_coordinator(sock, run_dir, 1, resume, {**os.environ, TOKEN_ENV: token})
+        return Job(address, token, config, run_dir, 0, exit_process, local=proc)
 
     def setup_process(self) -> None:
         """Threads, logs and host memory of a training process (only from the main thread)."""
@@ -178,11 +169,12 @@ class Job:
 
     def close(self) -> None:
         if self.local is not None:
-            coordinator, thread = self.local
-            coordinator.stopping.set()
-            thread.join(timeout=5.0)
-            coordinator.gateway.close()
-            self.local = None
+            proc, self.local = self.local, None
+            try:
+                proc.wait(timeout=10.0)  # it ends once the run is done (or stopped)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                proc.wait()
 
 
 def stop_without_coordinator(proto: StepProtocol | None, run_dir: Path) -> str:

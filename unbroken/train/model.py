@@ -23,6 +23,10 @@ from unbroken.core.flavours import FLAVOURS, ModelArgs, flops_per_token, model_a
 __all__ = ["FLAVOURS", "ModelArgs", "flops_per_token", "model_args", "num_params", "Transformer"]
 
 
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -30,8 +34,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the activation dtype, as the reference does.
-        xf = x.float()
+        # Normalise in float32 at least, whatever the activation dtype, as the reference does.
+        xf = x.to(_at_least_fp32(x.dtype))
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -62,7 +66,7 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     sin = freqs_cis[None, :, None, :, 1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x0, x1 = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)  # each (B, T, H, head_dim/2)
+        x0, x1 = x.to(_at_least_fp32(x.dtype)).reshape(*x.shape[:-1], -1, 2).unbind(-1)  # (B, T, H, head_dim/2)
         out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, T, H, head_dim/2, 2)
         return out.flatten(3).type_as(x)
 
@@ -194,7 +198,7 @@ class Transformer(nn.Module):
         nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab_size) in float32 for ``tokens`` (B, T) int64.
+        """Logits (B, T, vocab_size) in float32 (or wider, for a float64 model) for ``tokens`` (B, T) int64.
 
         Raises:
             ValueError: T exceeds ``args.max_seq_len``.
@@ -207,7 +211,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, freqs_cis)  # (B, T, dim)
         h = self.norm(h)
-        return self.output(h).float()  # (B, T, vocab_size)
+        logits = self.output(h)  # (B, T, vocab_size)
+        return logits.to(_at_least_fp32(logits.dtype))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -21,7 +21,7 @@ import unbroken.ft as ft
 from unbroken.core.config import RunConfig, TrainConfig, to_toml
 from unbroken.ft import checkpoint as ckpt
 from unbroken.train.data import EvalSampler, MicrobatchSampler, TokenizedCorpus, check_vocab, prepare_corpus
-from unbroken.train.model import Transformer, model_args
+from unbroken.train.model import ModelArgs, Transformer, model_args
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -47,16 +47,30 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     )
 
 
-def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
-    """The run's model, initialised from ``train.seed`` (the same on every worker)."""
-    torch.manual_seed(cfg.train.seed)
-    args = model_args(
+def model_args_of(cfg: RunConfig, vocab_size: int) -> ModelArgs:
+    """The built-in LLaMA's sizes for this run (the tokenizer's vocabulary unless model.vocab_size says more)."""
+    return model_args(
         cfg.model.flavour,
         vocab_size=cfg.model.vocab_size or vocab_size,
         n_kv_heads=cfg.model.n_kv_heads,
         max_seq_len=cfg.data.seq_len,
     )
-    return Transformer(args)
+
+
+def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
+    """The run's model (the built-in LLaMA, or Hugging Face's with ``model.hf_config``), initialised from
+    ``train.seed`` (the same on every worker)."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.hf_config:
+        from unbroken.train.hf import build_hf_llama
+
+        return build_hf_llama(cfg.model.hf_config, cfg.model.vocab_size or vocab_size, cfg.data.seq_len)
+    return Transformer(model_args_of(cfg, vocab_size))
+
+
+def logits_of(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    out = model(inputs)
+    return out if isinstance(out, torch.Tensor) else out.logits  # Hugging Face models return an output object
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -83,7 +97,7 @@ def main() -> int:
         optimizer,
         metadata={
             "config": to_toml(cfg),
-            "flavour": cfg.model.flavour,
+            "model": cfg.model.hf_config or cfg.model.flavour,
             "vocab_size": corpus.vocab_size,
             "tokenizer_sha256": tokenizer_sha256(corpus),
         },
@@ -96,7 +110,7 @@ def main() -> int:
     def val_loss(k: int) -> float:
         inputs, targets = val.microbatch(k)
         model.eval()
-        loss = float(cross_entropy(model(inputs), targets))
+        loss = float(cross_entropy(logits_of(model, inputs), targets))
         model.train()
         return loss
 
@@ -105,7 +119,7 @@ def main() -> int:
             group["lr"] = lr_at(step.index, tc)
         for mb in step.microbatches():
             inputs, targets = train.microbatch(step.index, mb)
-            step.backward(cross_entropy(model(inputs), targets), tokens=inputs.numel())
+            step.backward(cross_entropy(logits_of(model, inputs), targets), tokens=inputs.numel())
         step.commit(optimizer, clip_grad_norm=tc.grad_clip)
         if due(tc.eval_every, step.index, tc.steps):
             loss = ctx.evaluate(tc.eval_microbatches, val_loss)

@@ -1,0 +1,133 @@
+"""unbroken as a library: the examples (a user's own loop and model, a Hugging Face Llama) under ``unbroken
+launch`` with kills, the Hugging Face model in the built-in trainer, and ``unbroken export``. The oracle is
+the failure-free run: with exact reduction a run with kills (worker 0, the leader, included) must end with the
+same final checkpoint, tensor for tensor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runner import ROOT, train
+
+from unbroken.core.records import read_records
+from unbroken.ft import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(300)
+
+PLAIN = ROOT / "examples" / "plain_loop.py"
+HF = ROOT / "examples" / "hf_llama.py"
+EXACT = "--recovery.reduction=exact"
+
+
+def launch(out: Path, script: Path, *args: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out), "--quiet"]
+    return subprocess.run([*cmd, *args, str(script)], capture_output=True, text=True, timeout=280)
+
+
+def same_final(a: Path, b: Path, step: int) -> None:
+    sa, sb = ckpt.verify(a, step), ckpt.verify(b, step)
+    assert sa["model"].keys() == sb["model"].keys()
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+    for i, state in sa["optimizer"]["state"].items():
+        assert all(torch.equal(t, sb["optimizer"]["state"][i][n]) for n, t in state.items())
+
+
+def test_the_plain_loop_is_short_and_runs_alone(tmp_path: Path) -> None:
+    assert len(PLAIN.read_text().splitlines()) < 80
+    result = subprocess.run([sys.executable, str(PLAIN)], cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()  # a job of one worker, its run directory as unbroken train makes it
+    final = read_records(run, "final")[0]
+    assert final["step"] == 200 and list(final["checksums"]) == ["0"]
+    ckpt.verify(run, 200)
+
+
+def test_the_plain_loop_with_kills_is_bitwise_the_failure_free_run(tmp_path: Path) -> None:
+    common = [EXACT, "--train.steps=24", "--checkpoint.every=8"]
+    schedule = "kill:worker=0,step=5,phase=backward,rejoin=1; kill:worker=2,step=11,phase=reduction,rejoin=1"
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    assert launch(reference, PLAIN, *common).returncode == 0
+    result = launch(killed, PLAIN, *common, f"--failures.schedule={schedule}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [f["worker"] for f in read_records(killed, "failure")] == [0, 2]
+    same_final(reference, killed, 24)
+    assert read_records(killed, "final")[0]["identical"]
+
+
+def test_the_hugging_face_example_with_a_kill(tmp_path: Path) -> None:
+    common = [EXACT, "--train.steps=10", "--checkpoint.every=0"]
+    kill = "--failures.schedule=kill:worker=1,step=4,phase=backward,rejoin=1"
+    reference, killed, mecefo = tmp_path / "reference", tmp_path / "killed", tmp_path / "mecefo"
+    assert launch(reference, HF, *common).returncode == 0
+    result = launch(killed, HF, *common, kill)
+    assert result.returncode == 0, result.stderr[-3000:]
+    same_final(reference, killed, 10)
+    result = launch(mecefo, HF, "--train.steps=10", "--recovery.policy=mecefo", "--mecefo.rank=8", kill)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = read_records(mecefo, "step")
+    assert sum(r["efficient"] for r in steps) >= 1  # the neighbour took worker 1's microbatches in efficient mode
+    assert read_records(mecefo, "final")[0]["identical"]
+
+
+def test_a_hugging_face_model_in_the_trainer_with_kills_is_the_failure_free_run(
+    tmp_path: Path, data_cache_dir: Path
+) -> None:
+    common = [EXACT, "--model.hf_config=llama-tiny"]
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    assert train(reference, data_cache_dir, *common).returncode == 0
+    schedule = "kill:worker=3,step=2,phase=forward,rejoin=0.5; kill:worker=0,step=5,phase=reduction"
+    result = train(killed, data_cache_dir, *common, f"--failures.schedule={schedule}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    same_final(reference, killed, 8)
+
+
+def test_export_gives_a_hugging_face_model_that_computes_the_same_function(
+    tmp_path: Path, data_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our LLaMA, exported: in float64 the Hugging Face model's logits equal ours up to the rounding of a
+    different order of the same operations (float64: relative 1e-12 is thousands of ulps of room). Hugging
+    Face's RMSNorm computes in float32 even in a float64 model; for this comparison it computes the same
+    formula in the model's dtype, so only the weights' layout is under test."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    def rms_norm(self: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
+
+    from unbroken.train.model import Transformer, model_args
+
+    run = tmp_path / "run"
+    assert train(run, data_cache_dir, "--train.steps=2", workers=2).returncode == 0
+    out = tmp_path / "hf"
+    result = subprocess.run(
+        [sys.executable, "-m", "unbroken", "export", str(run), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "tokenizer.json").is_file()
+    state = ckpt.verify(run, 2)
+    ours = Transformer(model_args("tiny", vocab_size=state["metadata"]["vocab_size"], max_seq_len=64))
+    ours.load_state_dict(state["model"])
+    theirs = LlamaForCausalLM.from_pretrained(str(out))
+    tokens = torch.randint(0, state["metadata"]["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ours.double()(tokens)
+        b = theirs.double()(input_ids=tokens).logits
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-12 * float(a.abs().max()))
+    refused = subprocess.run(
+        [sys.executable, "-m", "unbroken", "export", str(run), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and "is not empty" in refused.stderr
+
+
+def test_launch_refuses_a_missing_script(tmp_path: Path) -> None:
+    result = launch(tmp_path / "run", tmp_path / "nope.py")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nope.py does not exist" in lines[0]
+    assert not (tmp_path / "run").exists()
