@@ -191,14 +191,25 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert {p: p.read_bytes() for p in snapshot} == snapshot
 
 
-def test_cli_help_lists_the_commands() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "unbroken", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ},
-    )
-    assert result.returncode == 0
-    for command in ("train", "coordinator", "worker", "bench"):
-        assert command in result.stdout
+def test_cli_help_lists_the_commands_and_every_config_key() -> None:
+    from unbroken.core.config import RecoveryPolicy, RunConfig
+
+    def run(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=60, env={**os.environ}
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    top = run("--help")
+    for command in ("train", "launch", "coordinator", "worker", "export", "bench", "report", "chaos", "simulate"):
+        assert command in top, command
+    assert run("--version").startswith("unbroken ")
+    from dataclasses import fields
+
+    for command in ("train", "launch"):
+        text = run(command, "--help")
+        for section in fields(RunConfig):
+            for key in fields(section.type if isinstance(section.type, type) else getattr(RunConfig(), section.name)):
+                assert f"--{section.name}.{key.name} " in text, (command, section.name, key.name)
+        assert all(policy.value in text for policy in RecoveryPolicy)  # the allowed values are listed

@@ -231,7 +231,11 @@ def _with_keys(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="unbroken", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="unbroken",
+        description="LLM pre-training on PyTorch that keeps going when machines die. "
+        "`unbroken COMMAND --help` for a command; `unbroken train --help` lists every config key.",
+    )
     parser.add_argument("--version", action="version", version=f"unbroken {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     raw = argparse.RawDescriptionHelpFormatter
