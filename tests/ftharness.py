@@ -16,7 +16,7 @@ from unbroken.control import keys
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.gateway import new_token
 from unbroken.control.store import bind_listen_socket, connect_store, ring
-from unbroken.core.config import RunConfig, dump_config, to_toml
+from unbroken.core.config import RunConfig, dump_config
 from unbroken.ft.api import Context
 from unbroken.ft.process import Job, WorkerLeft
 
@@ -35,10 +35,7 @@ class ThreadJob:
         dump_config(cfg, run_dir)
         self.token = new_token()
         sock = bind_listen_socket("127.0.0.1", 0)
-        comm = cfg.comm
-        self.coordinator = Coordinator(
-            sock, to_toml(cfg), run_dir, workers, comm.heartbeat_timeout_s, comm.join_timeout_s, False, token=self.token
-        )
+        self.coordinator = Coordinator(sock, cfg, run_dir, workers, False, token=self.token)
         self._thread = threading.Thread(target=self.coordinator.run, name="coordinator", daemon=True)
         self._thread.start()
         self.workers = workers

@@ -117,39 +117,42 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
+    from datetime import timedelta
+
     from unbroken.control.coordinator import Coordinator, run_coordinator
     from unbroken.control.gateway import require_token
+    from unbroken.control.statestore import open_state_store
     from unbroken.control.store import bind_listen_socket
     from unbroken.core.logs import init_logger
 
     init_logger("coordinator")
     token = require_token()  # refuse before writing anything: an unauthenticated store is never served
-    if args.listen_fd is not None:  # started by the launcher, which validated and wrote the run dir
+    if args.listen_fd is not None:  # started by a launcher, which validated and wrote the run dir
         sock = socket.socket(fileno=args.listen_fd)
-        run_dir = Path(args.run_dir)
+        run_dir = Path(args.run_dir).resolve()
         cfg = load_config(run_dir / "config.toml")
+        state = open_state_store(cfg.coordinator.state, run_dir, f"{args.host}:{sock.getsockname()[1]}")
+        if not state.campaign():
+            raise ValueError(f"coordinator.state = {cfg.coordinator.state}: another coordinator leads this run")
     else:
         cfg, name = _load(args.config, extra, None)
-        run_dir = Path(args.run_dir or cfg.train.out_dir or f"runs/{name}")
-        if run_dir.exists() and any(run_dir.iterdir()) and not args.resume:
+        run_dir = Path(args.run_dir or cfg.train.out_dir or f"runs/{name}").resolve()
+        shared = cfg.coordinator.state.startswith("etcd://")  # a standby shares the run directory
+        if run_dir.exists() and any(run_dir.iterdir()) and not (args.resume or shared):
             raise ValueError(f"run directory {run_dir} exists and is not empty; choose another or use --resume")
-        sock = bind_listen_socket(args.host, args.port)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not args.resume:
+        state = open_state_store(cfg.coordinator.state, run_dir, f"{args.host}:{args.port}")
+        if shared:
+            print(f"coordinator {args.host}:{args.port}: campaigning to lead ({cfg.coordinator.state})", flush=True)
+        if not state.campaign(timedelta(days=365) if shared else timedelta(seconds=30)):
+            raise ValueError(f"coordinator.state = {cfg.coordinator.state}: another coordinator leads this run")
+        sock = bind_listen_socket(args.host, args.port)  # only once leading: a standby does not listen
+        if not (run_dir / "config.toml").exists():
             dump_config(cfg, run_dir)
         print(f"coordinator listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", flush=True)
-    from unbroken.core.config import to_toml
-
+    restore = args.restore or (args.listen_fd is None and not args.resume)  # a standby taking over restores
     coordinator = Coordinator(
-        sock,
-        to_toml(cfg),
-        run_dir.resolve(),
-        args.workers,
-        cfg.comm.heartbeat_timeout_s,
-        cfg.comm.join_timeout_s,
-        resume=args.resume,
-        parent_pid=args.parent_pid,
-        token=token,
+        sock, cfg, run_dir, args.workers, args.resume, args.parent_pid, token, state=state, restore=restore
     )
     return run_coordinator(coordinator, Path(args.address_file) if args.address_file else None)
 
@@ -169,6 +172,22 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.train.trainer import main
 
     return main()
+
+
+def cmd_agent(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.control.agent import run_agent
+
+    if extra:
+        raise ValueError(f"unrecognised arguments {' '.join(extra)}; the config comes from the coordinator")
+    return run_agent(args)
+
+
+def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.control.status_view import cmd_status as show
+
+    if extra:
+        raise ValueError(f"unrecognised arguments {' '.join(extra)}; unbroken status HOST:PORT|RUN_DIR")
+    return show(args)
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
@@ -279,9 +298,32 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--run-dir")
     coord.add_argument("--resume", action="store_true")
     coord.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    coord.add_argument("--restore", action="store_true", help=argparse.SUPPRESS)  # replaces a dead coordinator
     coord.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     coord.add_argument("--address-file", help=argparse.SUPPRESS)
     coord.set_defaults(func=cmd_coordinator)
+
+    agent = sub.add_parser(
+        "agent",
+        help="one host of a multi-host job: start this host's K workers, watch them, report and replace them",
+        usage="unbroken agent --coordinator HOST:PORT[,HOST:PORT] --workers K [--node-rank R] [SCRIPT.py [ARGS ...]]",
+    )
+    agent.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT]", help="the leader first")
+    agent.add_argument("--workers", type=int, required=True, help="workers on this host")
+    agent.add_argument(
+        "--node-rank", type=int, help="this host's rank: its workers are R*K..R*K+K-1 (default: SLURM_NODEID, ...)"
+    )
+    agent.add_argument("--log-dir", help="worker logs (default: the run directory's logs/)")
+    agent.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for the coordinator at start")
+    agent.add_argument("script", metavar="SCRIPT.py", nargs="?", help="your script (default: the built-in trainer)")
+    agent.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
+    agent.set_defaults(func=cmd_agent)
+
+    from unbroken.control import status_view
+
+    status = sub.add_parser("status", help="a run's live status: HOST:PORT of its status page, or its run directory")
+    status_view.add_arguments(status)
+    status.set_defaults(func=cmd_status)
 
     worker = sub.add_parser("worker", help="run one worker of the built-in trainer that joins a coordinator")
     worker.add_argument("--coordinator", required=True, metavar="HOST:PORT")
@@ -333,7 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-LAUNCH_VALUES = ("--workers", "--config", "--resume", "--out", "--host", "--port")
+LAUNCH_VALUES = (
+    *("--workers", "--config", "--resume", "--out", "--host", "--port"),
+    *("--coordinator", "--node-rank", "--log-dir", "--wait-s"),
+)
 
 
 def _split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -355,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     script: list[str] = []
     overrides: list[str] = []
-    if argv[:1] == ["launch"]:
+    if argv[:1] in (["launch"], ["agent"]):
         head, script = _split_launch(argv[1:])
         overrides = [a for a in head if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]]
-        argv = ["launch", *(a for a in head if a not in overrides)]
+        argv = [argv[0], *(a for a in head if a not in overrides)]
     args, extra = parser.parse_known_args(argv)
     extra += overrides
     if script:

@@ -1,13 +1,22 @@
-"""A worker's client of the coordinator: registration, heartbeats, the epoch watch, metrics delivery.
+"""A worker's client of the coordinator: registration, heartbeats, the epoch watch, metrics delivery, and
+holding on when the coordinator dies.
 
 The one way a worker reaches the control plane: ``CoordinatorClient`` registers, keeps a cached view of the
 membership epochs and of the stop flag (a watcher thread sleeping on the workers' doorbell), sends
 heartbeats and queued metrics records from its own thread, and tells a cut connection from a dead
 coordinator.
+
+A dead coordinator does not stop the worker. Its gloo groups do not need the coordinator, so training goes
+on while the client looks for a coordinator again (the same address, restarted by its launcher, or a
+standby's from the list in ``UNBROKEN_COORDINATOR``) for up to ``hold_s``. A new coordinator (another
+*incarnation*) is re-registered with under the same worker id, the watchers move to it, the records it may
+not have are sent again (it drops duplicates), and training-thread store calls made meanwhile wait for it
+and are retried. Only when no coordinator comes back in time is the worker ``lost``.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import datetime
 import json
@@ -17,6 +26,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +34,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from unbroken.control import keys
-from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
+from unbroken.control.gateway import NothingListens, TunnelError, require_token
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
     connect_store,
@@ -39,10 +49,12 @@ from unbroken.control.store import (
 log = logging.getLogger(__name__)
 
 NEWS_WAIT_S = 60.0
+RECENT_RECORDS = 256  # records kept to send again to a coordinator that replaced a dead one
+RECONNECT_POLL_S = 0.1
 
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
 # under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
-COORDINATOR_ENV = "UNBROKEN_COORDINATOR"  # HOST:PORT of the coordinator
+COORDINATOR_ENV = "UNBROKEN_COORDINATOR"  # HOST:PORT of the coordinator (a comma-separated list: standbys)
 WORKER_ID_ENV = "UNBROKEN_WORKER_ID"  # this worker's id (else RANK or SLURM_PROCID; else the coordinator picks)
 LOCAL_WORKERS_ENV = "UNBROKEN_LOCAL_WORKERS"  # workers on this host (to size each one's threads)
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # where this worker writes checkpoints (default: the coordinator's run dir)
@@ -56,12 +68,42 @@ class Epoch:
     reform: bool = False  # every member of the previous epoch must abandon its group (a collective stalled)
 
 
+def addresses_of(spec: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]`` -> the list (the leading coordinator and its standbys)."""
+    out = [a.strip() for a in spec.split(",") if a.strip()]
+    if not out:
+        raise ValueError(f"no coordinator address in {spec!r}; expected HOST:PORT[,HOST:PORT...]")
+    return out
+
+
+class _HeldStore:
+    """The client's store connection for the training thread: a call that fails while the client holds on
+    (the coordinator is being replaced) waits for the new one and is made again there (every call the
+    training thread makes is idempotent: get, set, check, delete, compare-and-set)."""
+
+    def __init__(self, client: CoordinatorClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            generation = self._client._generation
+            try:
+                return getattr(self._client._store, name)(*args, **kwargs)
+            except RuntimeError:
+                if not self._client._await_reconnect(generation):
+                    raise
+                return getattr(self._client._store, name)(*args, **kwargs)
+
+        return call
+
+
 class CoordinatorClient:
     """A worker's view of the coordinator: registration, heartbeats, the current epoch, metrics.
 
-    When the connection fails, the watcher finds out why (``lost``): ``"coordinator"`` if the coordinator
-    cannot be reached any more (dead or unresponsive: the job must stop), ``"cut"`` if it still answers
-    (only this worker's connection was cut: this worker leaves, the job goes on without it).
+    When the connection fails, the client finds out why (``lost``): ``"cut"`` if the coordinator that
+    admitted this worker still answers (only this worker's connection was cut: it leaves, the job goes on);
+    if it does not, the client holds on for ``hold_s`` while a coordinator comes back, and is ``lost =
+    "coordinator"`` only if none does.
     """
 
     def __init__(
@@ -71,58 +113,90 @@ class CoordinatorClient:
         heartbeat_interval_s: float = 0.25,
         heartbeat_timeout_s: float = 2.0,
         token: str | None = None,
+        hold_s: float = 60.0,
     ) -> None:
-        self.address = address
+        self.addresses = addresses_of(address)
         self.token = token or require_token()
+        self.hold_s = hold_s
         self.lost: str | None = None
+        self.stopped: str | None = None
+        self.holding = False
         self._lost_event = threading.Event()
+        self._reconnected = threading.Condition()
+        self._generation = 0  # connections made so far (a new coordinator makes a new generation)
         self._probe_timeout_s = max(1.0, heartbeat_timeout_s)
-        self.store = connect_store(address, token=self.token)
-        seq = self.store.add(keys.REGISTER_SEQ, 1)
-        request = {
-            "worker_id": -1 if worker_id is None else worker_id,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        }
-        self.store.set(keys.register(seq), json.dumps(request))
-        ring(self.store)
-        self.store.wait([keys.register_id(seq)], datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        self.worker_id = int(self.store.get(keys.register_id(seq)))
-        self.late = self.store.get(keys.register_late(seq)) == b"1"  # joined a running job: it must catch up
-        self.latest_epoch = int(self.store.get(keys.EPOCH))
+        self._op_timeout = datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s))
+        self._hb_interval = heartbeat_interval_s
+        self._news_wait_s = NEWS_WAIT_S
+        self._watch_stop = threading.Event()
+        self._diagnosing = threading.Lock()
+        self._outbox: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
+        self._in_hand: dict[str, Any] | None = None  # the record the sender was publishing when it failed
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
+        self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
         # Epochs that removed workers, as (epoch, removed ids), kept by the watcher: a collective is abandoned
         # only when one of its members was removed (or, for a re-formation after a stalled collective, every
         # member counts as removed from the old group). A join alone never interrupts one (every member is
         # alive, so it completes), which keeps all members' collective sequences matched.
         self.removals: list[tuple[int, frozenset[int]]] = []
+        self.address = self.addresses[0]
+        self.store: Any = _HeldStore(self)
+        self._store = self._first_connection()
+        self.worker_id, self.late = self._register(worker_id, returning=False)
+        self.incarnation = self._store.get(keys.INCARNATION).decode()
+        self.latest_epoch = int(self._store.get(keys.EPOCH))
         self._seen_epoch = self.latest_epoch
         self._seen_members = frozenset(self.epoch_record(self._seen_epoch).members) if self._seen_epoch else frozenset()
-        self.stopped: str | None = None
-        # Two watcher threads, each on its own connection (a TCPStore client is one socket, one call at a
-        # time): the sender sends a heartbeat every interval and the metrics records queued by the training
-        # thread, the news watcher sleeps in a store wait on the workers' doorbell. (Connected with the long
-        # timeout: opening a connection alone can take seconds, see new_connection; then their ops time out
-        # within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one.)
-        op_timeout = datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s))
-        self._sender_store = connect_store(address, token=self.token)
-        self._sender_store.set_timeout(op_timeout)
-        self._outbox: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
-        self._news_store, self._news_tunnel = open_store(address, token=self.token)
-        self._news_store.set_timeout(op_timeout)
-        self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
-        self._spare = self._spare_pool.submit(connect_store, address, STORE_TIMEOUT_S, self.token)
-        self._hb_interval = heartbeat_interval_s
-        self._news_wait_s = NEWS_WAIT_S
-        self._watch_stop = threading.Event()
-        self._diagnosing = threading.Lock()
+        self._start_watchers()
+
+    # -- connections --------------------------------------------------------------------------------
+    def _first_connection(self) -> TCPStore:
+        last: Exception | None = None
+        for address in self.addresses:
+            try:
+                store = connect_store(address, token=self.token)
+                self.address = address
+                return store
+            except (TunnelError, RuntimeError, OSError) as e:
+                last = e
+        assert last is not None
+        raise last
+
+    def _register(self, worker_id: int | None, returning: bool) -> tuple[int, bool]:
+        """Ask the coordinator for admission; (the admitted id, whether this worker joins a running job)."""
+        store = self._store
+        seq = store.add(keys.REGISTER_SEQ, 1)
+        request = {
+            "worker_id": -1 if worker_id is None else worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "returning": returning,  # a member of the job whose coordinator was replaced: it holds the state
+        }
+        store.set(keys.register(seq), json.dumps(request))
+        ring(store)
+        store.wait([keys.register_id(seq)], datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return int(store.get(keys.register_id(seq))), store.get(keys.register_late(seq)) == b"1"
+
+    def _start_watchers(self) -> None:
+        """Two watcher threads, each on its own connection (a TCPStore client is one socket, one call at a
+        time): the sender sends a heartbeat every interval and the metrics records queued by the training
+        thread, the news watcher sleeps in a store wait on the workers' doorbell. (Connected with the long
+        timeout: opening a connection alone can take seconds, see new_connection; then their ops time out
+        within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one.)"""
+        self._sender_store = connect_store(self.address, token=self.token)
+        self._sender_store.set_timeout(self._op_timeout)
+        self._news_store, self._news_tunnel = open_store(self.address, token=self.token)
+        self._news_store.set_timeout(self._op_timeout)
+        self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
+        generation = self._generation
         self._watch_threads = [
-            threading.Thread(target=self._send, name="heartbeat+metrics", daemon=True),
-            threading.Thread(target=self._watch_news, name="epoch-watch", daemon=True),
+            threading.Thread(target=self._send, args=(generation,), name="heartbeat+metrics", daemon=True),
+            threading.Thread(target=self._watch_news, args=(generation,), name="epoch-watch", daemon=True),
         ]
         for thread in self._watch_threads:
             thread.start()
 
-    def _send(self) -> None:
+    def _send(self, generation: int) -> None:
         """A heartbeat (one ``add``) every interval, and between them the queued metrics records in order,
         so the training thread never waits on the store to publish. Ends at the ``None`` that ``close``
         queues, after everything queued before it."""
@@ -133,21 +207,25 @@ class CoordinatorClient:
                 if time.monotonic() >= next_beat:
                     store.add(key, 1)
                     next_beat = time.monotonic() + self._hb_interval
-                try:
-                    item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
-                except queue.Empty:
-                    continue
-                if item is None:
-                    return
-                if isinstance(item, threading.Event):
-                    item.set()  # a flush: everything queued before it is in the store
-                else:
-                    publish_record(store, item)
+                if self._in_hand is None:
+                    try:
+                        item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
+                    except queue.Empty:
+                        continue
+                    if item is None:
+                        return
+                    if isinstance(item, threading.Event):
+                        item.set()  # a flush: everything queued before it is in the store
+                        continue
+                    self._in_hand = item
+                publish_record(store, self._in_hand)
+                self._recent.append(self._in_hand)
+                self._in_hand = None
             except RuntimeError:
-                self._connection_failed()
+                self._connection_failed(generation)
                 return
 
-    def _watch_news(self) -> None:
+    def _watch_news(self, generation: int) -> None:
         """A cached view of the epoch and the stop flag, so waits never touch the network.
 
         Sleeps in a store wait on the next ``news/<n>``, rung by the coordinator right after it publishes an
@@ -169,53 +247,129 @@ class CoordinatorClient:
                 if wait_key(store, keys.doorbell(keys.NEWS, rung + 1), self._news_wait_s):
                     rung += 1  # doorbell keys stay: if it rang again meanwhile, the next wait returns at once
         except RuntimeError:
-            self._connection_failed()
+            self._connection_failed(generation)
 
     def _advance(self, store: TCPStore, newest: int) -> None:
         """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch."""
         for epoch in range(self._seen_epoch + 1, newest + 1):
+            if not store.check([keys.epoch(epoch)]):
+                continue  # published by a coordinator that died before this one (a restart skips it)
             record = read_json(store, keys.epoch(epoch))
             members = frozenset(record["members"])
             removed = self._seen_members if record.get("reform") else self._seen_members - members
             if removed:
                 self.removals.append((epoch, removed))
             self._seen_epoch, self._seen_members = epoch, members
+        self._seen_epoch = max(self._seen_epoch, newest)
         self.latest_epoch = max(self.latest_epoch, newest)  # after the removals: readers check both
 
     def removed_since(self, epoch: int, members: tuple[int, ...]) -> bool:
         """True if an epoch newer than ``epoch`` removed one of ``members`` (cheap: the watcher's cache)."""
         return any(e > epoch and not removed.isdisjoint(members) for e, removed in self.removals)
 
-    def _connection_failed(self) -> None:
-        """A watcher's store call failed: find out why, once (unless the client is closing)."""
+    # -- a failed connection -------------------------------------------------------------------------
+    def _connection_failed(self, generation: int | None = None) -> None:
+        """A watcher's store call failed: find out why, once per connection (unless the client is closing)."""
+        if generation is not None and generation != self._generation:
+            return  # a watcher of a connection already replaced
         if self._watch_stop.is_set() or not self._diagnosing.acquire(blocking=False):
             return
-        self._diagnose()
+        threading.Thread(target=self._diagnose, name="coordinator-lost", daemon=True).start()
+
+    def _probe(self) -> tuple[str, TCPStore] | None:
+        """A fresh connection to the first coordinator that answers, and its address; None if none does."""
+        for address in self.addresses:
+            try:
+                return address, connect_store(address, timeout_s=self._probe_timeout_s, token=self.token)
+            except NothingListens:
+                continue  # nothing on that port (dead, restarting, or a standby that does not lead)
+            except (TunnelError, RuntimeError, OSError):
+                continue
+        return None
 
     def _diagnose(self) -> None:
-        """The connection failed: is the coordinator gone, or only our connection? (one fresh handshake)"""
-        self.lost = "coordinator"
-        reason = f"the coordinator at {self.address} is gone (its connection failed and it does not answer)"
-        deadline = time.monotonic() + self._probe_timeout_s
-        while time.monotonic() < deadline:  # a few tries: a cut in progress may sever the first probe too
-            try:
-                Tunnel(self.address, self.token, self._probe_timeout_s).close()
-            except NothingListens:
-                break  # the coordinator's port is closed: no need to wait out the probe timeout
-            except (TunnelError, OSError):
-                time.sleep(0.2)
-                continue
-            self.lost = "cut"
-            reason = "this worker's connection to the coordinator was cut"
-            break
+        """Is it only our connection that was cut (the same coordinator answers: leave), or is the coordinator
+        gone (hold on until one answers: a new incarnation is joined again; none within ``hold_s``: lost)?"""
+        self.holding = True
+        deadline = time.monotonic() + self.hold_s
+        try:
+            while not self._watch_stop.is_set():
+                found = self._probe()
+                if found is not None:
+                    address, store = found
+                    try:
+                        incarnation = store.get(keys.INCARNATION).decode()
+                    except RuntimeError:
+                        incarnation = ""
+                    if incarnation == self.incarnation:
+                        self._give_up("cut", "this worker's connection to the coordinator was cut")
+                        return
+                    if incarnation and self._rejoin(address, store, incarnation):
+                        return
+                if time.monotonic() > deadline:
+                    self._give_up(
+                        "coordinator",
+                        f"no coordinator at {','.join(self.addresses)} answered within {self.hold_s:.0f} s",
+                    )
+                    return
+                time.sleep(RECONNECT_POLL_S)
+        finally:
+            self.holding = False
+
+    def _rejoin(self, address: str, store: TCPStore, incarnation: str) -> bool:
+        """Re-register with a coordinator that replaced the dead one, under the same id; move the watchers."""
+        log.warning("the coordinator was replaced (now at %s); registering again as worker %d", address, self.worker_id)
+        old = self._watch_threads
+        self._news_tunnel.cut()  # the old watcher's wait ends now, whatever state its socket is in
+        for thread in old:
+            thread.join(timeout=self._probe_timeout_s + 1.0)
+        self._store, self.address = store, address
+        try:
+            worker_id, _late = self._register(self.worker_id, returning=True)
+            if worker_id != self.worker_id:
+                self._give_up("cut", f"the new coordinator admitted this worker as {worker_id}, not {self.worker_id}")
+                return True
+            self.incarnation = incarnation
+            for record in list(self._recent):  # what the dead coordinator may not have written (it drops duplicates)
+                self._outbox.put(record)
+            with self._reconnected:
+                self._generation += 1
+            self._start_watchers()
+        except RuntimeError as e:
+            log.warning("registering with the new coordinator failed (%s); trying again", e)
+            return False
+        with self._reconnected:
+            self._diagnosing.release()
+            self._reconnected.notify_all()
+        return True
+
+    def _give_up(self, lost: str, reason: str) -> None:
         log.error("%s", reason)
+        self.lost = lost
         self.stopped = self.stopped or reason
         self._lost_event.set()
+        with self._reconnected:
+            self._reconnected.notify_all()
+
+    def _await_reconnect(self, generation: int) -> bool:
+        """After a failed call on connection ``generation``: wait until a new one exists (True) or the client
+        is lost (False)."""
+        deadline = time.monotonic() + self.hold_s + STORE_TIMEOUT_S
+        with self._reconnected:
+            while self._generation == generation and self.lost is None and time.monotonic() < deadline:
+                if not self.holding and not self._diagnosing.locked():
+                    self._connection_failed()  # the training thread noticed first
+                self._reconnected.wait(0.1)
+            return self._generation != generation and self.lost is None
 
     def wait_lost(self, timeout_s: float) -> str | None:
-        """After a store call failed: wait (bounded) for the watcher's verdict; None if it saw nothing."""
-        if any(thread.is_alive() for thread in self._watch_threads):
-            self._lost_event.wait(timeout_s)
+        """After a store call failed: wait (bounded) for the verdict; None if the connection is fine again."""
+        deadline = time.monotonic() + max(timeout_s, self.hold_s + 1.0)
+        generation = self._generation
+        while self.lost is None and self._generation == generation and time.monotonic() < deadline:
+            if not self._diagnosing.locked():
+                self._connection_failed()
+            self._lost_event.wait(0.1)
         return self.lost
 
     def new_connection(self) -> TCPStore:
@@ -232,6 +386,7 @@ class CoordinatorClient:
         except (RuntimeError, ConnectionError, concurrent.futures.TimeoutError):
             return connect_store(self.address, token=self.token)  # the spare failed: one more try, here
 
+    # -- the job's keys -----------------------------------------------------------------------------
     def config_toml(self) -> str:
         return self.store.get(keys.CONFIG).decode()
 
@@ -242,7 +397,7 @@ class CoordinatorClient:
         return int(self.store.get(keys.EPOCH))
 
     def epoch_record(self, epoch: int) -> Epoch:
-        record = read_json(self.store, keys.epoch(epoch))
+        record = json.loads(self.store.get(keys.epoch(epoch)).decode())
         return Epoch(record["epoch"], tuple(record["members"]), record["reason"], bool(record.get("reform")))
 
     def stop_reason(self) -> str | None:
@@ -253,7 +408,7 @@ class CoordinatorClient:
     def done(self) -> bool:
         """Whether the run has finished (its leader said so)."""
         try:
-            return self.store.check([keys.DONE])
+            return bool(self._store.check([keys.DONE]))
         except RuntimeError:
             return False
 
@@ -266,8 +421,8 @@ class CoordinatorClient:
         """Ask every process of the job to stop (a check that guards the training state failed); True if this
         call set the reason (the first of several members that saw the same thing)."""
         try:
-            first = self.store.compare_set(keys.STOP, "", reason) == reason.encode()
-            ring(self.store)
+            first = self._store.compare_set(keys.STOP, "", reason) == reason.encode()
+            ring(self._store)
             return first
         except RuntimeError:
             return False  # the coordinator is gone: nobody left to tell
@@ -283,10 +438,10 @@ class CoordinatorClient:
         """A collective (or the rendezvous) of ``epoch`` timed out with nobody removed: the coordinator, which
         sees every heartbeat, decides what to do (re-form once, then exclude whoever stalls again)."""
         try:
-            self.store.set(keys.timeout(epoch, self.worker_id), str(time.time()))
-            ring(self.store)
+            self._store.set(keys.timeout(epoch, self.worker_id), str(time.time()))
+            ring(self._store)
         except RuntimeError:
-            pass
+            pass  # the coordinator is gone: its successor re-forms the group anyway
 
     def wait_for_epoch(self, timeout_s: float, after: int = 0) -> Epoch | None:
         """Block (polling) until an epoch newer than ``after`` that includes this worker is published.
@@ -315,12 +470,12 @@ class CoordinatorClient:
 
     def flush_metrics(self, timeout_s: float = STORE_TIMEOUT_S) -> bool:
         """Wait until every record queued so far is in the store; False if that did not happen in time
-        (the connection failed: the caller's copy of its recent records is all there is)."""
-        delivered, sender = threading.Event(), self._watch_threads[0]
+        (the connection failed and no coordinator came back)."""
+        delivered = threading.Event()
         self._outbox.put(delivered)
         deadline = time.monotonic() + timeout_s
         while not delivered.wait(0.05):
-            if not sender.is_alive() or time.monotonic() > deadline:
+            if self.lost is not None or time.monotonic() > deadline:
                 return False
         return True
 
@@ -332,7 +487,7 @@ class CoordinatorClient:
         self._watch_stop.set()
         watcher = self._watch_threads[1]
         try:
-            ring(self.store, keys.NEWS)
+            ring(self._store, keys.NEWS)
             watcher.join(timeout=1.0)
         except RuntimeError:
             pass  # the coordinator is gone: cut the connection instead

@@ -32,10 +32,12 @@ epoch or a stop reaches every worker as soon as the store sees it. A hang is dec
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -50,13 +52,34 @@ from torch.distributed import TCPStore
 
 from unbroken.control import keys
 from unbroken.control.gateway import Gateway, require_token
+from unbroken.control.live_tensorboard import open_tensorboard
+from unbroken.control.runview import MetricsTee, RunView
+from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
+from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
-from unbroken.core.records import MetricsFile, RecordKind, make
+from unbroken.core.config import RunConfig, to_toml
+from unbroken.core.records import METRICS_FILE, MetricsFile, RecordKind, decode, make, read_records
 
 log = logging.getLogger(__name__)
 
+RECENT_LINES = 4096  # metrics lines remembered, to drop a record a worker sends again after a restart
 CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
 MAX_TICK_S = 0.25
+
+
+class Deposed(Exception):
+    """This coordinator no longer leads: another one took over (internal)."""
+
+
+def _tail_lines(path: Path, nbytes: int = 2**20) -> list[str]:
+    """The complete lines among the last ``nbytes`` of ``path`` (none if it does not exist)."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - nbytes))
+        lines = f.read().decode(errors="replace").splitlines()
+    return lines[1:] if size > nbytes else lines
 
 
 @dataclass
@@ -69,19 +92,24 @@ class Stall:
 
 
 class Coordinator:
-    """Membership service for one job. ``run()`` loops until the job is done, stopped or abandoned."""
+    """Membership service for one job. ``run()`` loops until the job is done, stopped or abandoned.
+
+    With a state store (``control.statestore``) the hard state is saved before every epoch is published, and
+    a coordinator that finds state there is a *restarted* one: it restores the epoch counter and the admitted
+    workers, waits up to ``coordinator.rejoin_window_s`` for the last members to register again (they kept
+    training meanwhile), and publishes the next epoch with those that came back."""
 
     def __init__(
         self,
         sock: socket.socket,
-        config_toml: str,
+        cfg: RunConfig,
         run_dir: Path,
         expected_workers: int,
-        heartbeat_timeout_s: float,
-        join_timeout_s: float,
         resume: bool,
         parent_pid: int | None = None,
         token: str | None = None,
+        state: StateStore | None = None,
+        restore: bool = False,
     ) -> None:
         self.sock = sock  # the public socket, served by the gateway
         host, port = sock.getsockname()[:2]
@@ -98,17 +126,21 @@ class Coordinator:
             use_libuv=True,
             timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
         )
-        self.gateway = Gateway(sock, ("127.0.0.1", internal_port), token if token is not None else require_token())
+        self.token = token if token is not None else require_token()
+        self.gateway = Gateway(sock, ("127.0.0.1", internal_port), self.token)
+        self.cfg = cfg
         self.run_dir = run_dir
         self.expected = expected_workers
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.join_timeout_s = join_timeout_s
+        self.heartbeat_timeout_s = cfg.comm.heartbeat_timeout_s
+        self.join_timeout_s = cfg.comm.join_timeout_s
         self.parent_pid = parent_pid
-        self.store.set(keys.CONFIG, config_toml)
+        self.state_store = state
+        prior = state.load() if state is not None else None
+        self.incarnation = secrets.token_hex(8)
+        self.store.set(keys.CONFIG, to_toml(cfg))
         self.store.set(keys.RUN_DIR, str(run_dir))
         self.store.set(keys.EXPECTED, str(expected_workers))
-        self.store.set(keys.RESUME, "1" if resume else "0")
-        self.store.set(keys.EPOCH, "0")
+        self.store.set(keys.INCARNATION, self.incarnation)
         self.store.add(keys.METRICS_SEQ, 0)  # exists from the start: the quiet tick reads it with the heartbeats
         self.rung = 0
         self.next_registration = 1
@@ -116,14 +148,54 @@ class Coordinator:
         self.admitted: dict[int, dict[str, Any]] = {}
         self.members: tuple[int, ...] = ()
         self.epoch = 0
+        self.committed_step = -1
+        self.saved_step = -1
         self.heartbeats: dict[int, tuple[int, float]] = {}
-        self.tick_s = min(MAX_TICK_S, heartbeat_timeout_s / CHECKS_PER_TIMEOUT)
+        self.tick_s = min(MAX_TICK_S, self.heartbeat_timeout_s / CHECKS_PER_TIMEOUT)
         self.next_metric = 1
-        self.metrics = MetricsFile(run_dir)
+        self.recent_lines: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
+        self.recent_set: set[str] = set()
+        for line in _tail_lines(run_dir / METRICS_FILE):
+            self._remember(line)
+        self.view = RunView(cfg.train.steps, expected_workers, run_dir)
+        self.view.extend(read_records(run_dir))  # a restarted coordinator's view starts where the run is
+        tensorboard = open_tensorboard(run_dir, cfg.metrics.tensorboard)
+        self.metrics = MetricsTee(MetricsFile(run_dir), self.view, tensorboard)
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.stall: Stall | None = None
         self.first_timeout: dict[int, float] = {}  # epoch -> when its first timeout report was seen
+        # A restarted coordinator: the members it waits for, and those that came back.
+        self.restored: tuple[int, ...] = ()
+        self.returned: set[int] = set()
+        self.recover_until = 0.0
+        # A new launch of a run continues its epoch numbers (the journal refuses older ones); only a coordinator
+        # that replaces a dead one (``restore``) waits for the members it left.
+        self.epoch_floor = prior.epoch if prior is not None else 0
+        if restore and prior is not None and prior.epoch > 0:
+            self.epoch, self.restored, self.committed_step = prior.epoch, prior.members, prior.committed_step
+            self.saved_step = self.committed_step
+            self.next_worker_id = prior.next_worker_id
+            self.admitted = {w: {"host": v.host, "pid": v.pid} for w, v in prior.admitted.items()}
+            self.recover_until = time.monotonic() + cfg.coordinator.rejoin_window_s
+            record = {"epoch": prior.epoch, "members": list(prior.members), "reason": "restored", "reform": False}
+            self.store.set(keys.epoch(prior.epoch), json.dumps(record))
+            resume = False  # the workers hold the state; a joiner receives it from them
+        self.store.set(keys.EPOCH, str(self.epoch))
+        self.store.set(keys.RESUME, "1" if resume else "0")
+        self.status: StatusServer | None = None
+        if cfg.coordinator.status_port >= 0:
+            c = cfg.coordinator
+            self.status = StatusServer(self.view, host=c.status_host, port=c.status_port, token=self.token).start()
+        self.emit(
+            RecordKind.COORDINATOR,
+            incarnation=self.incarnation,
+            restored_epoch=self.epoch if self.restored else 0,
+            address=self.address,
+            status=self.status.url if self.status is not None else "",
+        )
+        if self.restored:
+            log.warning("restarted: epoch %d, waiting for members %s to return", self.epoch, list(self.restored))
 
     # -- output -------------------------------------------------------------------------------------
     def emit(self, kind: RecordKind, **fields: Any) -> None:
@@ -142,21 +214,21 @@ class Coordinator:
             # Before the first epoch an admitted id may register again: a restart of a process that died
             # (its death was reported) keeps its id; anything else is a duplicate and gets a fresh one.
             replaced = wid in self.admitted and self.epoch == 0 and self.store.check([keys.dead(wid)])
-            if (
-                wid is None
-                or wid < 0
-                or wid in self.members
-                or (wid in self.admitted and not replaced and self.epoch == 0)
-            ):
+            returning = bool(request.get("returning")) and wid in self.restored and wid not in self.returned
+            taken = wid in self.members or (wid in self.admitted and not replaced and self.epoch == 0)
+            if wid is None or wid < 0 or (taken and not returning):
                 wid = max([self.next_worker_id, *[w + 1 for w in self.admitted]])
             # A worker that died may come back under its old id (the launcher restarts it so).
             self.next_worker_id = max(self.next_worker_id, wid + 1)
             self.admitted[wid] = request
             self.heartbeats[wid] = (get_int(self.store, keys.heartbeat(wid)), time.monotonic())
             self.store.delete_key(keys.dead(wid))
-            self.store.set(keys.register_late(n), "1" if self.epoch > 0 else "0")
+            self.store.set(keys.register_late(n), "1" if self.epoch > 0 and not returning else "0")
             self.store.set(keys.register_id(n), str(wid))
-            joined.append(wid)
+            if returning:
+                self.returned.add(wid)  # a member that kept the state through the coordinator's restart
+            else:
+                joined.append(wid)
             self.next_registration += 1
         return joined
 
@@ -199,13 +271,50 @@ class Coordinator:
             key = keys.metrics(self.next_metric)
             if not self.store.check([key]):
                 break
-            self.metrics.write_line(self.store.get(key).decode())
+            line = self.store.get(key).decode()
+            if line not in self.recent_set:  # a worker sends its recent records again to a new coordinator
+                self.metrics.write_line(line)
+                self._remember(line)
+                if '"type": "step"' in line:
+                    record = decode(line)
+                    if record is not None and not record.get("skipped"):
+                        self.committed_step = max(self.committed_step, int(record["step"]))
             self.store.delete_key(key)
             self.next_metric += 1
 
+    def _remember(self, line: str) -> None:
+        if len(self.recent_lines) == self.recent_lines.maxlen:
+            self.recent_set.discard(self.recent_lines[0])
+        self.recent_lines.append(line)
+        self.recent_set.add(line)
+
+    def save_state(self, epoch: int, members: tuple[int, ...]) -> None:
+        """Write the hard state ahead of publishing ``epoch`` (an epoch number is then never handed out twice,
+        whatever happens to this process); a deposed coordinator (etcd) stops here."""
+        self.saved_step = self.committed_step
+        if self.state_store is None:
+            return
+        state = State(
+            epoch=epoch,
+            members=tuple(sorted(members)),
+            committed_step=self.committed_step,
+            data_cursor=self.committed_step + 1,
+            admitted={w: Worker(str(r.get("host", "")), int(r.get("pid", 0))) for w, r in self.admitted.items()},
+            next_worker_id=max([self.next_worker_id, *(w + 1 for w in self.admitted)]),
+        )
+        try:
+            self.state_store.save(state)
+        except StaleWriteError as e:
+            log.error("another coordinator leads now (%s); stepping down", e)
+            self.stopping.set()
+            raise Deposed from e
+
     def publish(self, members: tuple[int, ...], reason: str, reform: bool = False) -> None:
-        self.epoch += 1
+        epoch = max(self.epoch, self.epoch_floor) + 1
+        self.save_state(epoch, members)
+        self.epoch = epoch
         self.members = tuple(sorted(members))
+
         record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "reform": reform}
         self.store.set(keys.epoch(self.epoch), json.dumps({**record, "time": time.time()}))
         self.store.set(keys.EPOCH, str(self.epoch))
@@ -298,6 +407,10 @@ class Coordinator:
                             f"within {self.join_timeout_s:.0f} s"
                         )
                         break
+                elif self.restored and not self.members:
+                    if set(self.restored) <= self.returned or time.monotonic() > self.recover_until:
+                        self._end_restore(joined)
+                        joined = []
                 else:
                     dead = self._dead(counts, reported=full)
                     if dead:
@@ -314,6 +427,12 @@ class Coordinator:
                     if joined:
                         self.publish((*self.members, *joined), "joined: " + ", ".join(str(w) for w in joined))
                 self._drain_metrics(metrics_seq)
+                if self.state_store is not None:
+                    if not self.state_store.is_leader():
+                        log.error("this coordinator no longer leads (its lease expired); stepping down")
+                        break
+                    if self.committed_step != self.saved_step and self.epoch > 0 and self.members:
+                        self.save_state(self.epoch, self.members)
                 if full and self.store.check([keys.STOP]):
                     ring(self.store, keys.NEWS)  # a stop written by the launcher or a worker: tell everyone now
                     break
@@ -328,6 +447,8 @@ class Coordinator:
                 elif self.first_timeout.get(self.epoch) is not None:
                     rung = True
                 ticks += 1
+        except Deposed:
+            pass
         finally:
             self._drain_metrics()
             if self.store.check([keys.STOP]) and not self.store.check([keys.DONE]):
@@ -341,18 +462,38 @@ class Coordinator:
                 dropped=gw.dropped,
             )
             self.metrics.close()
+            if self.status is not None:
+                self.status.close()
         return 0 if self.store.check([keys.DONE]) else 1
+
+    def _end_restore(self, joined: list[int]) -> None:
+        """A restarted coordinator: publish the next epoch with the members that came back (and any joiner);
+        those that did not are failures like any other."""
+        back = tuple(w for w in self.restored if w in self.returned)
+        gone = [w for w in self.restored if w not in self.returned]
+        self.restored = ()
+        members = (*back, *joined)
+        if not members:
+            self.stop("no worker came back to the restarted coordinator")
+            return
+        reason = "coordinator restarted: " + (", ".join(map(str, back)) or "nobody") + " came back"
+        if gone:
+            reason += "; " + ", ".join(map(str, gone)) + " did not"
+        self.publish(members, reason)
+        for wid in gone:
+            self._failure_record(wid, "did not come back to the restarted coordinator")
 
 
 START_TIMEOUT_S = 60.0
 
 
 def spawn_coordinator(
-    sock: socket.socket, run_dir: Path, workers: int, resume: bool, env: dict[str, str]
+    sock: socket.socket, run_dir: Path, workers: int, resume: bool, env: dict[str, str], restore: bool = False
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``unbroken coordinator`` as a child process serving ``sock`` (handed over, then closed here) for
-    the run in ``run_dir`` (its config.toml written); returns the process and the job's address once it
-    listens. Its log is ``run_dir/logs/coordinator.log``; it exits if this process dies."""
+    """Start ``unbroken coordinator`` as a child process serving ``sock`` (a copy is handed over; the caller
+    keeps its own, to start a successor at the same address, or closes it) for the run in ``run_dir`` (its
+    config.toml written); returns the process and the job's address once it listens. Its log is
+    ``run_dir/logs/coordinator.log``; it exits if this process dies."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     address_file = run_dir / "coordinator.json"
@@ -361,13 +502,14 @@ def spawn_coordinator(
     cmd += ["--workers", str(workers), "--parent-pid", str(os.getpid()), "--address-file", str(address_file)]
     if resume:
         cmd.append("--resume")
+    if restore:
+        cmd.append("--restore")
     address_file.unlink(missing_ok=True)  # a previous run's address
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **env}  # c10d logs a stack trace for every bounded wait that ends
     with open(logs / "coordinator.log", "ab") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, pass_fds=(fd,), start_new_session=True, env=env
         )
-    sock.close()  # the coordinator holds its own copy of the listening socket
     deadline = time.monotonic() + START_TIMEOUT_S
     while not address_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -386,7 +528,8 @@ def run_coordinator(coordinator: Coordinator, address_file: Path | None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"address": coordinator.address, "pid": os.getpid()}))
+        status = coordinator.status.address if coordinator.status is not None else ""
+        tmp.write_text(json.dumps({"address": coordinator.address, "pid": os.getpid(), "status": status}))
         os.replace(tmp, address_file)
     code = coordinator.run()
     # Let workers read the final keys before the store goes away.

@@ -5,6 +5,8 @@
     run_dir                   coordinator (start)          workers: where checkpoints go
     expected                  coordinator (start)          workers: the configured workers (MeCeFO's ring)
     resume                    coordinator (start)          workers: "1" when the run continues (--resume)
+    incarnation               coordinator (start)          workers: which coordinator process this is (a
+                                                           restarted one has another: workers re-register)
     register/seq              workers (add)                coordinator: registration requests so far
     register/<n>              a registering worker         coordinator: {worker_id, host, pid}
     register/<n>/id           coordinator                  that worker: its admitted id
@@ -35,6 +37,7 @@ CONFIG = "config"
 RUN_DIR = "run_dir"
 EXPECTED = "expected"
 RESUME = "resume"
+INCARNATION = "incarnation"
 REGISTER_SEQ = "register/seq"
 EPOCH = "epoch"
 METRICS_SEQ = "metrics/seq"

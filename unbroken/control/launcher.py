@@ -1,23 +1,21 @@
-"""The single-machine launcher behind ``unbroken train``: one coordinator process and N worker processes.
+"""The single-machine launcher behind ``unbroken train`` and ``unbroken launch``: a coordinator process and
+one host's agent (``control.agent``) with N worker processes.
 
-Owns process lifetimes on this host: it validates everything before writing anything, prepares the run
-directory, starts the coordinator (handing it the listening socket it bound, so a port in use is an
-error before anything starts) and the workers, reports each worker's exit to the coordinator (the
-fastest failure detector there is), shows progress from ``metrics.jsonl``, and on Ctrl-C stops every
-process it started. Checkpoints are written atomically by the workers, so an interrupted run keeps its
-last good checkpoint.
+Owns a run on one host: it validates everything before writing anything, prepares the run directory, starts
+the coordinator (handing it the listening socket it bound, so a port in use is an error before anything
+starts, and keeping it, so a coordinator that dies is replaced at the same address), runs the agent that
+starts and watches the workers, shows progress from ``metrics.jsonl``, runs the ``restart`` baseline, and
+on Ctrl-C stops every process it started. Checkpoints are written atomically by the workers, so an
+interrupted run keeps its last good checkpoint.
 
 The job's secret token (``UNBROKEN_TOKEN``, generated here unless the environment already has one) goes
 to the coordinator and the workers through their environment; every store connection is authenticated
-with it (``gateway``). If the coordinator dies, the workers checkpoint the last committed step and exit;
-the launcher then exits non-zero with a one-line hint naming ``--resume``.
+with it (``gateway``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -29,21 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control import keys
-from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
+from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.control.progress import ProgressView, print_summary
-from unbroken.control.store import bind_listen_socket, connect_store, publish_record, ring
+from unbroken.control.store import bind_listen_socket
 from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
-from unbroken.core.failures import FATAL_KINDS, FailureKind, build_schedule, parse_event
+from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
 from unbroken.core.records import RecordKind, append_records, decode, make
 
-POLL_S = 0.005
-# The main loop's period without injections (progress updates); a process exit wakes it at once. The
-# launcher shares the workers' cores: every wake-up is taken from training.
-IDLE_WAIT_S = 0.25
-STOP_GRACE_S = 10.0
+MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
 TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
 
 
@@ -111,7 +105,12 @@ def plan_launch(
 
 
 class Launcher:
-    """Runs a validated ``LaunchPlan`` to the end; ``run()`` returns the process exit status."""
+    """Runs a validated ``LaunchPlan`` to the end; ``run()`` returns the process exit status.
+
+    The coordinator is a child process serving the plan's listening socket, which the launcher keeps: a
+    coordinator that dies before the run is over (``kill -9``, a crash, ``kill:coordinator`` in the schedule)
+    is started again at the same address; it recovers from its journal and the workers, who kept training,
+    register with it again. The workers are this host's ``Agent``'s."""
 
     def __init__(self, plan: LaunchPlan, show_progress: bool = True, show_summary: bool = True) -> None:
         self.plan = plan
@@ -120,208 +119,81 @@ class Launcher:
         self.show_progress = show_progress
         self.show_summary = show_summary
         self.coordinator: subprocess.Popen[bytes] | None = None
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
-        self.reported: set[int] = set()
         self.interrupted = False
-        self.address = ""
-        self.store: Any = None
         self._metrics_offset = 0
         self._records: list[dict[str, Any]] = []
         self._failures_seen = 0  # failure records among _records (counted as they arrive)
         self._final_seen = False
-        self.down: dict[int, dict[str, Any]] = {}  # workers we killed or stopped, and when they come back
+        self._stopped_seen = False
         self.failures_handled = 0  # restart policy: failure records already acted on
-        self.fired: set[str] = set()  # injected events (each fires once, across restarts too)
-        self.restarts = 0
+        self.restarts = 0  # restart policy: relaunches of the whole job
+        self.coordinator_restarts = 0
         self.sock = plan.sock
         self.resume = plan.resume
         self.token = token_from_env() or new_token()
         # c10d logs a C++ stack trace for every bounded store wait that times out: keep its errors only.
-        self.env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
-        self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
-        self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
+        env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
+        self.env = env
+        schedule = FailureSchedule.parse(self.cfg.failures.schedule)
+        self.coordinator_kills = sorted(e.step for e in schedule.events if e.worker == COORDINATOR_TARGET)
+        self.agent = Agent(
+            list(range(plan.workers)),
+            plan.command,
+            env,
+            self.run_dir / "logs",
+            plan.restart_after_s,
+            injections=bool(schedule.events),
+        )
+
+    @property
+    def workers(self) -> dict[int, subprocess.Popen[bytes]]:
+        return self.agent.workers
 
     # -- processes ----------------------------------------------------------------------------------
-    def _python(self) -> list[str]:
-        return [sys.executable, "-m", "unbroken"]
-
-    def start_coordinator(self) -> None:
-        self.coordinator, self.address = spawn_coordinator(
-            self.sock, self.run_dir, len(self.alive_ids()), self.resume, self.env
+    def start_coordinator(self, restore: bool = False) -> None:
+        self.coordinator, address = spawn_coordinator(
+            self.sock, self.run_dir, len(self.agent.alive_ids()), self.resume, self.env, restore
         )
-        self.store = connect_store(self.address, token=self.token)
-        for event in self.fired:
-            self.store.set(keys.fired(event), "1")
-
-    def start_worker(self, worker_id: int) -> None:
-        log_path = self.run_dir / "logs" / f"worker-{worker_id}.log"
-        env = {
-            **self.env,
-            COORDINATOR_ENV: self.address,
-            WORKER_ID_ENV: str(worker_id),
-            LOCAL_WORKERS_ENV: str(self.plan.workers),
-        }
-        with open(log_path, "ab") as out:
-            self.workers[worker_id] = subprocess.Popen(
-                list(self.plan.command),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
-        self.reported.discard(worker_id)
-
-    def alive_ids(self) -> list[int]:
-        return [w for w in range(self.plan.workers) if w not in self.down]
-
-    def _deliver_injections(self) -> None:
-        """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
-        if not self.cfg.failures.schedule or not self._coordinator_up() or self._finished():
-            return
-        for wid, proc in self.workers.items():
-            if proc.poll() is not None or wid in self.down or wid in self.pauses:
-                continue
-            key = keys.inject(wid)
-            try:
-                if not self.store.check([key]):
-                    continue
-                info = json.loads(self.store.get(key))
-                event = parse_event(info["event"])
-                now = time.time()
-                if event.kind in FATAL_KINDS and not self._other_members_alive(wid):
-                    # A cluster never loses its last copy of the state to a scheduled failure (the paper's
-                    # 32 ranks never all fail); random schedules plan in expected time and can overlap.
-                    self.store.set(keys.fired(info["event"]), "1")
-                    self.store.set(keys.skip(wid), "1")
-                    self.store.delete_key(key)
-                    why = "no other member of the group is alive: it would lose the training state"
-                    record = make(RecordKind.INJECTION_SKIPPED, now, worker=wid, event=info["event"], why=why)
-                    publish_record(self.store, record)
-                    continue
-                self.store.delete_key(key)
-                self.store.set(keys.injected(wid), json.dumps({"event": info["event"], "time": now}))
-                self.store.set(keys.fired(info["event"]), "1")
-                self.fired.add(info["event"])
-                record = make(RecordKind.INJECTED, now, worker=wid, event=info["event"], kind=str(event.kind))
-                publish_record(self.store, record)
-            except RuntimeError:
-                self.store = None  # the coordinator is shutting down: stop asking (each failed call logs a trace)
-                return
-            self.last_event[wid] = event
-            if event.kind is FailureKind.CUT:
-                continue  # the worker cuts its own connections; its exit is handled like any other
-            os.kill(proc.pid, signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
-            if event.kind is FailureKind.PAUSE:
-                self.pauses[wid] = time.monotonic() + event.seconds
-                continue
-            self.down[wid] = {
-                "rejoin": event.rejoin_after_s,
-                "at": time.monotonic(),
-                "hung": event.kind is FailureKind.HANG,
-                "seen": len(self._records),
-            }
-
-    def _other_members_alive(self, wid: int) -> bool:
-        """Whether a member of the newest epoch other than ``wid`` is alive (not killed, paused or exited)."""
-        assert self.store is not None
-        members = json.loads(self.store.get(keys.epoch(int(self.store.get(keys.EPOCH)))))["members"]
-        return any(
-            w != wid and w not in self.down and w not in self.pauses and self.workers[w].poll() is None for w in members
-        )
-
-    def _manage_down(self) -> None:
-        """Continue paused workers; kill hung workers once the coordinator excluded them; restart downed
-        workers after their MTTR (a worker that left after a pause or a cut is down from its exit on, and so
-        is one that died without a scheduled event, e.g. killed from outside, when ``restart_after_s`` is set)."""
-        now = time.monotonic()
-        for wid, until in list(self.pauses.items()):
-            if now >= until:
-                del self.pauses[wid]
-                if self.workers[wid].poll() is None:
-                    os.kill(self.workers[wid].pid, signal.SIGCONT)
-        for wid, event in list(self.last_event.items()):
-            proc = self.workers[wid]
-            if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
-                del self.last_event[wid]
-                if event.rejoin_after_s is not None and event.kind in (
-                    FailureKind.PAUSE,
-                    FailureKind.CUT,
-                    FailureKind.STALL,
-                ):
-                    self.down[wid] = {
-                        "rejoin": event.rejoin_after_s,
-                        "at": now,
-                        "hung": False,
-                        "seen": len(self._records),
-                    }
-        if self.plan.restart_after_s > 0 and not self._finished():
-            for wid, proc in self.workers.items():
-                if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
-                    # Died without a scheduled event (killed from outside, excluded after a stop): a cluster's
-                    # scheduler would replace it.
-                    self.last_event.pop(wid, None)
-                    self.down[wid] = {
-                        "rejoin": self.plan.restart_after_s,
-                        "at": now,
-                        "hung": False,
-                        "seen": len(self._records),
-                    }
-        for wid, info in list(self.down.items()):
-            proc = self.workers[wid]
-            if info["hung"] and proc.poll() is None:
-                later = self._records[info["seen"] :]
-                if any(r.get("type") == "failure" and r.get("worker") == wid for r in later):
-                    proc.kill()
-                    proc.wait()
-                    self.reported.add(wid)  # already excluded; its exit is not news
-                continue
-            rejoin = info["rejoin"]
-            if rejoin is not None and proc.poll() is not None and now >= info["at"] + rejoin and self._coordinator_up():
-                del self.down[wid]
-                self.start_worker(wid)
-
-    def _report_exits(self) -> None:
-        if not self._coordinator_up() or self._finished():
-            return  # nobody left to tell, or the workers are leaving because the run is over
-        for wid, proc in self.workers.items():
-            code = proc.poll()
-            if code is not None and code != 0 and wid not in self.reported:  # 0: finished the run
-                self.reported.add(wid)
-                self._store_set(keys.dead(wid), "killed by SIGKILL" if code == -9 else f"exited with status {code}")
-
-    def _nobody_left(self) -> bool:
-        """No worker process runs and none is due to restart (e.g. every one failed before joining)."""
-        restarts = any(info["rejoin"] is not None for info in self.down.values())
-        return not self._finished() and not restarts and all(p.poll() is not None for p in self.workers.values())
-
-    def _finished(self) -> bool:
-        return self._final_seen
+        self.agent.connect(address, self.token)
 
     def _coordinator_up(self) -> bool:
-        return self.store is not None and self.coordinator is not None and self.coordinator.poll() is None
-
-    def _store_set(self, key: str, value: str) -> None:
-        if not self._coordinator_up():
-            return
-        try:
-            self.store.set(key, value)
-            ring(self.store)
-        except RuntimeError:
-            self.store = None  # the coordinator is gone; nothing left to tell
+        return self.coordinator is not None and self.coordinator.poll() is None
 
     def stop_all(self, reason: str) -> None:
         """Ask everyone to stop, wait a grace period, then kill what is left."""
-        self._store_set(keys.STOP, reason)
-        for info in self.down.values():
-            info["hung"] = False  # a stopped process is killed below like the rest
-        deadline = time.monotonic() + STOP_GRACE_S
-        procs = [*self.workers.values(), *([self.coordinator] if self.coordinator else [])]
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(POLL_S)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        if self._coordinator_up():
+            self.agent._tell(keys.STOP, reason)
+        self.agent.stop_workers(others=[self.coordinator] if self.coordinator else [])
+
+    def _kill_coordinator_if_due(self) -> None:
+        """``kill:coordinator,step=N``: SIGKILL the coordinator once step N is committed."""
+        if not self.coordinator_kills or not self._coordinator_up():
+            return
+        committed = max((r["step"] for r in self._records if r.get("type") == RecordKind.STEP), default=-1)
+        if committed >= self.coordinator_kills[0]:
+            step = self.coordinator_kills.pop(0)
+            assert self.coordinator is not None
+            self.coordinator.kill()
+            self.coordinator.wait()
+            event = f"kill:coordinator,step={step}"
+            record = make(RecordKind.INJECTED, time.time(), worker=COORDINATOR_TARGET, event=event, kind="kill")
+            append_records(self.run_dir, [record])  # the coordinator, the records' writer, is what was killed
+
+    def _restart_coordinator(self, progress: ProgressView) -> bool:
+        """The coordinator died before the run ended: start a successor at the same address (it recovers from
+        its journal; the workers hold on and register again). False if that is not to be (stopped, done, or
+        it keeps dying)."""
+        if self._final_seen or self._stopped_seen or self.coordinator_restarts >= MAX_COORDINATOR_RESTARTS:
+            return False
+        if self.cfg.coordinator.state != "journal":
+            return False  # a standby coordinator takes over (etcd): not this launcher's job
+        assert self.coordinator is not None
+        how = self.coordinator.returncode
+        self.coordinator_restarts += 1
+        self.agent.store = None
+        self.start_coordinator(restore=True)
+        progress.note(f"the coordinator died (status {how}); a new one took over at the same address")
+        return True
 
     # -- progress -----------------------------------------------------------------------------------
     def _new_records(self) -> list[dict[str, Any]]:
@@ -335,8 +207,10 @@ class Launcher:
         self._metrics_offset += len(complete.encode())
         records = [r for r in map(decode, complete.splitlines()) if r is not None]  # torn lines are skipped
         self._records += records
-        self._failures_seen += sum(1 for r in records if r.get("type") == "failure")
-        self._final_seen = self._final_seen or any(r.get("type") == "final" for r in records)
+        self._failures_seen += sum(1 for r in records if r.get("type") == RecordKind.FAILURE)
+        self._final_seen = self._final_seen or any(r.get("type") == RecordKind.FINAL for r in records)
+        self._stopped_seen = self._stopped_seen or any(r.get("type") == RecordKind.STOPPED for r in records)
+        self.agent.finished = self._final_seen
         return records
 
     def run(self) -> int:
@@ -350,15 +224,13 @@ class Launcher:
         started = time.monotonic()
         try:
             self.start_coordinator()
-            for wid in range(self.plan.workers):
-                self.start_worker(wid)
+            self.agent.start_all()
             with ProgressView(self.cfg.train.steps, self.show_progress) as progress:
                 while True:
                     for record in self._new_records():
                         progress.update(record)
-                    self._deliver_injections()
-                    self._report_exits()
-                    self._manage_down()
+                    self._kill_coordinator_if_due()
+                    self.agent.tick()
                     if self._needs_restart():
                         self._restart_job(progress)
                         continue
@@ -369,18 +241,22 @@ class Launcher:
                         return 130
                     assert self.coordinator is not None
                     if self.coordinator.poll() is not None:
-                        break
-                    if self._nobody_left():
+                        self._new_records()
+                        if not self._restart_coordinator(progress):
+                            break
+                    if not self._final_seen and self.agent.nobody_left():
                         self.stop_all("every worker exited and none is due to restart")
                         break
                     # Injections need a prompt answer (the worker waits at its phase to be signalled).
-                    self._wait_for_exit(POLL_S if self.cfg.failures.schedule else IDLE_WAIT_S)
+                    procs = [*self.agent.processes(), self.coordinator]
+                    wait_for_exit(procs, POLL_S if self.agent.injections else IDLE_WAIT_S)
                 for record in self._new_records():
                     progress.update(record)
             return self._finish(time.monotonic() - started)
         finally:
             signal.signal(signal.SIGINT, previous)
-            for p in [*self.workers.values(), *([self.coordinator] if self.coordinator else [])]:
+            self.sock.close()
+            for p in [*self.agent.processes(), *([self.coordinator] if self.coordinator else [])]:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
@@ -393,38 +269,22 @@ class Launcher:
         self._new_records()
         self.failures_handled = self._failures_seen
         self.restarts += 1
+        self.sock.close()
         self.sock = bind_listen_socket(self.plan.host, 0)
         self.resume = True
-        self.reported = set(self.down)
+        self.agent.reported = set(self.agent.down)
         self.start_coordinator()
-        for wid in self.alive_ids():
-            self.start_worker(wid)
-        record = make(
-            RecordKind.RESTART, time.time(), workers=self.alive_ids(), stop_and_relaunch_s=time.monotonic() - t0
-        )
+        self.agent.start_all()
+        alive = self.agent.alive_ids()
+        record = make(RecordKind.RESTART, time.time(), workers=alive, stop_and_relaunch_s=time.monotonic() - t0)
         append_records(self.run_dir, [record])
-        progress.note(f"restart: relaunched workers {self.alive_ids()} from the last checkpoint")
+        progress.note(f"restart: relaunched workers {alive} from the last checkpoint")
 
     def _needs_restart(self) -> bool:
         if self.cfg.recovery.policy is not RecoveryPolicy.RESTART:
             return False
-        exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.down)
+        exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.agent.down)
         return self._failures_seen > self.failures_handled or exited
-
-    def _wait_for_exit(self, timeout_s: float) -> None:
-        """Sleep up to ``timeout_s``, waking as soon as a process we started exits (Linux pidfds; elsewhere
-        a plain sleep). The workers share the machine's cores: a busy launcher would slow them down."""
-        procs = [p for p in (*self.workers.values(), self.coordinator) if p is not None and p.returncode is None]
-        fds: list[int] = []
-        try:
-            for p in procs:
-                fds.append(os.pidfd_open(p.pid))
-            select.select(fds, [], [], timeout_s)
-        except (AttributeError, OSError):
-            time.sleep(timeout_s)
-        finally:
-            for fd in fds:
-                os.close(fd)
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
@@ -434,10 +294,10 @@ class Launcher:
         while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
             time.sleep(POLL_S)
         self._new_records()  # what the workers wrote themselves if the coordinator died
-        done = self._finished()
+        done = self._final_seen
         assert self.coordinator is not None
         died = self.coordinator.returncode is not None and self.coordinator.returncode < 0
-        lost = [r for r in self._records if r.get("type") == "coordinator_lost"]
+        lost = [r for r in self._records if r.get("type") == RecordKind.COORDINATOR_LOST]
         if not done and (died or lost):
             code = self.coordinator.returncode
             how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
@@ -462,10 +322,6 @@ class Launcher:
             return 1
         if self.show_summary:
             print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
-        if self.cfg.metrics.tensorboard:
-            from unbroken.control.tensorboard import write_tensorboard
-
-            write_tensorboard(self.run_dir, self._records)
         if not done:
             print(f"unbroken: the run did not finish; see {self.run_dir / 'logs'}", file=sys.stderr)
             for wid in sorted(self.workers):

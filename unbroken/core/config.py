@@ -271,6 +271,31 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class CoordinatorConfig:
+    state: str = option(
+        "journal",
+        'where the coordinator keeps the state that must outlive it: "journal" (a file in the run directory; '
+        'unbroken train restarts a dead coordinator) or "etcd://host:port[,host:port...]" (a standby takes over)',
+    )
+    hold_s: float = option(60.0, "how long workers keep training and wait for a coordinator to come back")
+    rejoin_window_s: float = option(10.0, "how long a restarted coordinator waits for the last members to return")
+    lease_s: float = option(5.0, "etcd: the leader's lease; a standby takes over at most this long after it dies")
+    status_port: int = option(0, "port of the live status page and JSON endpoint (0: any free port; -1: none)")
+    status_host: str = option("127.0.0.1", "address the status page listens on (other hosts need the job's token)")
+
+    def __post_init__(self) -> None:
+        if self.state != "journal" and not self.state.startswith("etcd://"):
+            raise ValueError(
+                f'coordinator.state = {self.state!r} is unknown; allowed: "journal", "etcd://HOST:PORT,..."'
+            )
+        for name in ("hold_s", "rejoin_window_s", "lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"coordinator.{name} = {getattr(self, name)} must be > 0")
+        if not -1 <= self.status_port <= 65535:
+            raise ValueError(f"coordinator.status_port = {self.status_port} must be -1 (none), 0 (any) or a port")
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     tensorboard: bool = option(False, "also write TensorBoard event files (needs the tensorboard extra)")
 
@@ -285,6 +310,7 @@ class RunConfig:
     mecefo: MecefoConfig = field(default_factory=MecefoConfig)
     failures: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 

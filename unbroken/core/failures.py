@@ -3,6 +3,8 @@
 Grammar (events separated by ``;``):
 
     kill:worker=2,step=10,phase=backward[,rejoin=5]   SIGKILL at that point; restart after 5 s to rejoin
+    kill:coordinator,step=3                           SIGKILL of the coordinator once step 3 is committed (the
+                                                      launcher starts a successor; the workers hold on)
     hang:worker=1,step=5[,phase=start][,rejoin=5]     SIGSTOP (the heartbeat timeout must catch it)
     pause:worker=1,step=5,seconds=0.5[,phase=..][,rejoin=5]
                                                       SIGSTOP, then SIGCONT 0.5 s later; if the pause
@@ -59,6 +61,7 @@ class FailureKind(StrEnum):
 IN_WORKER_KINDS = frozenset(
     {FailureKind.SLOW, FailureKind.STALL, FailureKind.NAN, FailureKind.INF, FailureKind.SCALE, FailureKind.DUP}
 )
+COORDINATOR_TARGET = -1  # the worker field of ``kill:coordinator,step=N`` (the launcher kills the coordinator)
 FATAL_KINDS = frozenset({FailureKind.KILL, FailureKind.HANG, FailureKind.CUT})  # the worker leaves the group
 
 
@@ -89,6 +92,8 @@ class FailureEvent:
     microbatch: int = -1  # scale: the microbatch id
 
     def describe(self) -> str:
+        if self.worker == COORDINATOR_TARGET:
+            return f"kill:coordinator,step={self.step}"
         if self.kind is FailureKind.SLOW:
             return f"slow:worker={self.worker},factor={self.factor:g},steps={self.step}-{self.last_step}"
         if self.kind is FailureKind.SCALE:
@@ -148,6 +153,9 @@ def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEven
     fields: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
+        if item == "coordinator" and kind is FailureKind.KILL:
+            fields["coordinator"] = ""
+            continue
         if not eq or not key.strip():
             raise ValueError(f"failure event {text!r}: {item!r} is not key=value")
         key = key.strip()
@@ -164,6 +172,10 @@ def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEven
             raise ValueError(f"failure event {text!r}: factor must be > 0")
         step, microbatch = _int(fields["step"], "step", text), _int(fields["microbatch"], "microbatch", text)
         return FailureEvent(kind, -1, step, factor=factor, microbatch=microbatch)
+    if kind is FailureKind.KILL and "coordinator" in fields and fields["coordinator"] == "":
+        if set(fields) - {"coordinator", "step"} or "step" not in fields:
+            raise ValueError(f"failure event {text!r}: expected kill:coordinator,step=N")
+        return FailureEvent(kind, COORDINATOR_TARGET, _int(fields["step"], "step", text), Phase.START)
     if "worker" not in fields:
         raise ValueError(f"failure event {text!r} names no worker")
     worker = _int(fields["worker"], "worker", text)
@@ -229,13 +241,15 @@ class FailureSchedule:
                         f"failure event {e.describe()!r}: microbatch {e.microbatch} does not exist "
                         f"(microbatches 0..{microbatches - 1})"
                     )
+            elif e.worker == COORDINATOR_TARGET:
+                pass
             elif not 0 <= e.worker < num_workers:
                 raise ValueError(
                     f"failure event {e.describe()!r}: worker {e.worker} does not exist (workers 0..{num_workers - 1})"
                 )
             if not 0 <= e.step < steps or (e.kind is FailureKind.SLOW and e.last_step >= steps):
                 raise ValueError(f"failure event {e.describe()!r}: step past the end of the run (steps 0..{steps - 1})")
-        fatal = [e for e in self.events if e.kind in FATAL_KINDS]
+        fatal = [e for e in self.events if e.kind in FATAL_KINDS and e.worker != COORDINATOR_TARGET]
         never_back = {e.worker for e in fatal if e.rejoin_after_s is None}
         if fatal and never_back >= set(range(num_workers)):
             raise ValueError(

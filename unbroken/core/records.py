@@ -37,6 +37,7 @@ class RecordKind(StrEnum):
     NONFINITE_SKIP = "nonfinite_skip"  # a step skipped on every member for a non-finite gradient
     STOPPED = "stopped"  # the run stopped on purpose (a broken invariant, train.nonfinite = stop)
     STALL = "stall"  # a collective timed out with every heartbeat arriving: what the coordinator decided
+    COORDINATOR = "coordinator"  # a coordinator started (or restarted: restored_epoch > 0), and where
     USER = "user"  # anything a user's script logs
 
 
@@ -61,6 +62,7 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     RecordKind.NONFINITE_SKIP: frozenset({"step", "microbatches", "workers", "parameter", "streak"}),
     RecordKind.STOPPED: frozenset({"reason"}),
     RecordKind.STALL: frozenset({"epoch", "reported", "suspects", "decision"}),
+    RecordKind.COORDINATOR: frozenset({"incarnation", "restored_epoch", "address", "status"}),
     RecordKind.USER: frozenset(),
 }
 

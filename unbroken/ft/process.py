@@ -126,6 +126,7 @@ class Job:
         token = os.environ.get(TOKEN_ENV) or new_token()
         sock = bind_listen_socket("127.0.0.1", 0)
         proc, address = spawn_coordinator(sock, run_dir, 1, resume, {**os.environ, TOKEN_ENV: token})
+        sock.close()  # the coordinator holds its own copy
         return Job(address, token, config, run_dir, 0, exit_process, local=proc)
 
     def setup_process(self) -> None:
@@ -144,7 +145,12 @@ class Job:
         never makes the others wait for it."""
         comm = self.config.comm
         return CoordinatorClient(
-            self.address, self.worker_id, comm.heartbeat_interval_s, comm.heartbeat_timeout_s, token=self.token
+            self.address,
+            self.worker_id,
+            comm.heartbeat_interval_s,
+            comm.heartbeat_timeout_s,
+            token=self.token,
+            hold_s=self.config.coordinator.hold_s,
         )
 
     def expected_workers(self) -> int:

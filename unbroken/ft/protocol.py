@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from unbroken.control import keys
 from unbroken.control.client import CoordinatorClient
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
 from unbroken.core.failures import Phase
@@ -788,19 +787,23 @@ class StepProtocol:
         return False
 
     def finish(self) -> None:
-        """The end of the run: every member's parameter checksum; the leader then checks that the final
-        checkpoint is on disk and whole (writing it if its writer died), records the checksums and marks the
-        run done, so a run that says "done" has its final state saved."""
-        store = self.client.store
+        """The end of the run: every member's parameter checksum, exchanged in one reduction (the store may
+        have been replaced by a restarted coordinator); the leader then checks that the final checkpoint is
+        on disk and whole (writing it if its writer died), records the checksums and marks the run done, so a
+        run that says "done" has its final state saved."""
         while True:
-            store.set(keys.final(self.wid), self.state.checksum())
-            if self.allreduce_interruptible(torch.zeros(1)):
+            assert self.group is not None
+            digests = torch.zeros(self.group.size, 32, dtype=torch.float64)
+            digests[self.group.rank] = torch.tensor(list(bytes.fromhex(self.state.checksum())), dtype=torch.float64)
+            if self.allreduce_interruptible(digests):
                 break
         assert self.group is not None
         if self.leader:
             self.ensure_checkpoint()
             ckpt.clean_partial(self.run_dir)
-            checksums = {str(w): store.get(keys.final(w)).decode() for w in self.group.members}
+            checksums = {
+                str(w): bytes(int(x) for x in digests[rank].tolist()).hex() for rank, w in enumerate(self.group.members)
+            }
             self.publish(
                 RecordKind.FINAL,
                 step=self.state.step,

@@ -1,0 +1,155 @@
+"""The control plane for many hosts, on one machine: per-host agents, a coordinator that survives its own death,
+and (with etcd) a standby that takes over. Real processes, real ``kill -9``; the oracle is the failure-free run,
+bitwise (exact reduction)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from runner import TINY, train
+
+from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.core.records import read_records, step_losses
+from unbroken.ft import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 60
+# 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
+# mid-run; the assertions say if one did not.
+COMMON = [
+    f"--train.steps={STEPS}",
+    "--train.microbatches=8",
+    "--data.microbatch_size=4",
+    "--recovery.reduction=exact",
+    "--checkpoint.every=10",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken", *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001 - a predicate
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def committed(run_dir: Path) -> int:
+    return max((r["step"] for r in read_records(run_dir, "step")), default=-1)
+
+
+def worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
+    for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"UNBROKEN_WORKER_ID={worker}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"worker {worker} is not a child of agent {agent.pid}")
+
+
+def same_final(a: Path, b: Path, step: int) -> None:
+    sa, sb = ckpt.verify(a, step), ckpt.verify(b, step)
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("control") / "reference"
+    result = train(out, data_cache_dir, *COMMON)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_two_agents_survive_a_killed_worker_and_a_killed_host(
+    tmp_path: Path, data_cache_dir: Path, reference: Path
+) -> None:
+    """Two agents of 2 workers each stand for two hosts. A worker of agent 0 is killed (its agent reports the
+    exit at once and restarts it); later agent 1 is killed with its workers, as a host that dies: the
+    coordinator sees their heartbeats stop and goes on with agent 0's workers. The run ends bitwise the
+    failure-free one."""
+    env = {**os.environ, TOKEN_ENV: new_token()}
+    port, run = free_port(), tmp_path / "run"
+    overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5"]
+    coordinator = unbroken("coordinator", TINY, "--workers", "4", "--port", str(port), "--run-dir", str(run),
+                           *overrides, env=env, log=tmp_path / "coordinator.log")  # fmt: skip
+    agents = [
+        unbroken(
+            "agent",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--workers",
+            "2",
+            "--node-rank",
+            str(r),
+            env=env,
+            log=tmp_path / f"agent-{r}.log",
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        wait_for(lambda: committed(run) >= 4, 120, "step 4")
+        os.kill(worker_pid(agents[0], 1), signal.SIGKILL)
+        wait_for(lambda: committed(run) >= 12, 120, "step 12")
+        os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its workers: a host that dies
+        assert coordinator.wait(timeout=200) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        assert agents[0].wait(timeout=60) == 0, (tmp_path / "agent-0.log").read_text()[-3000:]
+    finally:
+        for p in (coordinator, *agents):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    failures = {f["worker"]: f["why"] for f in read_records(run, "failure")}
+    assert failures[1].startswith("process") and "SIGKILL" in failures[1]  # reported by its agent
+    assert "no heartbeat" in failures[2] and "no heartbeat" in failures[3]  # the host's loss, by heartbeats
+    memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
+    assert memberships[0] == (0, 1, 2, 3) and memberships[-1] == (0, 1)
+    final = read_records(run, "final")[0]
+    assert final["identical"] and sorted(final["checksums"]) == ["0", "1"]
+    assert step_losses(run) == step_losses(reference)
+    same_final(reference, run, STEPS)
+
+
+@pytest.mark.parametrize("how", ["schedule", "outside"])
+def test_the_coordinator_killed_mid_run(tmp_path: Path, data_cache_dir: Path, reference: Path, how: str) -> None:
+    """The coordinator is killed (``kill:coordinator`` in the schedule, or ``kill -9`` from outside): the
+    workers keep training, the launcher starts a successor at the same address from the journal, the workers
+    register with it again, and the run ends bitwise the failure-free one."""
+    out = tmp_path / how
+    if how == "schedule":
+        result = train(out, data_cache_dir, *COMMON, "--failures.schedule=kill:coordinator,step=8")
+    else:
+        cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "4", "--out", str(out), "--quiet"]
+        proc = subprocess.Popen(
+            [*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True
+        )
+        wait_for(lambda: committed(out) >= 8, 120, "step 8")
+        os.kill(json.loads((out / "coordinator.json").read_text())["pid"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=200)
+        result = subprocess.CompletedProcess(cmd, proc.returncode, "", stderr)
+    assert result.returncode == 0, result.stderr[-3000:]
+    starts = read_records(out, "coordinator")
+    assert len(starts) == 2 and starts[0]["restored_epoch"] == 0 and starts[1]["restored_epoch"] >= 1
+    epochs = [m["epoch"] for m in read_records(out, "membership")]
+    assert epochs == sorted(set(epochs))  # no epoch number handed out twice, none going backwards
+    assert sorted(step_losses(out)) == list(range(STEPS))
+    assert step_losses(out) == step_losses(reference)
+    same_final(reference, out, STEPS)

@@ -1,0 +1,369 @@
+"""The per-host agent: the workers of one host, started, watched and replaced.
+
+Owns the worker processes of a host: it starts them (``UNBROKEN_COORDINATOR``, ``UNBROKEN_WORKER_ID``,
+``UNBROKEN_LOCAL_WORKERS`` in their environment), sleeps on their pidfds (no polling loop burning a core) and
+tells the coordinator the moment one exits (``dead/<id>``: the fastest failure detector there is), delivers the
+failure schedule's signals to them when they reach a scheduled point, continues paused ones, kills a hung
+one once the coordinator has excluded it, and restarts a replaced worker after its delay (it then rejoins
+with live state transfer). ``unbroken train`` runs one agent in the launcher's process; on a cluster,
+``unbroken agent`` runs one per host (under ``srun``, a Kubernetes pod, or by hand): docs/control.md.
+
+The agent knows the coordinator only through the store (``control.keys``); when the coordinator restarts,
+``connect`` points it at the new one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from unbroken.control import keys
+from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
+from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
+from unbroken.control.store import connect_store, publish_record, ring
+from unbroken.core.config import config_from_toml_text
+from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
+from unbroken.core.logs import init_logger
+from unbroken.core.records import RecordKind, make
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.005  # with a failure schedule: injection points need a prompt answer
+IDLE_WAIT_S = 0.25  # otherwise; a process exit wakes the agent at once
+STOP_GRACE_S = 10.0
+
+
+class Agent:
+    """The workers ``worker_ids`` of this host, each running ``command``."""
+
+    def __init__(
+        self,
+        worker_ids: list[int],
+        command: tuple[str, ...],
+        env: dict[str, str],
+        log_dir: Path,
+        restart_after_s: float = 0.0,
+        injections: bool = False,
+        own_sessions: bool = True,
+    ) -> None:
+        self.ids = list(worker_ids)
+        self.command = command
+        self.env = env
+        self.log_dir = log_dir
+        self.restart_after_s = restart_after_s
+        self.injections = injections
+        # True: each worker in a session of its own (a terminal's Ctrl-C reaches only the launcher, which stops
+        # them in order); False: the workers share the agent's process group, so the host's loss (``kill -9``
+        # of the group) takes them all, as a machine that dies would.
+        self.own_sessions = own_sessions
+        self.address = ""
+        self.store: Any = None
+        self.finished = False  # the run is over: exits are not failures, nobody is restarted
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.reported: set[int] = set()
+        self.down: dict[int, dict[str, Any]] = {}  # workers killed or stopped, and when they come back
+        self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
+        self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
+        self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
+
+    # -- the coordinator ---------------------------------------------------------------------------
+    def connect(self, address: str, token: str) -> None:
+        """Talk to the coordinator at ``address`` (again, after it restarted)."""
+        self.address = address
+        self.store = connect_store(address, token=token)
+        for event in self.fired:
+            self.store.set(keys.fired(event), "1")
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """A store call; None (and no more calls until ``connect``) if the coordinator is gone."""
+        if self.store is None:
+            return None
+        try:
+            return fn(self.store, *args)
+        except RuntimeError:
+            self.store = None  # the coordinator is gone or restarting; the owner reconnects
+            return None
+
+    def _tell(self, key: str, value: str) -> None:
+        self._call(lambda s: (s.set(key, value), ring(s)))
+
+    def newest_members(self) -> list[int] | None:
+        def read(s: Any) -> list[int]:
+            return json.loads(s.get(keys.epoch(int(s.get(keys.EPOCH)))))["members"]
+
+        return self._call(read)
+
+    # -- processes ----------------------------------------------------------------------------------
+    def start_worker(self, worker_id: int) -> None:
+        env = {
+            **self.env,
+            COORDINATOR_ENV: self.address,
+            WORKER_ID_ENV: str(worker_id),
+            LOCAL_WORKERS_ENV: str(len(self.ids)),
+        }
+        with open(self.log_dir / f"worker-{worker_id}.log", "ab") as out:
+            self.workers[worker_id] = subprocess.Popen(
+                list(self.command), stdout=out, stderr=subprocess.STDOUT, start_new_session=self.own_sessions, env=env
+            )
+        self.reported.discard(worker_id)
+
+    def start_all(self) -> None:
+        for wid in self.alive_ids():
+            self.start_worker(wid)
+
+    def alive_ids(self) -> list[int]:
+        return [w for w in self.ids if w not in self.down]
+
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return list(self.workers.values())
+
+    def tick(self) -> None:
+        """One look: scheduled faults to deliver, exits to report, paused or replaced workers to see to."""
+        self.deliver_injections()
+        self.report_exits()
+        self.manage_down()
+
+    def deliver_injections(self) -> None:
+        """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
+        if not self.injections or self.store is None or self.finished:
+            return
+        for wid, proc in self.workers.items():
+            if proc.poll() is not None or wid in self.down or wid in self.pauses:
+                continue
+            key = keys.inject(wid)
+            info = self._call(lambda s, k=key: json.loads(s.get(k)) if s.check([k]) else None)
+            if info is None:
+                continue
+            event = parse_event(info["event"])
+            now = time.time()
+            if event.kind in FATAL_KINDS and not self._other_members_alive(wid):
+                # A cluster never loses its last copy of the state to a scheduled failure (the paper's 32 ranks
+                # never all fail); random schedules plan in expected time and can overlap.
+                why = "no other member of the group is alive: it would lose the training state"
+                record = make(RecordKind.INJECTION_SKIPPED, now, worker=wid, event=info["event"], why=why)
+
+                def skip(s: Any, e: str = info["event"], w: int = wid, k: str = key, r: Any = record) -> None:
+                    s.set(keys.fired(e), "1")
+                    s.set(keys.skip(w), "1")
+                    s.delete_key(k)
+                    publish_record(s, r)
+
+                self._call(skip)
+                continue
+            record = make(RecordKind.INJECTED, now, worker=wid, event=info["event"], kind=str(event.kind))
+
+            def take(s: Any, e: str = info["event"], w: int = wid, k: str = key, r: Any = record) -> bool:
+                s.delete_key(k)
+                s.set(keys.injected(w), json.dumps({"event": e, "time": r["time"]}))
+                s.set(keys.fired(e), "1")
+                publish_record(s, r)
+                return True
+
+            if not self._call(take):
+                return
+            self.fired.add(info["event"])
+            self.last_event[wid] = event
+            if event.kind is FailureKind.CUT:
+                continue  # the worker cuts its own connections; its exit is handled like any other
+            os.kill(proc.pid, signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
+            if event.kind is FailureKind.PAUSE:
+                self.pauses[wid] = time.monotonic() + event.seconds
+                continue
+            self.down[wid] = {
+                "rejoin": event.rejoin_after_s,
+                "at": time.monotonic(),
+                "hung": event.kind is FailureKind.HANG,
+            }
+
+    def _other_members_alive(self, wid: int) -> bool:
+        """Whether a member of the newest epoch other than ``wid`` is alive (not killed, paused or exited
+        here; a member on another host counts as alive until the coordinator removes it)."""
+        members = self.newest_members() or []
+        return any(
+            w != wid
+            and (
+                w not in self.workers
+                or (w not in self.down and w not in self.pauses and self.workers[w].poll() is None)
+            )
+            for w in members
+        )
+
+    def manage_down(self) -> None:
+        """Continue paused workers; kill hung workers once the coordinator excluded them; restart downed
+        workers after their delay (a worker that left after a pause, a cut or a stall is down from its exit
+        on, and so is one that died without a scheduled event, e.g. killed from outside, when
+        ``restart_after_s`` is set)."""
+        now = time.monotonic()
+        for wid, until in list(self.pauses.items()):
+            if now >= until:
+                del self.pauses[wid]
+                if self.workers[wid].poll() is None:
+                    os.kill(self.workers[wid].pid, signal.SIGCONT)
+        for wid, event in list(self.last_event.items()):
+            proc = self.workers[wid]
+            if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
+                del self.last_event[wid]
+                if event.rejoin_after_s is not None and event.kind in (
+                    FailureKind.PAUSE,
+                    FailureKind.CUT,
+                    FailureKind.STALL,
+                ):
+                    self.down[wid] = {"rejoin": event.rejoin_after_s, "at": now, "hung": False}
+        if self.restart_after_s > 0 and not self.finished:
+            for wid, proc in self.workers.items():
+                if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
+                    # Died without a scheduled event (killed from outside, excluded after a stop): a cluster's
+                    # scheduler would replace it.
+                    self.last_event.pop(wid, None)
+                    self.down[wid] = {"rejoin": self.restart_after_s, "at": now, "hung": False}
+        for wid, info in list(self.down.items()):
+            proc = self.workers[wid]
+            if info["hung"] and proc.poll() is None:
+                members = self.newest_members()
+                if members is not None and wid not in members:
+                    proc.kill()
+                    proc.wait()
+                    self.reported.add(wid)  # already excluded; its exit is not news
+                continue
+            rejoin = info["rejoin"]
+            due = rejoin is not None and now >= info["at"] + rejoin
+            if due and proc.poll() is not None and self.store is not None and not self.finished:
+                del self.down[wid]
+                self.start_worker(wid)
+
+    def report_exits(self) -> None:
+        if self.store is None or self.finished:
+            return  # nobody to tell (yet), or the workers are leaving because the run is over
+        for wid, proc in self.workers.items():
+            code = proc.poll()
+            if code is not None and code != 0 and wid not in self.reported:  # 0: finished the run
+                self.reported.add(wid)
+                self._tell(keys.dead(wid), "killed by SIGKILL" if code == -9 else f"exited with status {code}")
+
+    def nobody_left(self) -> bool:
+        """No worker process runs and none is due to restart (e.g. every one failed before joining)."""
+        restarts = any(info["rejoin"] is not None for info in self.down.values())
+        return not restarts and all(p.poll() is not None for p in self.workers.values())
+
+    def stop_workers(self, grace_s: float = STOP_GRACE_S, others: list[subprocess.Popen[bytes]] | None = None) -> None:
+        """Wait ``grace_s`` for the workers (and ``others``) to end, then kill what is left."""
+        for info in self.down.values():
+            info["hung"] = False
+        procs = [*self.workers.values(), *(others or [])]
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(POLL_S)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def wait_for_exit(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Sleep up to ``timeout_s``, waking as soon as one of ``procs`` exits (Linux pidfds; elsewhere a plain
+    sleep). The workers share the host's cores: a busy agent would slow them down."""
+    running = [p for p in procs if p.returncode is None]
+    fds: list[int] = []
+    try:
+        for p in running:
+            fds.append(os.pidfd_open(p.pid))
+        select.select(fds, [], [], timeout_s)
+    except (AttributeError, OSError):
+        time.sleep(timeout_s)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ``unbroken agent``: one host of a multi-host job
+
+
+def node_rank(given: int | None) -> int:
+    """This host's rank among the agents: ``--node-rank``, else ``SLURM_NODEID``, ``GROUP_RANK`` or
+    ``NODE_RANK`` (what srun, torchrun and Kubernetes indexed jobs set), else 0."""
+    if given is not None:
+        return given
+    for name in ("SLURM_NODEID", "GROUP_RANK", "NODE_RANK", "JOB_COMPLETION_INDEX"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """``unbroken agent --coordinator HOST:PORT --workers K [--train | SCRIPT.py ARGS]``: start this host's K
+    workers (ids ``node_rank * K`` .. ``+ K - 1``) and look after them until the run ends."""
+    token = require_token()
+    if args.workers < 1:
+        raise ValueError(f"--workers = {args.workers} must be >= 1")
+    rank = node_rank(args.node_rank)
+    init_logger(f"agent {rank}")
+    addresses = [a.strip() for a in args.coordinator.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("--coordinator needs HOST:PORT (a comma-separated list for standby coordinators)")
+    if args.script is None:
+        command: tuple[str, ...] = (sys.executable, "-m", "unbroken.train")
+    else:
+        script = Path(args.script)
+        if not script.is_file():
+            raise ValueError(f"script {args.script} does not exist; unbroken agent [options] [SCRIPT.py [ARGS ...]]")
+        command = (sys.executable, str(script.resolve()), *args.args)
+    store, address = _reach(addresses, token, args.wait_s)
+    cfg = config_from_toml_text(store.get(keys.CONFIG).decode())
+    log_dir = Path(args.log_dir or Path(store.get(keys.RUN_DIR).decode()) / "logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
+    env[COORDINATOR_ENV] = ",".join(addresses)
+    ids = list(range(rank * args.workers, (rank + 1) * args.workers))
+    agent = Agent(ids, command, env, log_dir, cfg.failures.mttr_s, bool(cfg.failures.schedule), own_sessions=False)
+    agent.connect(address, token)
+    agent.env[COORDINATOR_ENV] = ",".join(addresses)
+    agent.address = ",".join(addresses)
+    agent.start_all()
+    log.info("agent %d: workers %s, coordinator %s", rank, ids, address)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    while not stop["now"]:
+        agent.tick()
+        if agent.store is None:
+            try:
+                reached, address = _reach(addresses, token, cfg.coordinator.hold_s)
+            except ValueError:
+                log.error("no coordinator answered within %.0f s; stopping this host's workers", cfg.coordinator.hold_s)
+                break
+            agent.store = None
+            agent.connect(address, token)
+        if agent._call(lambda s: s.check([keys.DONE]) or s.check([keys.STOP])):
+            agent.finished = True
+        if agent.finished or agent.nobody_left():
+            break
+        wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S)
+    agent.stop_workers()
+    codes = [p.returncode for p in agent.processes()]
+    return 0 if agent.finished and not any(codes) else 1
+
+
+def _reach(addresses: list[str], token: str, wait_s: float) -> tuple[Any, str]:
+    """A store connection to whichever of ``addresses`` answers first (the leading coordinator)."""
+    deadline = time.monotonic() + wait_s
+    last = ""
+    while True:
+        for address in addresses:
+            try:
+                return connect_store(address, timeout_s=5.0, token=token), address
+            except (TunnelError, RuntimeError, OSError) as e:
+                last = f"{address}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        if time.monotonic() > deadline:
+            raise ValueError(f"no coordinator answered within {wait_s:.0f} s ({last})")
+        time.sleep(0.2)

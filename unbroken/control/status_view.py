@@ -1,0 +1,264 @@
+"""``unbroken status``: a run's status on a terminal, from its coordinator's status server or its run directory.
+
+Owns the client side of ``control.status``: fetching the snapshot (``fetch_snapshot``; the job's token from
+``UNBROKEN_TOKEN`` goes as a bearer header, never on the command line), drawing it with rich (``render``:
+the same facts as the page, the loss curve as a one-line sparkline with failures and rejoins marked under
+it), and the command (``run_status``, ``add_arguments``), which redraws as records arrive (long-polling)
+until the run ends. Given a run directory instead of ``HOST:PORT``, it folds ``RUN_DIR/metrics.jsonl``
+once (a finished run, or one whose coordinator serves no status page).
+
+    unbroken status 127.0.0.1:29500             live, until the run ends (Ctrl-C to leave)
+    unbroken status hostA:29500 --once          one snapshot (also what a pipe gets)
+    unbroken status hostA:29500 --json          the snapshot as JSON
+    unbroken status runs/tiny-20261122-101500   a run directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from unbroken.control.gateway import TOKEN_ENV, token_from_env
+from unbroken.control.runview import TERMINAL_STATES, RunView
+from unbroken.control.status import MAX_WAIT_S
+
+LONG_POLL_S = 20.0
+RETRY_S = 3.0
+SPARKS = "▁▂▃▄▅▆▇█"
+SHOWN_EVENTS = 12
+SHOWN_INCIDENTS = 8
+
+
+def base_url(target: str) -> str:
+    """``http://HOST:PORT`` for ``HOST:PORT``, ``[V6]:PORT`` or a URL; ValueError if it names no port."""
+    url = target if "://" in target else f"http://{target}"
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None:
+        raise ValueError(f"{target!r}: expected HOST:PORT of a coordinator's status page (or a run directory)")
+    return f"http://{parsed.netloc}"
+
+
+def fetch_snapshot(
+    target: str, token: str | None = None, since: int = -1, wait_s: float = 0.0, timeout_s: float = 10.0
+) -> dict[str, Any]:
+    """The snapshot served at ``target`` (``HOST:PORT``); with ``since`` and ``wait_s``, as soon as it is newer
+    than ``since`` (at most ``wait_s`` later). ValueError (one line) if refused or unreachable."""
+    url = f"{base_url(target)}/api/status?since={since}&wait={min(wait_s, MAX_WAIT_S):g}"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s + wait_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            hint = "the token was refused" if token else f"set {TOKEN_ENV} to the job's token"
+            raise ValueError(f"{target}: the status page needs the job's token from this host ({hint})") from None
+        raise ValueError(f"{target}: the status page answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ValueError(f"cannot reach the status page at {target}: {reason}") from None
+
+
+# -- drawing ------------------------------------------------------------------------------------------------
+def _num(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f} ms"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _clock(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def sparkline(steps: list[int], values: list[float | None], width: int) -> tuple[str, int, int]:
+    """``values`` (by step) as at most ``width`` block characters, each the mean of its bucket of steps;
+    returns the line and the first and last step."""
+    points = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None and math.isfinite(v)]
+    if not points or width < 1:
+        return "", 0, 0
+    first, last = points[0][0], points[-1][0]
+    span = max(1, last - first + 1)
+    buckets: list[list[float]] = [[] for _ in range(min(width, span))]
+    for s, v in points:
+        buckets[(s - first) * len(buckets) // span].append(v)
+    means = [sum(b) / len(b) if b else None for b in buckets]
+    known = [m for m in means if m is not None]
+    lo, hi = min(known), max(known)
+    scale = (len(SPARKS) - 1) / (hi - lo) if hi > lo else 0.0
+    line = "".join(" " if m is None else SPARKS[round((m - lo) * scale)] for m in means)
+    return line, first, last
+
+
+def _marks(incidents: list[dict[str, Any]], first: int, last: int, width: int) -> str:
+    """A line under the sparkline: ``x`` where a worker failed, ``+`` where it rejoined."""
+    span = max(1, last - first + 1)
+    cells = min(width, span)
+    line = [" "] * cells
+    for inc in incidents:
+        for step, mark in ((inc.get("step"), "x"), (inc.get("rejoin_step"), "+")):
+            if step is not None and first <= step <= last:
+                line[(step - first) * cells // span] = mark
+    return "".join(line).rstrip()
+
+
+def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
+    """The snapshot as rich renderables: summary, loss sparkline, workers, failures, timeline, checkpoints."""
+    run = snapshot["run"]
+    state = run["state"] + (f": {run['state_detail']}" if run.get("state_detail") else "")
+    style = "green" if run["state"] == "training" else "red" if run["state"] in TERMINAL_STATES - {"finished"} else ""
+    total = f" of {run['total_steps']:,}" if run.get("total_steps") else ""
+    expected = f" of {run['expected_workers']}" if run.get("expected_workers") else ""
+    age = None if run.get("updated_at") is None else max(0.0, snapshot["server_time"] - run["updated_at"])
+    ckpt = run.get("last_checkpoint")
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("state", Text(state, style=style))
+    if run.get("run_dir"):
+        summary.add_row("run", run["run_dir"])
+    summary.add_row("step", f"{run['steps_done']:,}{total} (epoch {run['epoch']})")
+    summary.add_row("workers alive", f"{run['alive']}{expected}: {run['members']}")
+    summary.add_row("loss", f"train {_num(run['loss'])}, validation {_num(run['val_loss'])}")
+    tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:,.0f}"
+    summary.add_row("speed", f"{_ms(run['step_time_s'])} per step, {tps} tokens/s (median); {run['tokens']:,} tokens")
+    summary.add_row(
+        "failures",
+        f"{run['failures']} failures, {run['recoveries']} group re-formations; microbatches recomputed "
+        f"{run['recomputed_microbatches']}, dropped {run['dropped_microbatches']}",
+    )
+    summary.add_row("checkpoint", "-" if ckpt is None else f"step {ckpt['step']} ({ckpt['path']})")
+    summary.add_row("last record", f"{_age(age)} ago")
+    parts: list[RenderableType] = [Panel(summary, title="unbroken status", expand=False)]
+
+    series = snapshot["series"]
+    line, first, last = sparkline(series["step"], series["loss"], max(10, width - 24))
+    if line:
+        known = [v for v in series["loss"] if v is not None]
+        curve = Text()
+        curve.append(f"loss {known[0]:.3f} ", style="bold")
+        curve.append(line, style="cyan")
+        curve.append(f" {known[-1]:.3f}  (steps {first}-{last})")
+        marks = _marks(snapshot["incidents"], first, last, max(10, width - 24))
+        if marks.strip():
+            curve.append("\n" + " " * (len(f"loss {known[0]:.3f} ")) + marks, style="red")
+            curve.append("   x failed, + rejoined", style="dim")
+        parts.append(curve)
+
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "state", "since", "microbatches", "s/microbatch", "compute s", "failures", "last failure"):
+        workers.add_column(col)
+    for w in snapshot["workers"]:
+        row_style = "red" if w["state"] in ("dead", "left") else "yellow" if w.get("straggler") else ""
+        workers.add_row(
+            str(w["id"]),
+            w["state"] + (" (straggler)" if w.get("straggler") else ""),
+            _clock(w["since"]),
+            "-" if w["quota"] is None else str(w["quota"]),
+            _num(w["s_per_microbatch"], 3),
+            _num(w["compute_s"], 3),
+            str(w["failures"]),
+            w["last_failure"] or "",
+            style=row_style,
+        )
+    parts.append(workers)
+
+    if snapshot["incidents"]:
+        incidents = Table(title="failures and recoveries", title_justify="left")
+        for col in ("worker", "fault", "detected", "re-formed", "recomputed/dropped", "rejoined", "down"):
+            incidents.add_column(col, overflow="fold")
+        for i in snapshot["incidents"][-SHOWN_INCIDENTS:]:
+            incidents.add_row(
+                str(i["worker"]),
+                " ".join(x for x in (i["event"], i["why"]) if x),
+                f"step {i['step']}, {_ms(i['detection_s'])}",
+                "not yet" if i["reformed_at"] is None else f"step {i['recovery_step']}, {_ms(i['reform_s'])}",
+                "-" if i["recomputed"] is None else f"{i['recomputed']}/{i['dropped']}",
+                "not yet" if i["rejoined_at"] is None else f"step {i['rejoin_step']} (epoch {i['rejoin_epoch']})",
+                "-" if i["down_s"] is None else _age(i["down_s"]),
+            )
+        parts.append(incidents)
+
+    events = Text()
+    for e in snapshot["timeline"][-SHOWN_EVENTS:]:
+        kind_style = {"failure": "red", "stopped": "red", "stall": "red", "recovery": "blue", "membership": "blue"}
+        events.append(f"{_clock(e['time'])}  ", style="dim")
+        events.append(e["text"] + "\n", style=kind_style.get(e["kind"], ""))
+    if snapshot["timeline"]:
+        events.rstrip()
+        parts.append(Panel(events, title="timeline (newest last)", title_align="left"))
+    return Group(*parts)
+
+
+# -- the command --------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``status`` subcommand's arguments (cli.py: ``add_arguments(sub.add_parser("status", ...))``)."""
+    parser.add_argument("target", help="HOST:PORT of a coordinator's status page, or a run directory")
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit (also when piped)")
+    parser.add_argument("--json", action="store_true", help="print the snapshot as JSON and exit")
+
+
+def run_status(target: str, once: bool = False, as_json: bool = False, console: Console | None = None) -> int:
+    """The ``unbroken status`` command: 0 once the view was shown (live: once the run ended or on Ctrl-C).
+
+    Raises:
+        ValueError: a bad target, or the status page refused or could not be reached.
+    """
+    console = console or Console()
+    if Path(target).is_dir():
+        snapshot = RunView.from_run_dir(target).snapshot()
+        once = True
+    else:
+        token = token_from_env()
+        snapshot = fetch_snapshot(target, token)
+    if as_json:
+        console.print_json(json.dumps(snapshot))
+        return 0
+    if once or not console.is_terminal or snapshot["run"]["state"] in TERMINAL_STATES:
+        console.print(render(snapshot, console.width))
+        return 0
+    try:
+        with Live(render(snapshot, console.width), console=console, auto_refresh=False) as live:
+            while snapshot["run"]["state"] not in TERMINAL_STATES:
+                try:
+                    snapshot = fetch_snapshot(target, token, since=snapshot["seq"], wait_s=LONG_POLL_S)
+                except ValueError as e:
+                    live.update(Group(render(snapshot, console.width), Text(f"{e}; retrying", style="red")))
+                    live.refresh()
+                    time.sleep(RETRY_S)
+                    continue
+                live.update(render(snapshot, console.width))
+                live.refresh()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """cli.py's handler for the ``status`` subcommand."""
+    return run_status(args.target, once=args.once, as_json=args.json)
