@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unbroken.ft.efficient import EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.ft.efficient import EfficientBackward, EfficientConfig, apply_efficient_backward, basis_seed
 from unbroken.train.model import FLAVOURS, Transformer
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,13 +147,16 @@ def test_backward_after_leaving_the_context(kind: Kind) -> None:
 
 
 def ffn_grads(
-    kind: Kind, block: nn.Module, h: torch.Tensor, g: torch.Tensor
+    kind: Kind, block: nn.Module, h: torch.Tensor, g: torch.Tensor, autocast: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Gradients of <g, mlp(ffn_norm(h))> w.r.t. h, the norm weight and the gate, up, down weights."""
+    """Gradients of <g, mlp(ffn_norm(h))> w.r.t. h, the norm weight and the gate, up, down weights; with
+    ``autocast``, the forward runs under ``torch.autocast("cpu", autocast)`` and the backward after it."""
     norm, mlp, linears = kind.ffn(block)
     block.zero_grad(set_to_none=True)
     h = h.detach().requires_grad_()
-    mlp(norm(h)).backward(g)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = mlp(norm(h))
+    out.backward(g.to(out.dtype))
     return h.grad, norm.weight.grad, [linear.weight.grad for linear in linears]
 
 
@@ -200,6 +204,61 @@ def test_ffn_biases_get_exact_gradients() -> None:
         torch.testing.assert_close(linear.bias.grad, want, rtol=1e-5, atol=1e-6)
 
 
+BF16_UNIT_ROUNDOFF = 2.0**-8
+NUM_BF16_ROUNDINGS = 15  # on the longest path of the FFN's efficient backward; see the test below
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+
+
+def test_efficient_backward_under_bf16_autocast_is_float32_up_to_bf16_rounding(kind: Kind) -> None:
+    """An efficient microbatch's FFN gradients under ``torch.autocast("cpu", bfloat16)``, with the backward
+    run after leaving the context, against the float32 efficient ones (same bases).
+
+    The backward recomputes the FFN under the forward's autocast state, so every matmul rounds its inputs
+    and its output to bfloat16 (unit roundoff u = 2^-8) and accumulates in float32 (the products of bf16
+    numbers are exact there and the float32 sums add ~2^-24 per term: negligible); the norm stays float32.
+    Roundings on the path to each gradient (x the norm output, W1 gate, W3 up, W2 down):
+    a = x W1^T: x, W1, a (3); u = x W3^T: W3, u (2); s = silu(a) (1); g_y, the output gradient (1);
+    g_p = g_y W2: W2, g_p (2); g_p * u (1); silu's backward, g_a (1); g_u = g_p * s (1); so g_a carries 11
+    and g_u 8 (12 distinct together). g_x = g_a W1 + g_u W3: two products and a sum (3), hence h's and the
+    norm weight's gradient: 15. Weight gradients G^T (x V) V^T: V, x V, G^T (.), (.) V^T (4): gate 11 + 4,
+    up 8 + 4, down (g_y and s * u: 1 + 7) + 4. Each rounding moves its operand by at most u relative; it
+    reaches the result through products with factors it is independent of (random data and weights), so
+    not amplified to first order: the normwise relative error is at most 15 u = 15/256 for every gradient.
+    """
+    model, eb = transformed(kind)
+    eb.refresh(0)
+    block = kind.blocks(model)[0]
+    dim = kind.ffn(block)[2][0].in_features
+    gen = torch.Generator().manual_seed(3)
+    h, g = torch.randn(2, 9, dim, generator=gen), torch.randn(2, 9, dim, generator=gen)
+    with eb.enabled():
+        want_h, want_norm, want_w = ffn_grads(kind, block, h, g)
+        got_h, got_norm, got_w = ffn_grads(kind, block, h, g, autocast=torch.bfloat16)
+    pairs = zip([got_h, got_norm, *got_w], [want_h, want_norm, *want_w], strict=True)
+    errors = [relative_error(got, want) for got, want in pairs]
+    assert all(e <= NUM_BF16_ROUNDINGS * BF16_UNIT_ROUNDOFF for e in errors), errors
+    assert all(e > 0 for e in errors), errors  # bfloat16 was used
+    assert all(t.dtype == torch.float32 for t in (got_h, got_norm, *got_w))
+    with eb.enabled():  # a float32 forward is recomputed in float32 even if its backward runs under autocast
+        model.zero_grad(set_to_none=True)
+        h32 = h.clone().requires_grad_()
+        out = kind.ffn(block)[1](kind.ffn(block)[0](h32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out.backward(g)
+    assert torch.equal(h32.grad, want_h)
+    model.zero_grad(set_to_none=True)
+    with eb.enabled(), torch.autocast("cpu", dtype=torch.bfloat16):  # and the whole model runs
+        logits = kind.logits(model, tokens(kind))
+    logits.float().square().mean().backward()
+    attention = {id(p) for p in eb.attention_parameters()}
+    for p in model.parameters():
+        assert (p.grad is None) == (id(p) in attention)
+        assert p.grad is None or (p.grad.dtype == p.dtype and bool(torch.isfinite(p.grad).all()))
+
+
 def test_block_input_gradient_goes_through_the_residual_only(kind: Kind) -> None:
     model, eb = transformed(kind, rank=FULL)
     block = kind.blocks(model)[0]
@@ -226,34 +285,203 @@ def test_block_input_gradient_goes_through_the_residual_only(kind: Kind) -> None
     torch.testing.assert_close(seen["h"].grad, exact_h.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_bases_refresh_every_tau_steps_and_match_across_copies(kind: Kind) -> None:
+def scale_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+
+
+def test_bases_refresh_once_per_window_when_needed_and_match_across_copies(kind: Kind) -> None:
     models = [kind.build(0), kind.build(0)]
     handles = [apply_efficient_backward(m, EfficientConfig(rank=4, refresh_every=10)) for m in models]
+    assert handles[0].bases() == [] and handles[0].bases_step is None  # nothing computed at apply time
+    assert not handles[0].refresh(0, needed=False) and handles[0].bases() == []
+    assert [eb.refresh(0) for eb in handles] == [True, True]
+    assert not handles[0].refresh(0)  # in flight or held: a repeated call is free
     first = handles[0].named_bases()
-    assert len(first) == 3 * len(kind.blocks(models[0]))
-    assert all(torch.equal(first[n], handles[1].named_bases()[n]) for n in first)
-    assert handles[0].refresh(0) and all(torch.equal(handles[0].named_bases()[n], first[n]) for n in first)
-    with torch.no_grad():
-        for m in models:
-            for p in m.parameters():
-                p.mul_(1.5).add_(0.01)
+    assert handles[0].bases_step == 0 and len(first) == 3 * len(kind.blocks(models[0]))
+    assert all(torch.equal(first[n], handles[1].named_bases()[n]) for n in first)  # bit-identical
+    for m in models:
+        scale_weights(m)
     before = handles[0].bases()
-    assert not any(eb.refresh(s) for eb in handles for s in (4, 9, 11, 19))
+    assert not any(eb.refresh(s) for eb in handles for s in (4, 9))  # the same window
+    assert not any(eb.refresh(s, needed=False) for eb in handles for s in (10, 11, 15))  # no failure yet
     assert all(a is b for a, b in zip(handles[0].bases(), before, strict=True))
-    assert [eb.refresh(20) for eb in handles] == [True, True]
-    assert handles[0].bases_step == 20
+    assert [eb.refresh(17, needed=True) for eb in handles] == [True, True]  # window 1's first needed step
     second = [eb.named_bases() for eb in handles]
+    assert [eb.bases_step for eb in handles] == [17, 17]
     assert all(torch.equal(second[0][n], second[1][n]) for n in first)
     assert any(not torch.equal(second[0][n], first[n]) for n in first)
+    assert not handles[0].refresh(19) and not handles[0].refresh(25, needed=False)
+    assert handles[0].refresh(5)  # a step before bases_step (a run resumed from earlier): recomputed
+    handles[0].wait()
+    assert handles[0].bases_step == 5
+
+
+def test_a_late_or_lazy_handle_computes_the_same_bases(kind: Kind) -> None:
+    """The bases of a refresh step are a function of the weights and that step only: a handle built later
+    on the same weights, or one that computes them on first use in an efficient forward, gets the same."""
+    model = kind.build(0)
+    eb = apply_efficient_backward(model, EfficientConfig(rank=4, refresh_every=10))
+    eb.refresh(0)
+    eb.wait()  # before writing the weights (an optimizer step would join it itself)
+    scale_weights(model)
+    eb.refresh(20)
+    want = eb.bases()
+    late_model = kind.build(1)
+    late_model.load_state_dict(model.state_dict())
+    late = apply_efficient_backward(late_model, EfficientConfig(rank=4, refresh_every=10))
+    assert late.refresh(20)
+    assert all(torch.equal(a, b) for a, b in zip(late.bases(), want, strict=True))
+    lazy_model = kind.build(2)
+    lazy_model.load_state_dict(model.state_dict())
+    lazy = apply_efficient_backward(lazy_model, EfficientConfig(rank=4, refresh_every=10))
+    lazy.refresh(20, needed=False)  # this worker adopts nothing yet
+    assert lazy.bases() == []
+    with lazy.enabled():
+        kind.logits(lazy_model, tokens(kind)).sum().backward()  # computes them, keyed to step 20
+    assert lazy.bases_step == 20
+    assert all(torch.equal(a, b) for a, b in zip(lazy.bases(), want, strict=True))
+    rejoined = apply_efficient_backward(kind.build(3), EfficientConfig(rank=4, refresh_every=10))
+    rejoined.load_bases(want, step=20)
+    assert not rejoined.refresh(27)  # the window's bases arrived with the state: not recomputed
+    assert all(torch.equal(a, b) for a, b in zip(rejoined.bases(), want, strict=True))
+
+
+def test_the_computation_is_joined_before_the_weights_change() -> None:
+    model = OURS.build(0)
+    eb = apply_efficient_backward(model, EfficientConfig(rank=4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert eb.refresh(0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the global step pre-hook joins it before the weights move
+    assert eb.bases_step == 0
+    assert eb.refresh(100)
+    with torch.no_grad():
+        model.layers[0].feed_forward.w1.weight.add_(1.0)  # written behind the handle's back
+    with pytest.raises(RuntimeError, match="call EfficientBackward.wait"):
+        eb.wait()
+    assert eb.refresh(200)
+    with torch.no_grad():
+        model.layers[0].feed_forward.w1.weight.add_(1.0)
+    eb.load_bases([])  # a state received from a peer supersedes the computation in flight
+    assert eb.bases() == [] and eb.bases_step is None
+
+
+def test_the_forward_does_not_wait_for_the_bases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bases are used in the backward only: an efficient forward runs while they are still computed."""
+    from unbroken.ft import efficient
+
+    release, computing = threading.Event(), threading.Event()
+    compute = efficient.randomized_basis
+
+    def held_back(*args: object) -> torch.Tensor | None:
+        computing.set()
+        assert release.wait(30)
+        return compute(*args)
+
+    monkeypatch.setattr(efficient, "randomized_basis", held_back)
+    model, eb = transformed(OURS)
+    toks = tokens(OURS)
+    with eb.enabled():
+        logits = OURS.logits(model, toks[:, :-1])  # starts the computation (no refresh said "needed")
+    assert computing.wait(30) and not release.is_set()
+    release.set()
+    F.cross_entropy(logits.flatten(0, 1), toks[:, 1:].flatten()).backward()
+    assert eb.bases_step == 0 and len(eb.bases()) == 3 * len(model.layers)
 
 
 def test_load_bases_round_trip(kind: Kind) -> None:
     source, target = (apply_efficient_backward(kind.build(seed), EfficientConfig(rank=4)) for seed in (0, 1))
+    for eb in (source, target):
+        eb.refresh(0)
     assert any(not torch.equal(a, b) for a, b in zip(source.bases(), target.bases(), strict=True))
-    target.load_bases(source.bases())
+    target.load_bases(source.bases(), step=source.bases_step)
+    assert target.bases_step == 0
     assert all(torch.equal(a, b) for a, b in zip(source.bases(), target.bases(), strict=True))
+    other = apply_efficient_backward(kind.build(0), EfficientConfig(rank=5))
+    other.refresh(0)
     with pytest.raises(ValueError, match="bases do not match"):
-        target.load_bases(apply_efficient_backward(kind.build(0), EfficientConfig(rank=5)).bases())
+        target.load_bases(other.bases(), step=0)
+    target.load_bases(source.bases())  # no step (a state saved before bases had one): dropped
+    assert target.bases() == [] and target.bases_step is None
+
+
+def planted(out_features: int, in_features: int, k: int, gap: float, seed: int) -> tuple[torch.Tensor, ...]:
+    """W = U diag(s) V^T with s = 1 (k times), then ``gap``: returns (W, U, V) in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    n = min(out_features, in_features)
+    u = torch.linalg.qr(torch.randn(out_features, out_features, generator=gen, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(in_features, in_features, generator=gen, dtype=torch.float64)).Q
+    s = torch.tensor([1.0] * k + [gap] * (n - k), dtype=torch.float64)
+    return u[:, :n] @ torch.diag(s) @ v[:, :n].T, u, v
+
+
+def sin_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The sine of the largest principal angle between the column spans of orthonormal a and b (same width)."""
+    return float(torch.linalg.matrix_norm(a - b @ (b.T @ a), ord=2))
+
+
+def test_randomized_bases_are_within_the_gap_bound_of_the_svd() -> None:
+    """The handle's bases against the exact top-r right singular vectors, on FFN weights with a planted gap.
+
+    Each FFN weight is set to W = U diag(s) V^T with s = 1 for the top r and gamma = 0.1 below: sigma_{r+1} /
+    sigma_r = gamma. The handle computes Q = orth((W^T W)^q W^T Omega) and the top-r Ritz vectors V~ of W on
+    span(Q). Bound, from first principles:
+
+    1. Range finder (Halko, Martinsson, Tropp 2011, sec. 9): W^T = V S U^T, so with Omega_1 = U_r^T Omega
+       and Omega_2 = U_mid^T Omega (U_mid: the left singular vectors of the gamma's), range(Q) contains the
+       span of Y Omega_1^+ = V_r + gamma^(2q+1) V_mid Omega_2 Omega_1^+, whose largest angle to V_r has tangent
+       t = gamma^(2q+1) ||Omega_2 Omega_1^+||; so sin theta_Q <= t / sqrt(1 + t^2). Omega is redrawn here from
+       the handle's seed.
+    2. Ritz step (Davis-Kahan sin-theta theorem): Q lies in W's row space, where M = W^T W = gamma^2 I +
+       (1 - gamma^2) V_r V_r^T, so the residual (I - QQ^T) M Q Y has norm <= sin theta_Q, the r-th Ritz
+       value is >= cos^2 theta_Q and the rest of M's spectrum is <= gamma^2:
+       sin theta(V_r, V~) <= sin theta_Q / (cos^2 theta_Q - gamma^2).
+    3. float32 rounding: at most u_32 n sigma_1 / sigma_n = 2^-24 * in_features / gamma, added.
+
+    A gradient's projection error then moves by at most that angle: | ||G (I - V~V~^T)|| - ||G (I - V V^T)|| |
+    <= ||G|| ||V~V~^T - V V^T||_2 = ||G|| sin theta_max, checked on an efficient microbatch's FFN gradients
+    (with 2^-20 relative slack: V~ is orthonormal to float32 precision only).
+    """
+    rank, gamma = 8, 0.1
+    config = EfficientConfig(rank=rank)
+    model = OURS.build(0)
+    exact: dict[str, torch.Tensor] = {}
+    bounds: dict[str, float] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, block in enumerate(model.layers):
+        for k, linear in enumerate(OURS.ffn(block)[2]):
+            out_features, in_features = linear.weight.shape
+            w, u, v = planted(out_features, in_features, rank, gamma, seed=10 * i + k)
+            with torch.no_grad():
+                linear.weight.copy_(w)
+            width = min(rank + config.oversample, out_features, in_features)
+            gen = torch.Generator().manual_seed(basis_seed(0, i, k))
+            omega = torch.randn(out_features, width, generator=gen).double()
+            n = min(out_features, in_features)
+            omega_2_omega_1_pinv = (u[:, rank:n].T @ omega) @ torch.linalg.pinv(u[:, :rank].T @ omega)
+            t = gamma ** (2 * config.power_iters + 1) * float(torch.linalg.matrix_norm(omega_2_omega_1_pinv, 2))
+            sin_q = t / (1 + t * t) ** 0.5
+            bound = sin_q / (1 - sin_q**2 - gamma**2) + 2**-24 * in_features / gamma
+            name = names[id(linear.weight)]
+            exact[name], bounds[name] = v[:, :rank], bound
+    eb = apply_efficient_backward(model, config)
+    eb.refresh(0)
+    got = {n: v.double() for n, v in eb.named_bases().items()}
+    angles = {n: sin_max(exact[n], got[n]) for n in exact}
+    assert all(angles[n] <= bounds[n] for n in exact), (angles, bounds)
+    full_model = OURS.build(0)
+    full_model.load_state_dict(model.state_dict())
+    full = apply_efficient_backward(full_model, EfficientConfig(rank=FULL))
+    with full.enabled():
+        _, grads = loss_and_grads(OURS, full_model, tokens(OURS))
+    for n in exact:
+        g = grads[n].double()
+        e_svd = torch.linalg.matrix_norm(g - g @ exact[n] @ exact[n].T)
+        e_rand = torch.linalg.matrix_norm(g - g @ got[n] @ got[n].T)
+        assert abs(float(e_rand - e_svd)) <= (angles[n] + 2**-20) * float(torch.linalg.matrix_norm(g)), n
 
 
 def test_the_transform_adds_no_state(kind: Kind) -> None:

@@ -224,12 +224,16 @@ class RecoveryConfig:
 class MecefoConfig:
     rank: int = option(64, "rank r of the FFN weight-gradient projection in efficient mode")
     refresh_every: int = option(100, "the projection bases are recomputed every this many steps (tau)")
+    oversample: int = option(16, "randomized SVD of the bases: extra columns of the range finder")
+    power_iters: int = option(2, "randomized SVD of the bases: power iterations")
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"mecefo.rank = {self.rank} must be >= 1")
         if self.refresh_every < 1:
             raise ValueError(f"mecefo.refresh_every = {self.refresh_every} must be >= 1")
+        if self.oversample < 0 or self.power_iters < 0:
+            raise ValueError(f"mecefo.oversample = {self.oversample}, power_iters = {self.power_iters} must be >= 0")
 
 
 @dataclass(frozen=True)

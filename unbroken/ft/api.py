@@ -95,7 +95,9 @@ class Context:
         self.state.metadata = dict(metadata or {})
         if self.config.recovery.policy.mecefo:
             m = self.config.mecefo
-            self.state.efficient = apply_efficient_backward(model, EfficientConfig(m.rank, m.refresh_every))
+            self.state.efficient = apply_efficient_backward(
+                model, EfficientConfig(m.rank, m.refresh_every, m.oversample, m.power_iters)
+            )
 
     # -- the steps --------------------------------------------------------------------------------
     @property

@@ -15,13 +15,13 @@ backward applies the three techniques of MeCeFO (paper sections 3.2-3.4, docs: r
    from that microbatch: their ``.grad`` is left as it was (``None`` when nothing else wrote it).
 2. FFN recomputation. Per block, only the FFN sub-block's input ``h`` (the input of the pre-FFN norm,
    i.e. the residual stream after attention) is kept. The backward recomputes the norm, ``gate(x)``,
-   ``up(x)`` and the activation from it; the input gradient (to ``h``) and the norm weight gradient are
-   exact. Keeping ``h`` rather than the norm output saves the norm's own saved tensors too, so a block
-   keeps one (tokens x dim) tensor in all.
+   ``up(x)`` and the activation from it, under the autocast state the forward ran in; the input gradient
+   (to ``h``) and the norm weight gradient are exact. Keeping ``h`` rather than the norm output saves the
+   norm's own saved tensors too, so a block keeps one (tokens x dim) tensor in all.
 3. Low-rank FFN weight gradient. For each FFN linear ``y = x W^T`` (gate, up, down), the weight gradient
-   ``G_y^T x`` is replaced by ``G_y^T (x V) V^T``, where V (in_features x r) holds the top-r right
-   singular vectors of W. ``refresh(step)`` recomputes V every ``refresh_every`` steps (the paper's
-   tau = 100). A matrix with ``rank >= in_features`` gets its exact weight gradient (no projection).
+   ``G_y^T x`` is replaced by ``G_y^T (x V) V^T``, where V (in_features x r) holds (an estimate of) the
+   top-r right singular vectors of W. A matrix with ``rank >= in_features`` gets its exact weight
+   gradient (no projection).
 
 With the mode off, every patched module calls its original bound ``forward``, so exact microbatches are
 bit-identical to the untransformed model.
@@ -35,16 +35,27 @@ block's, so whatever the block's signature and return type, it works as long as 
 ``h = x + attention(attention_norm(x)); out = h + mlp(ffn_norm(h))``. A block whose MLP input is not
 its ``ffn_norm`` output (e.g. Gemma-2's extra norms) is detected at the first efficient forward and
 raises ``RuntimeError``. Not supported: activation checkpointing of the blocks (a re-forward during
-backward would read the switch at backward time) and autocast (the backward recompute does not restore
-the forward's autocast state).
+backward would read the switch at backward time).
 
-The bases are a function of the weights only: ``torch.linalg.svd`` in float64 on CPU with one intra-op
-thread, so every worker of one torch build and CPU type computes bit-identical V from identical weights
-(float64 because the error of a computed singular subspace grows as machine epsilon over the gap
-between the r-th and (r+1)-th singular values, which can be small). They live in the handle, not in
-the model (no parameters or buffers), so the model's state dict and parameter checksums are
-unaffected; ``bases()`` / ``load_bases()`` let a trainer checkpoint or broadcast them. The SVD's cost
-grows as in_features^2 x out_features (docs/benchmarks.md, "MeCeFO", has the figures).
+The bases. V is computed by a randomized range finder with ``power_iters`` subspace iterations and
+``oversample`` extra columns (Halko, Martinsson and Tropp 2011, algorithms 4.4 and 5.1), in float32 on
+the weights' device, with the Gaussian test matrix drawn from a ``torch.Generator`` seeded from (bases
+step, block, matrix): the bases are a pure function of the weights and the step they were taken at, so
+every worker of one device type and torch build (and, on CPU, one intra-op thread count) computes
+bit-identical V from identical weights. docs/gpu.md ("MeCeFO bases") has the error against the full SVD
+and the times. When they are computed: the bases of the tau-window ``[k tau, (k+1) tau)``
+(tau = ``refresh_every``, the paper's 100) come from the weights at the window's first step at which
+``refresh(step, needed=True)`` is called, i.e. the first step with an efficient microbatch on any member,
+so a failure-free window computes nothing. ``refresh`` starts the computation on a background thread (on
+a CUDA side stream for CUDA weights), last block first, and returns: the bases are used in the backward
+only, so the first efficient microbatch's forward overlaps it and its backward waits, block by block, only
+for what is not done yet; ``wait()``, ``bases()`` and any ``torch.optim`` optimizer step join all of it (the
+weights must not change before it has read them). The intra-op thread count is left alone. The bases live
+in the handle, not in the model (no parameters or buffers), so the model's state dict and parameter
+checksums are unaffected; ``bases()`` / ``load_bases(bases, step)`` let a trainer checkpoint or send them,
+with ``bases_step``, to a rejoining worker. The defaults (``DEFAULT_OVERSAMPLE`` 16, ``DEFAULT_POWER_ITERS``
+2) add at most 0.0022 to the FFN weight-gradient projection error of the exact top-r subspace for r = 8 to
+128 (docs/gpu.md).
 
 ``DEFAULT_RANK`` (64) was chosen from the gradient-error measurements in docs/benchmarks.md ("MeCeFO"):
 the FFN weight-gradient error falls slowly with r, and 64 reaches the paper's error level for about half
@@ -54,6 +65,8 @@ of the exact weight-gradient cost.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,24 +74,46 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["DEFAULT_RANK", "LAYOUTS", "BlockLayout", "EfficientBackward", "EfficientConfig", "apply_efficient_backward"]
+__all__ = [
+    "DEFAULT_RANK",
+    "LAYOUTS",
+    "BlockLayout",
+    "EfficientBackward",
+    "EfficientConfig",
+    "apply_efficient_backward",
+    "basis_seed",
+    "randomized_basis",
+]
 
 DEFAULT_RANK = 64
+DEFAULT_OVERSAMPLE = 16
+DEFAULT_POWER_ITERS = 2
 
 
 @dataclass(frozen=True)
 class EfficientConfig:
-    """The transform's settings: rank r of the FFN weight-gradient projection and the refresh period tau
-    (steps) of its bases (a run's ``[mecefo]`` section)."""
+    """The transform's settings (a run's ``[mecefo]`` section).
+
+    ``rank`` is r of the FFN weight-gradient projection and ``refresh_every`` the period tau (steps) of its
+    bases; ``oversample`` and ``power_iters`` tune the randomized SVD that computes them (docs/gpu.md,
+    "MeCeFO bases", has the error each choice gives).
+    """
 
     rank: int = DEFAULT_RANK
     refresh_every: int = 100
+    oversample: int = DEFAULT_OVERSAMPLE
+    power_iters: int = DEFAULT_POWER_ITERS
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.refresh_every < 1:
             raise ValueError(
                 f"efficient mode needs rank >= 1 and refresh_every >= 1 (got {self.rank}, {self.refresh_every})"
+            )
+        if self.oversample < 0 or self.power_iters < 0:
+            raise ValueError(
+                f"efficient mode needs oversample >= 0 and power_iters >= 0 (got {self.oversample}, {self.power_iters})"
             )
 
 
@@ -119,24 +154,80 @@ class _Block:
     pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (ffn_norm input, its output) until the MLP runs
 
 
+Bases = list[tuple[torch.Tensor | None, ...]]  # per block: (gate, up, down), None where the gradient is exact
+
+
+@dataclass(eq=False)
+class _Refresh:
+    """One basis computation in flight on a background thread, block by block from the last (the first one
+    a backward reaches): block i's bases are usable once ``ready[i]`` is set (and, for CUDA weights, once the
+    stream that uses them has waited for ``events[i]``)."""
+
+    step: int
+    device: torch.device  # the weights'
+    versions: list[int]  # the weights' version counters when it started: they must not move until it is joined
+    bases: list[tuple[torch.Tensor | None, ...] | None]
+    ready: list[threading.Event]
+    events: list[torch.cuda.Event | None]  # recorded on the side stream after block i's last kernel
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    def block(self, index: int) -> tuple[torch.Tensor | None, ...]:
+        """Block ``index``'s bases, once computed (re-raises the computation's error)."""
+        self.ready[index].wait()
+        if self.error is not None:
+            raise self.error
+        bases, event = self.bases[index], self.events[index]
+        assert bases is not None
+        if event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for v in bases:
+                if v is not None:
+                    v.record_stream(stream)  # allocated on the side stream, used on this one
+        return bases
+
+
 class EfficientBackward:
     """The handle ``apply_efficient_backward`` returns: the on/off switch and the projection bases.
 
-    Call order: ``refresh(step)`` at the start of each optimizer step, before its forwards, on every
-    worker whether or not it runs efficient microbatches, so that all workers hold the same bases; then
-    run each efficient microbatch's forward inside ``with eb.enabled():``. The mode is read during the
-    forward; the backward may run inside or after the context. The bases exist from the start (computed
-    from the weights at ``apply_efficient_backward`` time, the same as ``refresh(0)`` on a freshly
-    initialised model), so ``bases()`` always has the same shapes: a worker that joins late or resumes
-    gets the current ones with ``load_bases`` (or by copying into ``bases()``).
+    Call order: ``refresh(step, needed)`` once a step's plan is known, on every worker, with the same
+    ``needed`` on all of them (whether any worker runs an efficient microbatch in this step); then run each
+    efficient microbatch's forward inside ``with eb.enabled():``. The mode is read during the forward; the
+    backward may run inside or after the context. Before anything writes the weights, the computation
+    ``refresh`` may have started must be joined: ``wait()`` does it, and so does every ``torch.optim``
+    optimizer's ``step()`` (a global step pre-hook, removed by ``remove()``); write the weights any other
+    way (``load_state_dict``, a custom optimizer) only after ``wait()``.
+
+    The bases used for step s are a pure function of the weights at ``bases_step``, the first step of s's
+    tau-window at which ``refresh(..., needed=True)`` was called, and of that step number; no bases exist
+    before the first such call (``bases()`` is then empty). A worker that joins or resumes gets the
+    current ones, with their step, through ``load_bases(bases, step)``.
     """
 
     def __init__(self, blocks: list[_Block], config: EfficientConfig) -> None:
         self.config = config
         self._blocks = blocks
         self._on = False
-        self._bases = self._compute()
-        self.bases_step: int | None = None  # the step of the last refresh; None: from the weights at apply time
+        self._step = 0  # the step of the last refresh() call: what an efficient forward without bases keys to
+        self._bases: Bases = []
+        self._bases_step: int | None = None  # the step of the bases held; None: no bases
+        self._pending: _Refresh | None = None
+        self._stream: torch.cuda.Stream | None = None
+        ref = weakref.ref(self)
+
+        def join_before_step(*_: Any) -> None:
+            handle = ref()
+            if handle is not None:
+                handle.wait()
+
+        self._hook = register_optimizer_step_pre_hook(join_before_step)
+        weakref.finalize(self, self._hook.remove)
+
+    @property
+    def bases_step(self) -> int | None:
+        """The step whose weights the bases come from (those in flight, if a computation is); None: none yet."""
+        return self._pending.step if self._pending is not None else self._bases_step
 
     @property
     def active(self) -> bool:
@@ -156,28 +247,56 @@ class EfficientBackward:
         finally:
             self._on = previous
 
-    def refresh(self, step: int) -> bool:
-        """Recompute the bases from the current weights when ``step % refresh_every == 0``.
+    def refresh(self, step: int, needed: bool = True) -> bool:
+        """Start computing the bases from the current weights if ``needed`` and those held (or in flight) are
+        not from ``step``'s tau-window; returns whether it started.
 
-        Returns whether they were recomputed. New tensors replace the old ones, so a forward already run
-        keeps the bases it saw; still, call it between steps, not between a forward and its backward.
+        ``needed``: some worker runs an efficient microbatch in ``step`` (the same on every worker, so that
+        all hold the same bases). Call it between steps or once the step's plan is known (again after an
+        in-step re-plan: a repeated call is free), not between a forward and its backward. The computation
+        runs on a background thread, last block first; an efficient microbatch's backward waits for each
+        block's bases when it reaches the block, ``wait()`` (and an optimizer step) for all of them.
         """
-        if step % self.config.refresh_every:
+        self._step = step
+        if not needed or self._current(step):
             return False
-        self._bases = self._compute()
-        self.bases_step = step
+        self.wait()
+        self._start(step)
         return True
 
-    def bases(self) -> list[torch.Tensor]:
-        """The V tensors (in_features x r): block by block, gate, up, down; exact-gradient matrices skipped.
+    def wait(self) -> None:
+        """Join the computation ``refresh`` started, if any, and take its bases (re-raising its error).
 
-        The same count and shapes for every handle built from the same model shape and config, for
-        checkpoints and state broadcasts; copying into them in place updates the handle.
+        On CUDA the current stream is made to wait for its kernels, so the weights may be written after.
         """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        assert pending.thread is not None
+        pending.thread.join()
+        bases = [pending.block(i) for i in range(len(self._blocks))]
+        if [w._version for w in self._weights()] != pending.versions:
+            raise RuntimeError(
+                f"the FFN weights changed while the MeCeFO bases of step {pending.step} were computed from them: "
+                "call EfficientBackward.wait() before writing the weights"
+            )
+        self._bases = bases
+        self._bases_step = pending.step
+
+    def bases(self) -> list[torch.Tensor]:
+        """The V tensors (in_features x min(r, out_features)): block by block, gate, up, down; exact-gradient
+        matrices skipped; empty before the first computation.
+
+        The same count and shapes for every handle built from the same model shape and config once it has
+        bases, for checkpoints and state transfers (with ``bases_step``); copying into them in place updates
+        the handle.
+        """
+        self.wait()
         return [v for vs in self._bases for v in vs if v is not None]
 
     def named_bases(self) -> dict[str, torch.Tensor]:
         """``bases()`` keyed by the name of the FFN weight each one projects."""
+        self.wait()
         return {
             name: v
             for block, vs in zip(self._blocks, self._bases, strict=True)
@@ -185,33 +304,116 @@ class EfficientBackward:
             if v is not None
         }
 
-    def load_bases(self, bases: list[torch.Tensor]) -> None:
-        """Replace the bases with copies of ``bases`` (as returned by ``bases()``, e.g. from a checkpoint).
+    def load_bases(self, bases: list[torch.Tensor], step: int | None = None) -> None:
+        """Replace the bases with copies of ``bases`` (as returned by ``bases()``, e.g. from a checkpoint or a
+        live worker) taken from the weights of ``step`` (their ``bases_step``). A computation in flight is
+        dropped. Empty ``bases`` or ``step=None`` (a state saved without it): no bases, the next needed
+        ``refresh`` computes them.
 
         Raises:
             ValueError: their count or shapes do not match this handle's (another model shape or rank).
         """
-        own = self.bases()
-        if [tuple(t.shape) for t in bases] != [tuple(t.shape) for t in own]:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.thread is not None:
+            pending.thread.join()  # superseded: its result (and any error) is dropped
+        if not bases or step is None:
+            self._bases, self._bases_step = [], None
+            return
+        shapes = [[_basis_shape(linear.weight, self.config.rank) for linear in b.linears] for b in self._blocks]
+        own = [shape for row in shapes for shape in row if shape is not None]
+        if [tuple(t.shape) for t in bases] != own:
             raise ValueError(
                 f"MeCeFO bases do not match: got {len(bases)} of shapes {sorted({tuple(t.shape) for t in bases})}, "
-                f"expected {len(own)} of shapes {sorted({tuple(t.shape) for t in own})} (another model or rank?)"
+                f"expected {len(own)} of shapes {sorted(set(own))} (another model or rank?)"
             )
         loaded = iter(bases)
         self._bases = [
-            tuple(None if v is None else next(loaded).detach().to(v.device, v.dtype).clone() for v in vs)
-            for vs in self._bases
+            tuple(
+                None if shape is None else next(loaded).detach().to(linear.weight.device, linear.weight.dtype).clone()
+                for shape, linear in zip(row, b.linears, strict=True)
+            )
+            for row, b in zip(shapes, self._blocks, strict=True)
         ]
+        self._bases_step = step
 
-    def _compute(self) -> list[tuple[torch.Tensor | None, ...]]:
-        return [tuple(_basis(linear.weight, self.config.rank) for linear in b.linears) for b in self._blocks]
+    def _current(self, step: int) -> bool:
+        """Whether the bases held or in flight come from ``step``'s tau-window (and not from a later step)."""
+        tau = self.config.refresh_every
+        at = self.bases_step
+        return at is not None and at <= step and at // tau == step // tau
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [linear.weight for b in self._blocks for linear in b.linears]
+
+    def _start(self, step: int) -> None:
+        weights = self._weights()
+        num_blocks = len(self._blocks)
+        device = weights[0].device
+        pending = _Refresh(
+            step,
+            device,
+            [w._version for w in weights],
+            bases=[None] * num_blocks,
+            ready=[threading.Event() for _ in range(num_blocks)],
+            events=[None] * num_blocks,
+        )
+        stream = None
+        if device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(device))  # the last optimizer step's writes
+            pending.events = [torch.cuda.Event() for _ in range(num_blocks)]
+        config, blocks = self.config, self._blocks
+
+        def run() -> None:
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for b in reversed(blocks):
+                        pending.bases[b.index] = tuple(
+                            randomized_basis(
+                                linear.weight,
+                                config.rank,
+                                config.oversample,
+                                config.power_iters,
+                                basis_seed(step, b.index, k),
+                            )
+                            for k, linear in enumerate(b.linears)
+                        )
+                        event = pending.events[b.index]
+                        if event is not None:
+                            event.record(stream)
+                        pending.ready[b.index].set()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                pending.error = e
+            finally:
+                for ready in pending.ready:
+                    ready.set()
+
+        pending.thread = threading.Thread(target=run, name=f"mecefo-bases-{step}", daemon=True)
+        self._pending = pending
+        pending.thread.start()
+
+    def _bases_of(self, index: int) -> Callable[[], tuple[torch.Tensor | None, ...]]:
+        """For an efficient forward of block ``index``: what its backward calls to get the block's bases. A
+        computation in flight is joined there, for that block only, so it overlaps the forward; with no bases
+        for the last ``refresh`` step's window (a caller that never said ``needed``), one starts now."""
+        if not self._current(self._step):
+            self.refresh(self._step, needed=True)
+        pending = self._pending
+        if pending is None:
+            held = self._bases[index]
+            return lambda: held
+        return lambda: pending.block(index)
 
     def attention_parameters(self) -> list[nn.Parameter]:
         """The parameters an efficient microbatch gives no gradient to: attention and pre-attention norm."""
         return [p for b in self._blocks for m in (b.attention_norm, b.attention) for p in m.parameters()]
 
     def remove(self) -> None:
-        """Restore the original forwards; the handle is unusable afterwards."""
+        """Restore the original forwards and remove the optimizer hook; the handle is unusable afterwards."""
+        self.wait()
+        self._hook.remove()
         for block in self._blocks:
             for attr in block.originals:
                 del getattr(block, attr).__dict__["forward"]
@@ -256,7 +458,7 @@ class EfficientBackward:
                 x,
                 block,
                 original,
-                self._bases[block.index],
+                self._bases_of(block.index),
                 gate.weight,
                 up.weight,
                 down.weight,
@@ -272,7 +474,7 @@ class EfficientBackward:
 def apply_efficient_backward(model: nn.Module, config: EfficientConfig | None = None) -> EfficientBackward:
     """Patch every LLaMA-family block of ``model`` for MeCeFO's efficient mode (off until ``enabled()``).
 
-    Adds no parameters or buffers; computes the first bases from the current weights (see
+    Adds no parameters or buffers and computes nothing yet: the bases are computed when first needed (see
     ``EfficientBackward`` for the call order).
 
     Raises:
@@ -352,18 +554,46 @@ def _no_grad(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def _basis(weight: torch.Tensor, rank: int) -> torch.Tensor | None:
-    """Top-``rank`` right singular vectors of ``weight`` (in_features x rank), or None when rank >= in_features."""
-    if rank >= weight.shape[1]:
+def _basis_shape(weight: torch.Tensor, rank: int) -> tuple[int, int] | None:
+    """The shape of a weight's basis: (in_features, min(rank, out_features)), None when rank >= in_features."""
+    out_features, in_features = weight.shape
+    return None if rank >= in_features else (in_features, min(rank, out_features))
+
+
+def basis_seed(step: int, block: int, matrix: int) -> int:
+    """The test-matrix seed of one weight's basis: distinct per (step, block, matrix), equal on every worker."""
+    return (step * 1_000_003 + 3 * block + matrix) % (1 << 63)
+
+
+def randomized_basis(
+    weight: torch.Tensor, rank: int, oversample: int, power_iters: int, seed: int
+) -> torch.Tensor | None:
+    """An orthonormal estimate of the top-``rank`` right singular vectors of ``weight`` (out x in), as an
+    (in_features x min(rank, out_features)) tensor of the weight's dtype on its device, or None when
+    ``rank >= in_features`` (the gradient stays exact).
+
+    Randomized subspace iteration in float32 on the weight's device: Y = (W^T W)^q W^T Omega with Omega an
+    (out x (k + oversample)) Gaussian matrix drawn from a generator seeded with ``seed``, re-orthonormalised
+    after every product; then the SVD of the small W Q gives the rotation inside span(Q). A pure function
+    of (weight, arguments) on one device type and torch build. Cost: (2 + 2 q) products of W with a
+    thin matrix, instead of a full SVD's O(in^2 out).
+    """
+    shape = _basis_shape(weight, rank)
+    if shape is None:
         return None
-    w = weight.detach().to(device="cpu", dtype=torch.float64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # LAPACK/BLAS results may depend on the thread count
-    try:
-        _, _, vh = torch.linalg.svd(w, full_matrices=False)
-    finally:
-        torch.set_num_threads(threads)
-    return vh[:rank].T.to(device=weight.device, dtype=weight.dtype).contiguous()
+    out_features, in_features = weight.shape
+    k = shape[1]
+    width = min(k + oversample, out_features, in_features)
+    with torch.no_grad():
+        w = weight.detach().float()
+        gen = torch.Generator(device=w.device).manual_seed(seed)
+        omega = torch.randn(out_features, width, generator=gen, device=w.device, dtype=torch.float32)
+        q = torch.linalg.qr(w.T @ omega).Q  # (in, width): an orthonormal basis of the sketch of W's row space
+        for _ in range(power_iters):
+            q = torch.linalg.qr(w.T @ torch.linalg.qr(w @ q).Q).Q
+        _, _, vh = torch.linalg.svd(w @ q, full_matrices=False)  # (out, width) -> vh (width, width)
+        v = q @ vh[:k].T  # (in, k)
+    return v.to(weight.dtype).contiguous()
 
 
 def _weight_grad(g_out: torch.Tensor, inp: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
@@ -383,7 +613,7 @@ class _EfficientFFN(torch.autograd.Function):
         x: torch.Tensor,
         block: _Block,
         mlp_forward: Callable[[torch.Tensor], torch.Tensor],
-        bases: tuple[torch.Tensor | None, ...],
+        bases: Callable[[], tuple[torch.Tensor | None, ...]],
         w_gate: torch.Tensor,
         w_up: torch.Tensor,
         w_down: torch.Tensor,
@@ -394,6 +624,7 @@ class _EfficientFFN(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.block = block
         ctx.bases = bases
+        ctx.autocast = _autocast_state(h.device.type)
         ctx.save_for_backward(h, w_gate, w_up, w_down, b_gate, b_up, b_down)
         # x is the norm output computed without a graph; the original forward gives the exact values.
         return mlp_forward(x)
@@ -402,33 +633,58 @@ class _EfficientFFN(torch.autograd.Function):
     def backward(ctx: Any, g_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         h, w_gate, w_up, w_down, b_gate, b_up, b_down = ctx.saved_tensors
         block: _Block = ctx.block
-        v_gate, v_up, v_down = ctx.bases
+        v_gate, v_up, v_down = ctx.bases()  # joins the basis computation for this block, if still in flight
         norm_params = list(block.ffn_norm.parameters())
         trained = [p for p in norm_params if p.requires_grad]
-        with torch.enable_grad():
-            h_r = h.detach().requires_grad_()
-            x_r = block.originals["ffn_norm"](h_r)  # (B, T, dim)
-        x = x_r.detach().reshape(-1, x_r.shape[-1])  # (N, dim)
-        g_y = g_y.reshape(-1, g_y.shape[-1])  # (N, dim)
-        a = F.linear(x, w_gate, b_gate)  # (N, hidden)
-        u = F.linear(x, w_up, b_up)
-        with torch.enable_grad():
-            a_r = a.requires_grad_()
-            s_r = block.act(a_r)
-        s = s_r.detach()
-        g_p = g_y @ w_down  # (N, hidden)
-        (g_a,) = torch.autograd.grad(s_r, a_r, g_p * u)
-        g_u = g_p * s
-        g_x = g_a @ w_gate + g_u @ w_up  # (N, dim)
-        g_h, *g_trained = torch.autograd.grad(x_r, [h_r, *trained], g_x.view_as(x_r))
+        needs = ctx.needs_input_grad
+        # Re-enter the forward's autocast state (the backward runs on another thread, or outside the forward's
+        # context), so that every op below runs in the precision the same op had, or would have had, in it.
+        with torch.autocast(**ctx.autocast):
+            with torch.enable_grad():
+                h_r = h.detach().requires_grad_()
+                x_r = block.originals["ffn_norm"](h_r)  # (B, T, dim)
+            x = x_r.detach().reshape(-1, x_r.shape[-1])  # (N, dim)
+            g_y = g_y.reshape(-1, g_y.shape[-1])  # (N, dim)
+            a = F.linear(x, w_gate, b_gate)  # (N, hidden)
+            u = F.linear(x, w_up, b_up)
+            with torch.enable_grad():
+                a_r = a.requires_grad_()
+                s_r = block.act(a_r)
+            s = s_r.detach()
+            g_p = g_y @ w_down  # (N, hidden)
+            (g_a,) = torch.autograd.grad(s_r, a_r, (g_p * u).to(s_r.dtype))
+            g_u = g_p * s
+            g_x = g_a @ w_gate + g_u @ w_up  # (N, dim)
+            g_h, *g_trained = torch.autograd.grad(x_r, [h_r, *trained], g_x.view_as(x_r).to(x_r.dtype))
+            g_w_gate = _weight_grad(g_a, x, v_gate).to(w_gate.dtype) if needs[5] else None
+            g_w_up = _weight_grad(g_u, x, v_up).to(w_up.dtype) if needs[6] else None
+            g_w_down = _weight_grad(g_y, s * u, v_down).to(w_down.dtype) if needs[7] else None
+            g_b_gate = g_a.sum(0).to(b_gate.dtype) if b_gate is not None and needs[8] else None
+            g_b_up = g_u.sum(0).to(b_up.dtype) if b_up is not None and needs[9] else None
+            g_b_down = g_y.sum(0).to(b_down.dtype) if b_down is not None and needs[10] else None
         by_param = dict(zip(map(id, trained), g_trained, strict=True))
         g_norm = [by_param.get(id(p)) for p in norm_params]
+        return (
+            g_h.to(h.dtype),
+            None,
+            None,
+            None,
+            None,
+            g_w_gate,
+            g_w_up,
+            g_w_down,
+            g_b_gate,
+            g_b_up,
+            g_b_down,
+            *g_norm,
+        )
 
-        needs = ctx.needs_input_grad
-        g_w_gate = _weight_grad(g_a, x, v_gate) if needs[5] else None
-        g_w_up = _weight_grad(g_u, x, v_up) if needs[6] else None
-        g_w_down = _weight_grad(g_y, s * u, v_down) if needs[7] else None
-        g_b_gate = g_a.sum(0) if b_gate is not None and needs[8] else None
-        g_b_up = g_u.sum(0) if b_up is not None and needs[9] else None
-        g_b_down = g_y.sum(0) if b_down is not None and needs[10] else None
-        return (g_h, None, None, None, None, g_w_gate, g_w_up, g_w_down, g_b_gate, g_b_up, g_b_down, *g_norm)
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    """The current autocast settings of ``device_type``, as ``torch.autocast`` keyword arguments."""
+    return {
+        "device_type": device_type,
+        "dtype": torch.get_autocast_dtype(device_type),
+        "enabled": torch.is_autocast_enabled(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }

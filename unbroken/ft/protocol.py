@@ -332,12 +332,6 @@ class StepProtocol:
         """Fresh local state for the current step: no microbatch done, empty accumulators."""
         self._begin_local()
         self.reducer.reset_local()
-        eb = self.state.efficient
-        if eb is not None and self.state.step >= 0 and self.state.step % eb.config.refresh_every == 0:
-            # The projection bases follow the weights at steps 0, tau, 2 tau, ...: every member computes them
-            # from identical weights; a joiner receives them with the state.
-            if eb.bases_step != self.state.step:
-                eb.refresh(self.state.step)
         if self.state.scale is not None:
             self.reducer.set_exponents(self.state.scale.exponents(), self.state.scale.limit)
 
@@ -353,6 +347,12 @@ class StepProtocol:
             ids = range(self.M) if todo is None else todo
             plan = plan_ids(self.state.step, self.group.members, ids, self.M, self.cfg.workload, self.state.speeds)
         self.efficient_ids = plan.efficient
+        eb = self.state.efficient
+        if eb is not None:
+            # Every member sees the same plan, so the same `needed`: the bases of a tau-window come from the
+            # weights of its first step with an efficient microbatch anywhere (none while nobody is down),
+            # computed by every member in the background; a joiner receives them, with their step, in the state.
+            eb.refresh(self.state.step, needed=bool(plan.efficient))
         return plan
 
     def start_step(self) -> list[int]:
@@ -565,6 +565,8 @@ class StepProtocol:
                 grad_norm = float(
                     torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
                 )
+            if self.state.efficient is not None:
+                self.state.efficient.wait()  # the bases have read the weights (torch optimizers also do this)
             if optimizer is not None:
                 optimizer.step()
             if self.state.scale is not None:

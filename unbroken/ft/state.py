@@ -83,6 +83,7 @@ class TrainingState:
             "nonfinite_streak": self.nonfinite_streak,
             "last": asdict(self.last),
             "mecefo_bases": self.efficient.bases() if self.efficient is not None else None,
+            "mecefo_bases_step": self.efficient.bases_step if self.efficient is not None else None,
         }
         return ckpt.build_state(
             self.step,
@@ -109,18 +110,18 @@ class TrainingState:
             raise ValueError(f"the state is for a different model (first mismatch: {mismatch[0]})")
         if set(state["extra"]) != set(self.extra):
             raise ValueError(f"the state holds {sorted(state['extra'])}, this worker registered {sorted(self.extra)}")
+        ft = state["ft"]
+        if self.efficient is not None:  # first: drops a basis computation that would read the weights loaded below
+            self.efficient.load_bases(ft.get("mecefo_bases") or [], ft.get("mecefo_bases_step"))
         self.model.load_state_dict(theirs)
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         for name, obj in self.extra.items():
             _load_into(name, obj, state["extra"][name])
-        ft = state["ft"]
         if self.scale is not None:
             if ft["scale"] is None:
                 raise ValueError("the state was saved without exact reduction; it has no fixed-point scale")
             self.scale.load_state_dict(ft["scale"])
-        if self.efficient is not None and ft["mecefo_bases"] is not None:
-            self.efficient.load_bases(ft["mecefo_bases"])
         self.speeds = {int(w): float(s) for w, s in ft["speeds"].items()}
         self.nonfinite_streak = int(ft["nonfinite_streak"])
         self.last = StepOutcome(**ft["last"])

@@ -9,6 +9,12 @@ excluded), in total and inside the transformer blocks; with the analytic expecta
 ``gradient_errors``: the relative error of the efficient microbatch's gradient against the exact one for
 several ranks r, to choose ``efficient.DEFAULT_RANK``.
 
+``basis_errors``: the FFN weight-gradient projection error with the randomized bases the handle computes
+(``efficient.randomized_basis``) against the full SVD's, per rank, oversampling and power iterations, to
+choose ``efficient.DEFAULT_OVERSAMPLE`` and ``DEFAULT_POWER_ITERS``. ``bench_refresh``: the time to compute
+one weight's basis (default 4096 x 11008, LLaMA-7B's FFN down projection), randomized on any device, or
+the float64 full SVD on the CPU that earlier versions used (``method="svd"``).
+
 Data: real token windows of the embedded Shakespeare corpus (``data.prepare_corpus``; its cache is built on
 first use), or random tokens with ``data="random"``. ``python -m unbroken.lab.bench_mecefo`` prints both.
 """
@@ -29,7 +35,16 @@ import torch.nn.functional as F
 from unbroken.core.config import DataConfig
 from unbroken.core.failures import build_schedule
 from unbroken.core.plan import mecefo_plan
-from unbroken.ft.efficient import DEFAULT_RANK, EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.ft.efficient import (
+    DEFAULT_OVERSAMPLE,
+    DEFAULT_POWER_ITERS,
+    DEFAULT_RANK,
+    EfficientBackward,
+    EfficientConfig,
+    apply_efficient_backward,
+    basis_seed,
+    randomized_basis,
+)
 from unbroken.train.data import MicrobatchSampler, check_vocab, prepare_corpus
 from unbroken.train.model import ModelArgs, Transformer, model_args
 
@@ -89,26 +104,39 @@ def bench_microbatch(
     warmup: int = 2,
     seed: int = 0,
     data: str = "shakespeare",
+    device: str = "cpu",
+    autocast: bool = False,
 ) -> dict[str, float | int | str]:
     """Time and activation memory of one efficient microbatch against one exact microbatch.
 
     Returns times in ms (median, min, max over ``repeats``), saved activation bytes (total and inside the
-    blocks) and the measured and expected (``expected_ratios``) efficient / exact ratios.
+    blocks) and the measured and expected (``expected_ratios``, float32) efficient / exact ratios; on CUDA
+    also the peak memory allocated above the model during one microbatch (``*_peak_bytes``). ``autocast``:
+    forwards under ``torch.autocast(device type, bfloat16)`` (the saved bytes then include the bfloat16
+    weight copies autocast keeps for the backward).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats = {repeats} must be >= 1 and warmup = {warmup} >= 0")
     args = model_args(flavour, max_seq_len=max(seq_len, model_args(flavour).max_seq_len))
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = Transformer(args).to(device)
     eb = apply_efficient_backward(model, EfficientConfig(rank=rank))
-    x, y = _microbatch(args, seq_len, batch, seed, data)
+    eb.refresh(0)
+    eb.wait()  # the bases are computed before timing: their cost is bench_refresh's
+    x, y = (t.to(device) for t in _microbatch(args, seq_len, batch, seed, data))
+    cuda = x.is_cuda
+    precision = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast)
 
     def step(efficient: bool) -> float:
         model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(x.device)
         start = time.perf_counter()
-        with eb.enabled(efficient):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with eb.enabled(efficient), precision:
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize(x.device)
         return time.perf_counter() - start
 
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -117,11 +145,22 @@ def bench_microbatch(
             seconds = step(efficient)
             if i >= warmup:
                 times[efficient].append(seconds * 1e3)
-    memory = {efficient: _saved_bytes(model, eb, efficient, x, y) for efficient in (False, True)}
+    with precision:
+        memory = {efficient: _saved_bytes(model, eb, efficient, x, y) for efficient in (False, True)}
     expected = expected_ratios(args, seq_len, batch, rank)
     result: dict[str, float | int | str] = {"flavour": flavour, "seq_len": seq_len, "batch": batch, "rank": rank}
     result["data"] = data
+    result["device"] = str(x.device)
+    result["autocast"] = "bfloat16" if autocast else "off"
     result["threads"] = torch.get_num_threads()
+    if cuda:
+        for efficient, name in ((False, "exact"), (True, "efficient")):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(x.device)
+            base = torch.cuda.memory_allocated(x.device)
+            torch.cuda.reset_peak_memory_stats(x.device)
+            step(efficient)
+            result[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated(x.device) - base
     for efficient, name in ((False, "exact"), (True, "efficient")):
         ms = times[efficient]
         result.update({f"{name}_ms": statistics.median(ms), f"{name}_ms_min": min(ms), f"{name}_ms_max": max(ms)})
@@ -155,18 +194,7 @@ def gradient_errors(
     microbatch), ``model`` (every parameter but the attention ones, which efficient mode leaves out)
     and ``model_with_attention`` (attention gradients counted as zero).
     """
-    args = model_args(flavour, max_seq_len=max(seq_len, model_args(flavour).max_seq_len))
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    batches = _batches(args, seq_len, batch, seed, data)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    for _ in range(train_steps):
-        x, y = next(batches)
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    measured = [next(batches) for _ in range(microbatches)]
+    model, measured = _trained(flavour, seq_len, batch, train_steps, microbatches, lr, seed, data)
     names = [n for n, _ in model.named_parameters()]
 
     def grads(eb: EfficientBackward | None) -> list[dict[str, torch.Tensor]]:
@@ -212,6 +240,140 @@ def gradient_errors(
         }
         for r in ranks
     ]
+
+
+def basis_errors(
+    flavour: str = "small",
+    seq_len: int = 128,
+    batch: int = 4,
+    ranks: tuple[int, ...] = (8, 16, 32, 64, 128),
+    oversamples: tuple[int, ...] = (0, 8, 16, 32),
+    power_iters: tuple[int, ...] = (0, 1, 2, 4),
+    train_steps: int = 300,
+    microbatches: int = 4,
+    lr: float = 3e-3,
+    seed: int = 0,
+    data: str = "shakespeare",
+) -> list[dict[str, float | int]]:
+    """The FFN weight-gradient projection error of randomized bases against the full SVD's.
+
+    The model is trained as in ``gradient_errors``; G is each measured microbatch's efficient FFN weight
+    gradient at full rank (what the projection acts on). For a basis V of every FFN weight, the error is
+    e(V) = ||G - G V V^T|| / ||G|| (Frobenius over all FFN weights together, mean over the microbatches), the
+    quantity ``gradient_errors`` reports as ``ffn_projection``. Per rank r: ``svd`` (V from a float64 full
+    SVD) and, per oversampling p and power iterations q, ``randomized`` (V from ``randomized_basis``, seeded
+    as the handle seeds them at step 0), ``excess`` = randomized - svd, and ``sin_max``, the largest sine of
+    a principal angle between the two subspaces over all weights (1: some direction of one is orthogonal
+    to the other).
+    """
+    model, measured = _trained(flavour, seq_len, batch, train_steps, microbatches, lr, seed, data)
+    eb = apply_efficient_backward(model, EfficientConfig(rank=FULL_RANK))
+    ffn = [(i, k, linear) for i, block in enumerate(model.layers) for k, linear in enumerate(_ffn_linears(block))]
+    grads = []
+    for x, y in measured:
+        model.zero_grad(set_to_none=True)
+        with eb.enabled():
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        grads.append([linear.weight.grad.detach().double().clone() for _, _, linear in ffn])
+    eb.remove()
+    exact = [torch.linalg.svd(linear.weight.detach().double(), full_matrices=False)[2] for _, _, linear in ffn]
+
+    def error(bases: list[torch.Tensor | None]) -> float:
+        errors = []
+        for gs in grads:
+            residual = sum(
+                float((g - g @ v @ v.T).square().sum()) for g, v in zip(gs, bases, strict=True) if v is not None
+            )
+            errors.append(math.sqrt(residual / sum(float(g.square().sum()) for g in gs)))
+        return statistics.mean(errors)
+
+    rows: list[dict[str, float | int]] = []
+    for r in ranks:
+        svd = [vh[: min(r, vh.shape[0])].T if r < vh.shape[1] else None for vh in exact]
+        e_svd = error(svd)
+        for p in oversamples:
+            for q in power_iters:
+                bases = [
+                    None if v is None else randomized_basis(linear.weight, r, p, q, basis_seed(0, i, k)).double()
+                    for (i, k, linear), v in zip(ffn, svd, strict=True)
+                ]
+                e = error(bases)
+                sin_max = max(
+                    (
+                        float(torch.linalg.matrix_norm(a - b @ (b.T @ a), ord=2))
+                        for a, b in zip(svd, bases, strict=True)
+                        if a is not None
+                    ),
+                    default=0.0,
+                )
+                rows.append(
+                    {
+                        "rank": r,
+                        "oversample": p,
+                        "power_iters": q,
+                        "svd": e_svd,
+                        "randomized": e,
+                        "excess": e - e_svd,
+                        "sin_max": sin_max,
+                    }
+                )
+    return rows
+
+
+def bench_refresh(
+    out_features: int = 4096,
+    in_features: int = 11008,
+    rank: int = DEFAULT_RANK,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    power_iters: int = DEFAULT_POWER_ITERS,
+    method: str = "randomized",
+    device: str = "cpu",
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[str, float | int | str]:
+    """Seconds to compute one (out_features x in_features) weight's basis: median, min and max of ``repeats``.
+
+    ``method``: ``randomized`` (``efficient.randomized_basis`` in float32 on ``device``, after one untimed
+    warm-up call) or ``svd`` (the float64 full ``torch.linalg.svd`` on the CPU with one intra-op thread, as
+    earlier versions computed every basis; no warm-up). The weight is Gaussian with std 1/sqrt(in_features).
+    """
+    if method not in ("randomized", "svd"):
+        raise ValueError(f'method = {method!r} must be "randomized" or "svd"')
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)).to(device)
+
+    def once() -> float:
+        start = time.perf_counter()
+        if method == "randomized":
+            randomized_basis(w, rank, oversample, power_iters, seed)
+            if w.is_cuda:
+                torch.cuda.synchronize(w.device)
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                torch.linalg.svd(w.cpu().double(), full_matrices=False)
+            finally:
+                torch.set_num_threads(threads)
+        return time.perf_counter() - start
+
+    if method == "randomized":
+        once()
+    times = [once() for _ in range(repeats)]
+    return {
+        "shape": f"{out_features} x {in_features}",
+        "rank": rank,
+        "oversample": oversample,
+        "power_iters": power_iters,
+        "method": method,
+        "device": str(w.device),
+        "threads": 1 if method == "svd" else torch.get_num_threads(),
+        "repeats": repeats,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
 
 
 def scenario_membership(scenario: str, workers: int, steps: int, run_hours: float, seed: int) -> list[tuple[int, ...]]:
@@ -289,9 +451,9 @@ def gradient_error_run(
     no_attention = [id(p) not in attention for p in params]
     rows = []
     for step in range(steps):
-        eb.refresh(step)
         alive = membership[step]
         efficient = mecefo_plan(step, ring, alive, microbatches, spread=spread).efficient
+        eb.refresh(step, needed=bool(efficient))  # as the protocol calls it: bases only in windows with failures
         approx = [torch.zeros_like(p) for p in params]
         exact = [torch.zeros_like(p) for p in params] if efficient else None
         per_microbatch = []
@@ -335,6 +497,30 @@ def gradient_error_run(
         "spread": spread,
         "failure_steps": rows,
     }
+
+
+def _trained(
+    flavour: str, seq_len: int, batch: int, train_steps: int, microbatches: int, lr: float, seed: int, data: str
+) -> tuple[Transformer, list[tuple[torch.Tensor, ...]]]:
+    """A model trained ``train_steps`` exact AdamW steps (constant ``lr``, weight decay 0.01, clip 1.0), one
+    microbatch per step, and the next ``microbatches`` microbatches."""
+    args = model_args(flavour, max_seq_len=max(seq_len, model_args(flavour).max_seq_len))
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    batches = _batches(args, seq_len, batch, seed, data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    for _ in range(train_steps):
+        x, y = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model, [next(batches) for _ in range(microbatches)]
+
+
+def _ffn_linears(block: torch.nn.Module) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear]:
+    ff = block.feed_forward
+    return ff.w1, ff.w3, ff.w2  # gate, up, down: the handle's order
 
 
 def _batches(args: ModelArgs, seq_len: int, batch: int, seed: int, data: str) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -401,12 +587,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=DEFAULT_RANK)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--data", default="shakespeare", choices=("shakespeare", "random"))
+    parser.add_argument("--device", default="cpu", help="the microbatch benchmark's device (cpu, cuda)")
+    parser.add_argument("--autocast", action="store_true", help="microbatch forwards under bfloat16 autocast")
     parser.add_argument("--ranks", default="", help="also run gradient_errors for these ranks, e.g. 8,16,32,full")
     parser.add_argument("--train-steps", type=int, default=300, help="exact steps before measuring gradient errors")
+    parser.add_argument("--bases", action="store_true", help="run basis_errors instead (randomized vs full SVD)")
+    parser.add_argument(
+        "--refresh",
+        default="",
+        help="run bench_refresh instead for these OUTxIN shapes, e.g. 4096x11008,11008x4096 (with --device)",
+    )
+    parser.add_argument("--method", default="randomized", choices=("randomized", "svd"), help="for --refresh")
+    parser.add_argument("--oversample", type=int, default=DEFAULT_OVERSAMPLE, help="for --refresh")
+    parser.add_argument("--power-iters", type=int, default=DEFAULT_POWER_ITERS, help="for --refresh")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = parser.parse_args(argv)
     common = {"flavour": a.flavour, "seq_len": a.seq_len, "batch": a.batch, "data": a.data}
-    result = bench_microbatch(rank=a.rank, repeats=a.repeats, **common)
+    if a.refresh:
+        _print_refresh(a)
+        return
+    if a.bases:
+        _print_bases(basis_errors(train_steps=a.train_steps, **common), a.json)
+        return
+    result = bench_microbatch(rank=a.rank, repeats=a.repeats, device=a.device, autocast=a.autocast, **common)
     rows: list[dict[str, float | int]] = []
     if a.ranks:
         ranks = tuple(FULL_RANK if r.strip() == "full" else int(r) for r in a.ranks.split(","))
@@ -418,12 +621,13 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"microbatch": result, "ranks": rows}, indent=2))
         return
     print(f"{a.flavour}, seq_len {a.seq_len}, batch {a.batch}, rank {a.rank}, {a.data} tokens", end="")
-    print(f", {result['threads']} threads")
+    print(f", {result['device']}, autocast {result['autocast']}, {result['threads']} threads")
     for name in ("exact", "efficient"):
+        peak = f", peak {result[f'{name}_peak_bytes'] / 2**20:8.2f} MiB" if f"{name}_peak_bytes" in result else ""
         print(
             f"  {name:9s} {result[f'{name}_ms']:8.1f} ms (min {result[f'{name}_ms_min']:.1f}, "
             f"max {result[f'{name}_ms_max']:.1f})   saved {result[f'{name}_saved_bytes'] / 2**20:7.2f} MiB, "
-            f"in blocks {result[f'{name}_block_saved_bytes'] / 2**20:7.2f} MiB"
+            f"in blocks {result[f'{name}_block_saved_bytes'] / 2**20:7.2f} MiB{peak}"
         )
     print(
         f"  time ratio {result['time_ratio']:.3f} (expected from FLOPs {result['expected_flops_ratio']:.3f}); "
@@ -439,6 +643,42 @@ def main(argv: list[str] | None = None) -> None:
                 f"  {r:>5s}  {row['ffn_projection']:10.3f}  {row['ffn']:8.3f}  {row['model']:7.3f}  "
                 f"{row['model_with_attention']:9.3f}  {row['efficient_ms']:11.1f}  {row['time_ratio']:10.3f}"
             )
+
+
+def _print_refresh(a: argparse.Namespace) -> None:
+    for shape in a.refresh.split(","):
+        out_features, in_features = (int(n) for n in shape.lower().split("x"))
+        r = bench_refresh(
+            out_features,
+            in_features,
+            a.rank,
+            a.oversample,
+            a.power_iters,
+            method=a.method,
+            device=a.device,
+            repeats=a.repeats,
+        )
+        if a.json:
+            print(json.dumps(r))
+            continue
+        how = "float64 full SVD" if a.method == "svd" else f"randomized p={a.oversample} q={a.power_iters}"
+        print(
+            f"refresh {r['shape']} rank {a.rank}, {how}, {r['device']}, {r['threads']} threads: median "
+            f"{r['median_s']:.3f} s [min {r['min_s']:.3f}, max {r['max_s']:.3f}] of {r['repeats']}"
+        )
+
+
+def _print_bases(rows: list[dict[str, float | int]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("FFN weight-gradient projection error, randomized bases vs full SVD (mean of 4 microbatches):")
+    print("  rank  p   q    svd    randomized   excess   sin_max")
+    for row in rows:
+        print(
+            f"  {row['rank']:4d} {row['oversample']:3d} {row['power_iters']:2d}  {row['svd']:.4f}   "
+            f"{row['randomized']:.4f}   {row['excess']:+.4f}   {row['sin_max']:.3f}"
+        )
 
 
 if __name__ == "__main__":
