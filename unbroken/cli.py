@@ -131,7 +131,9 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         sock = socket.socket(fileno=args.listen_fd)
         run_dir = Path(args.run_dir).resolve()
         cfg = load_config(run_dir / "config.toml")
-        state = open_state_store(cfg.coordinator.state, run_dir, f"{args.host}:{sock.getsockname()[1]}")
+        state = open_state_store(
+            cfg.coordinator.state, run_dir, f"{args.host}:{sock.getsockname()[1]}", cfg.coordinator.lease_s
+        )
         if not state.campaign():
             raise ValueError(f"coordinator.state = {cfg.coordinator.state}: another coordinator leads this run")
     else:
@@ -141,7 +143,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         if run_dir.exists() and any(run_dir.iterdir()) and not (args.resume or shared):
             raise ValueError(f"run directory {run_dir} exists and is not empty; choose another or use --resume")
         run_dir.mkdir(parents=True, exist_ok=True)
-        state = open_state_store(cfg.coordinator.state, run_dir, f"{args.host}:{args.port}")
+        state = open_state_store(cfg.coordinator.state, run_dir, f"{args.host}:{args.port}", cfg.coordinator.lease_s)
         if shared:
             print(f"coordinator {args.host}:{args.port}: campaigning to lead ({cfg.coordinator.state})", flush=True)
         if not state.campaign(timedelta(days=365) if shared else timedelta(seconds=30)):

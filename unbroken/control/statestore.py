@@ -255,7 +255,7 @@ class JournalStore(StateStore):
             self._lock_fd = None
 
 
-def open_state_store(spec: str, run_dir: Path, candidate: str) -> StateStore:
+def open_state_store(spec: str, run_dir: Path, candidate: str, lease_s: float = 5.0) -> StateStore:
     """The store ``--coordinator.state`` names: ``journal`` (the default, one host) or
     ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`` (several hosts; the prefix defaults to
     ``/unbroken/<run directory name>``). ``candidate`` identifies this coordinator in an election (its
@@ -266,5 +266,6 @@ def open_state_store(spec: str, run_dir: Path, candidate: str) -> StateStore:
         from unbroken.control.etcd import EtcdStateStore, parse_etcd_url  # etcd3gw only when etcd is used
 
         endpoints, prefix = parse_etcd_url(spec)
-        return EtcdStateStore(endpoints, prefix or f"/unbroken/{Path(run_dir).name}", candidate)
+        lease = timedelta(seconds=max(1, round(lease_s)))
+        return EtcdStateStore(endpoints, prefix or f"/unbroken/{Path(run_dir).name}", candidate, lease_ttl=lease)
     raise ValueError(f"coordinator.state = {spec!r}: expected 'journal' or 'etcd://host:port[,host:port...]'")

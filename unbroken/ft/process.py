@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unbroken.control import keys
 from unbroken.control.client import (
     COORDINATOR_ENV,
     LOCAL_WORKERS_ENV,
     RUN_DIR_ENV,
     WORKER_ID_ENV,
     CoordinatorClient,
+    addresses_of,
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
 from unbroken.control.store import bind_listen_socket, connect_store
@@ -92,10 +94,10 @@ class Job:
         if address:
             token = os.environ.get(TOKEN_ENV, "")
             try:
-                probe = connect_store(address, token=token or None)
-                cfg = config_from_toml_text(probe.get("config").decode())
-                directory = Path(os.environ.get(RUN_DIR_ENV) or probe.get("run_dir").decode())
-            except (TunnelError, RuntimeError) as e:
+                probe = _reach(addresses_of(address), token or None)
+                cfg = config_from_toml_text(probe.get(keys.CONFIG).decode())
+                directory = Path(os.environ.get(RUN_DIR_ENV) or probe.get(keys.RUN_DIR).decode())
+            except (TunnelError, RuntimeError, OSError, ValueError) as e:
                 init_logger("worker ?")
                 log.error(
                     "cannot join the job at %s: %s", address, str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -161,7 +163,7 @@ class Job:
 
     def _store(self) -> Any:
         if self._probe is None:
-            self._probe = connect_store(self.address, token=self.token)
+            self._probe = _reach(addresses_of(self.address), self.token)
         return self._probe
 
     def leave(self, code: int) -> None:
@@ -181,6 +183,18 @@ class Job:
             except subprocess.TimeoutExpired:
                 proc.terminate()
                 proc.wait()
+
+
+def _reach(addresses: list[str], token: str | None) -> Any:
+    """A store connection to the first of ``addresses`` that answers (the leading coordinator)."""
+    last: Exception | None = None
+    for address in addresses:
+        try:
+            return connect_store(address, token=token)
+        except (TunnelError, RuntimeError, OSError) as e:
+            last = e
+    assert last is not None
+    raise last
 
 
 def stop_without_coordinator(proto: StepProtocol | None, run_dir: Path) -> str:
