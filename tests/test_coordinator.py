@@ -134,7 +134,10 @@ def test_a_coordinator_that_never_comes_back_checkpoints_and_resume_reproduces(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = [f"--data.cache_dir={data_cache_dir}", *COMMON, "--coordinator.hold_s=2"]
+    # Worker 0 computes 10x slower from step 8 (timing only: the exact sum does not depend on who computes
+    # what), so the kill below lands mid-run however fast this machine is.
+    slow = "--failures.schedule=slow:worker=0,factor=10,steps=8-16"
+    common = [f"--data.cache_dir={data_cache_dir}", *COMMON, "--coordinator.hold_s=2", slow]
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "unbroken", "coordinator", TINY, "--workers", "2", "--port", str(port)]
         + ["--run-dir", str(out), *common],

@@ -35,6 +35,16 @@ def test_parse_and_describe_round_trip() -> None:
     assert FailureSchedule.parse("kill:worker=0,step=1", default_rejoin_s=4.0).events[0].rejoin_after_s == 4.0
 
 
+def test_only_kill_coordinator_targets_the_coordinator() -> None:
+    """A ``scale`` event names no worker either; the launcher must not read it as a coordinator kill."""
+    scale, coordinator = FailureSchedule.parse("scale:step=2,microbatch=1,factor=1e9; kill:coordinator,step=3").events
+    assert not scale.targets_coordinator and coordinator.targets_coordinator
+    assert [e.describe() for e in (scale, coordinator)] == [
+        "scale:step=2,microbatch=1,factor=1e+09",
+        "kill:coordinator,step=3",
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -351,7 +351,8 @@ def run_agent(args: argparse.Namespace) -> int:
         wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S)
     agent.stop_workers()
     codes = [p.returncode for p in agent.processes()]
-    return 0 if agent.finished and not any(codes) else 1
+    # Every worker ended with 0 only if the run finished (the coordinator may have died just after).
+    return 0 if (agent.finished or codes) and not any(codes) else 1
 
 
 def _reach(addresses: list[str], token: str, wait_s: float) -> tuple[Any, str]:

@@ -135,7 +135,7 @@ class Launcher:
         env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
         self.env = env
         schedule = FailureSchedule.parse(self.cfg.failures.schedule)
-        self.coordinator_kills = sorted(e.step for e in schedule.events if e.worker == COORDINATOR_TARGET)
+        self.coordinator_kills = sorted(e.step for e in schedule.events if e.targets_coordinator)
         self.agent = Agent(
             list(range(plan.workers)),
             plan.command,

@@ -91,8 +91,13 @@ class FailureEvent:
     seconds: float = 0.0  # pause, stall: how long the worker stays stopped
     microbatch: int = -1  # scale: the microbatch id
 
+    @property
+    def targets_coordinator(self) -> bool:
+        """``kill:coordinator,step=N`` (a ``scale`` event also has no worker, but is not one)."""
+        return self.kind is FailureKind.KILL and self.worker == COORDINATOR_TARGET
+
     def describe(self) -> str:
-        if self.worker == COORDINATOR_TARGET:
+        if self.targets_coordinator:
             return f"kill:coordinator,step={self.step}"
         if self.kind is FailureKind.SLOW:
             return f"slow:worker={self.worker},factor={self.factor:g},steps={self.step}-{self.last_step}"
@@ -241,7 +246,7 @@ class FailureSchedule:
                         f"failure event {e.describe()!r}: microbatch {e.microbatch} does not exist "
                         f"(microbatches 0..{microbatches - 1})"
                     )
-            elif e.worker == COORDINATOR_TARGET:
+            elif e.targets_coordinator:
                 pass
             elif not 0 <= e.worker < num_workers:
                 raise ValueError(
@@ -249,7 +254,7 @@ class FailureSchedule:
                 )
             if not 0 <= e.step < steps or (e.kind is FailureKind.SLOW and e.last_step >= steps):
                 raise ValueError(f"failure event {e.describe()!r}: step past the end of the run (steps 0..{steps - 1})")
-        fatal = [e for e in self.events if e.kind in FATAL_KINDS and e.worker != COORDINATOR_TARGET]
+        fatal = [e for e in self.events if e.kind in FATAL_KINDS and not e.targets_coordinator]
         never_back = {e.worker for e in fatal if e.rejoin_after_s is None}
         if fatal and never_back >= set(range(num_workers)):
             raise ValueError(
