@@ -20,6 +20,8 @@ $(BASE): pyproject.toml Makefile
 
 $(STAMP): $(BASE)
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# OS packages some tests use (Slurm for the launcher test); best effort, the tests say when one is absent.
+	scripts/install_os_deps.sh
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,5 @@
-"""Shared fixtures: one tokenized-corpus cache for the whole session, so the BPE is trained once."""
+"""Shared fixtures: one tokenized-corpus cache for the whole session, so the BPE is trained once; one
+failure-free reference run for the control-plane and launcher tests."""
 
 from __future__ import annotations
 
@@ -16,3 +17,14 @@ def data_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         Path(override).mkdir(parents=True, exist_ok=True)
         return Path(override)
     return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="session")
+def control_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
+    """The failure-free run (exact reduction) that the control-plane and launcher tests compare with."""
+    from runner import CONTROL_COMMON, train
+
+    out = tmp_path_factory.mktemp("control") / "reference"
+    result = train(out, data_cache_dir, *CONTROL_COMMON)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,3 +44,69 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     loaded = ckpt.load_latest(run_dir)
     assert loaded is not None
     return loaded.state["model"]
+
+
+# -- jobs of several processes started by hand (coordinator, agents, launchers) --------------------------------
+CONTROL_STEPS = 60
+# 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
+# mid-run; the assertions say if one did not.
+CONTROL_COMMON = [
+    f"--train.steps={CONTROL_STEPS}",
+    "--train.microbatches=8",
+    "--data.microbatch_size=4",
+    "--recovery.reduction=exact",
+    "--checkpoint.every=10",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m unbroken ARGS`` in a session of its own (``os.killpg`` ends it and its children)."""
+    out = open(log, "ab")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken", *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def committed(run_dir: Path) -> int:
+    """The newest step in the run's metrics (-1 before the first)."""
+    return max((r["step"] for r in read_records(run_dir, "step")), default=-1)
+
+
+def same_final(a: Path, b: Path, step: int) -> None:
+    """The checkpoints of ``step`` in run directories ``a`` and ``b`` hold bitwise the same parameters."""
+    sa, sb = ckpt.verify(a, step), ckpt.verify(b, step)
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+
+
+def worker_pids(token: str) -> dict[int, int]:
+    """Worker id -> pid of every live worker process of the job whose token is ``token`` (read from
+    ``/proc/*/environ``: how an operator finds a job's workers whatever started them)."""
+    found: dict[int, int] = {}
+    wanted = f"UNBROKEN_TOKEN={token}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if wanted not in env or b"unbroken.train" not in cmdline:
+            continue
+        for item in env:
+            if item.startswith(b"UNBROKEN_WORKER_ID="):
+                found[int(item.split(b"=", 1)[1])] = int(entry.name)
+    return found

@@ -7,56 +7,30 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from runner import TINY, train
+from runner import (
+    CONTROL_COMMON,
+    CONTROL_STEPS,
+    TINY,
+    committed,
+    free_port,
+    same_final,
+    train,
+    unbroken,
+    wait_for,
+)
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
-from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 60
-# 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
-# mid-run; the assertions say if one did not.
-COMMON = [
-    f"--train.steps={STEPS}",
-    "--train.microbatches=8",
-    "--data.microbatch_size=4",
-    "--recovery.reduction=exact",
-    "--checkpoint.every=10",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(
-        [sys.executable, "-m", "unbroken", *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001 - a predicate
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def committed(run_dir: Path) -> int:
-    return max((r["step"] for r in read_records(run_dir, "step")), default=-1)
+STEPS = CONTROL_STEPS
+COMMON = CONTROL_COMMON
 
 
 def worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
@@ -67,17 +41,9 @@ def worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
     raise AssertionError(f"worker {worker} is not a child of agent {agent.pid}")
 
 
-def same_final(a: Path, b: Path, step: int) -> None:
-    sa, sb = ckpt.verify(a, step), ckpt.verify(b, step)
-    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("control") / "reference"
-    result = train(out, data_cache_dir, *COMMON)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+@pytest.fixture
+def reference(control_reference: Path) -> Path:
+    return control_reference
 
 
 def test_two_agents_survive_a_killed_worker_and_a_killed_host(
