@@ -8,6 +8,7 @@ attention gradient over the microbatches that produced one, which is a sum worke
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -192,3 +193,30 @@ def test_mecefo_averages_attention_gradients_over_the_microbatches_that_produced
         # (g0/M + g1/M) summed as autograd accumulates them, then x M/2 (exact: powers of two)
         expected = (exact[0][name] + exact[1][name]) * (M / 2)
         assert torch.equal(grads[name], expected), name
+
+
+def test_a_member_that_left_for_a_newer_epoch_is_seen_by_the_others(tmp_path: Path) -> None:
+    """The way out of a superseded group: members interrupted while recovering leave for the newest epoch,
+    and one that had already finished recovering waits in the old group's collective alone (chaos seed 1002,
+    random-time: 60 s, the collective timeout). Each member says which epoch it leaves for before forming
+    it; the others read it. Nobody else's announcement, or one for an epoch not newer, means nothing."""
+    from unbroken.control.client import LEFT_CHECK_S, CoordinatorClient
+
+    job = ThreadJob(tmp_path / "run", config(), 2)
+    clients = [CoordinatorClient(job.coordinator.address, w, token=job.token) for w in (0, 1)]
+    try:
+        assert not clients[0].left_for_newer(1, (0, 1))
+        clients[0].announce_forming(2)  # its own announcement is not a member leaving
+        time.sleep(2 * LEFT_CHECK_S)
+        assert not clients[0].left_for_newer(1, (0, 1))
+        clients[1].announce_forming(2)
+        time.sleep(2 * LEFT_CHECK_S)
+        assert clients[0].left_for_newer(1, (0, 1))
+        time.sleep(2 * LEFT_CHECK_S)
+        assert not clients[0].left_for_newer(2, (0, 1))  # it left for 2, not for a newer one than 2
+        time.sleep(2 * LEFT_CHECK_S)
+        assert not clients[0].left_for_newer(1, (0, 2))  # worker 1 is not in that group
+    finally:
+        for c in clients:
+            c.close()
+        job.close()

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 NEWS_WAIT_S = 60.0
 RECENT_RECORDS = 256  # records kept to send again to a coordinator that replaced a dead one
 RECONNECT_POLL_S = 0.1
+LEFT_CHECK_S = 0.05  # how often a member blocked in a superseded group's collective looks for members that left
 
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
 # under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
@@ -133,6 +134,8 @@ class CoordinatorClient:
         self._outbox: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
         self._in_hand: dict[str, Any] | None = None  # the record the sender was publishing when it failed
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
+        self._left_checked_at = 0.0
+        self._left = False
         self._spare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-spare")
         # Epochs that removed workers, as (epoch, removed ids), kept by the watcher: a collective is abandoned
         # only when one of its members was removed (or, for a re-formation after a stalled collective, every
@@ -433,6 +436,33 @@ class CoordinatorClient:
         while self.stopped is None and time.monotonic() < deadline:
             time.sleep(0.01)
         return self.stopped is not None
+
+    def announce_forming(self, epoch: int) -> None:
+        """This worker leaves its current group for ``epoch``'s: it runs none of the old group's collectives
+        again (members still blocked in one read this through ``left_for_newer``)."""
+        try:
+            self._store.set(keys.forming(self.worker_id), str(epoch))
+        except RuntimeError:
+            pass  # the coordinator is gone: its successor re-forms the group anyway
+
+    def left_for_newer(self, epoch: int, members: tuple[int, ...]) -> bool:
+        """Whether a member of ``epoch``'s group has left it for a newer epoch (so a collective of it can never
+        complete). Store reads, at most every ``LEFT_CHECK_S``; call it only when a newer epoch exists."""
+        now = time.monotonic()
+        if now < self._left_checked_at + LEFT_CHECK_S:
+            return self._left
+        self._left_checked_at = now
+        try:
+            for m in members:
+                key = keys.forming(m)
+                if m != self.worker_id and self._store.check([key]) and int(self._store.get(key)) > epoch:
+                    self._left = True
+                    break
+            else:
+                self._left = False
+        except (RuntimeError, ValueError):
+            self._left = False
+        return self._left
 
     def report_timeout(self, epoch: int) -> None:
         """A collective (or the rendezvous) of ``epoch`` timed out with nobody removed: the coordinator, which

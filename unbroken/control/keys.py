@@ -16,6 +16,8 @@
     epoch                     coordinator                  workers, launcher: the newest epoch number
     epoch/<e>                 coordinator                  workers, launcher: {epoch, members, reason, reform}
     timeout/<e>/<id>          a worker                     coordinator: a collective of epoch e timed out
+    forming/<id>              a worker (forming a group)   its old group's members: it left that group for
+                                                           the epoch written (never to return to it)
     metrics/seq, metrics/<n>  the leader, launcher, agent  coordinator: metrics records to append (JSON)
     final/<id>                workers (the run's end)      the leader: every member's parameter checksum
     done                      the leader                   everyone: the run finished
@@ -59,6 +61,10 @@ def register_late(n: int) -> str:
 
 def heartbeat(worker: int) -> str:
     return f"hb/{worker}"
+
+
+def forming(worker: int) -> str:
+    return f"forming/{worker}"
 
 
 def dead(worker: int) -> str:

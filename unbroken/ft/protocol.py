@@ -37,6 +37,7 @@ from unbroken.ft.comm import (
     Group,
     Pending,
     WaitStatus,
+    abort_group,
     allreduce_async,
     broadcast_async,
     form_group,
@@ -196,9 +197,13 @@ class StepProtocol:
         group, client = self.group, self.client
         if client.stopped is not None or client.removed_since(group.epoch, group.members):
             return True
+        if client.latest_epoch <= group.epoch:
+            return False
         # While recovering, any newer epoch interrupts: members may skip an epoch that is already superseded,
-        # so a collective on it might never be matched.
-        return self.recovering and client.latest_epoch > group.epoch
+        # so a collective on it might never be matched. A member that finished recovering just before the
+        # others were interrupted is in the new group's collectives alone: it learns that a member has left
+        # the group for a newer epoch (each says so before forming one) and follows.
+        return self.recovering or client.left_for_newer(group.epoch, group.members)
 
     def _wait(self, pending: list[Pending]) -> None:
         status = wait_all(pending, self.cfg.op_timeout_s, self.interrupted)
@@ -218,6 +223,8 @@ class StepProtocol:
         if that epoch is superseded while its group forms (another member died), move on to the newest."""
         client = self.client
         after = self.group.epoch if self.group is not None else 0
+        # No collective of the current group runs again: a NCCL one may be spinning on a dead peer's GPU.
+        abort_group(self.group)
         while True:
             epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
             if epoch is None:
@@ -225,6 +232,7 @@ class StepProtocol:
                 if reason is None and client.current_epoch() > after:
                     raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
                 raise StopRun(reason or "no new membership epoch was published in time")
+            client.announce_forming(epoch.epoch)
             group, status = form_group(
                 client.new_connection(),  # its own: an abandoned rendezvous may block in a store wait
                 epoch.epoch,
