@@ -42,13 +42,14 @@ def main() -> None:
     ctx = ft.init()  # joins the job the launcher started, or runs one worker here
     seed = ctx.config.train.seed
     torch.manual_seed(seed)  # every worker starts from the same weights
-    model = TinyLM()
+    model = TinyLM().to(ctx.device)  # the CPU, or this worker's own GPU (train.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ctx.register_state(model, optimizer)  # what a rejoining worker receives and checkpoints hold
     for step in ctx.steps():  # train.steps of them, from wherever the job is
         for mb in step.microbatches():  # this worker's ids, and a dead worker's after a failure
-            x, y = batch_for(seed, step.index, mb)
-            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            x, y = (t.to(ctx.device) for t in batch_for(seed, step.index, mb))
+            with ctx.autocast():  # bf16 under train.precision = "bf16"
+                loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             step.backward(loss, tokens=x.numel())
         result = step.commit(optimizer, clip_grad_norm=1.0)
         if ctx.rank == 0 and step.index % 10 == 0:

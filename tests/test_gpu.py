@@ -17,13 +17,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from runner import train
+
+from unbroken.core.records import read_records
+from unbroken.ft import process
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -33,16 +37,10 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 BF16_UNIT_ROUNDOFF = 2.0**-8
 NUM_BF16_ROUNDINGS = 15  # the longest rounding path of the FFN's efficient backward (tests/test_efficient.py)
-# The environment a NCCL worker runs under (docs/gpu.md, "NCCL"): the watchdog aborts a failed or timed-out
-# communicator without killing the process, the heartbeat monitor (which kills a process whose watchdog is
-# stuck, e.g. inside ncclCommAbort) is off, wait() does not block the CPU.
-NCCL_ENV = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
-    "TORCH_NCCL_BLOCKING_WAIT": "0",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-    "TORCH_NCCL_PROPAGATE_ERROR": "0",
-}
+# The environment a NCCL worker runs under, as unbroken.ft.process sets it (docs/gpu.md, "NCCL"): the watchdog
+# aborts a failed or timed-out communicator without killing the process, the heartbeat monitor (which kills a
+# process whose watchdog is stuck, e.g. inside ncclCommAbort) is off, wait() does not block the CPU.
+NCCL_ENV = {**process.NCCL_REQUIRED, **process.NCCL_DEFAULTS}
 NCCL_TIMEOUT_S = 15.0  # each group's collective timeout; the survivor outlives it after the kill
 
 
@@ -202,24 +200,45 @@ def test_kill_9_of_one_nccl_rank_and_the_survivor_reforms(store: dist.TCPStore) 
     )
 
 
+# -- unbroken train on GPUs ----------------------------------------------------------------------------------
+
+
+def test_train_on_a_gpu_in_bf16_compiled_and_checkpointed(tmp_path: Path, data_cache_dir: Path) -> None:
+    """``unbroken train --train.device=cuda`` with every ``[train]`` option of issue 21, one worker on GPU 0."""
+    out = tmp_path / "gpu"
+    options = ["--train.precision=bf16", "--train.compile=true", "--train.activation_checkpointing=block"]
+    result = train(out, data_cache_dir, "--train.device=cuda", *options, "--train.steps=6", workers=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in read_records(out, "step")]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one worker each)")
+def test_train_on_two_gpus_survives_a_kill_over_nccl(tmp_path: Path, data_cache_dir: Path) -> None:
+    """Two workers, one GPU each, NCCL for the gradients: worker 1 is killed in step 2's backward. Worker 0's
+    polled wait is interrupted by the new epoch, it aborts the NCCL group, recomputes worker 1's
+    microbatches alone (slowed down, so that the restarted worker 1 is back before the end) and takes
+    worker 1 in again over a new communicator; both end with the same parameters."""
+    out = tmp_path / "nccl"
+    schedule = "kill:worker=1,step=2,phase=backward,rejoin=1; slow:worker=0,factor=100,steps=3-12"
+    common = ["--train.device=cuda", "--train.precision=bf16", "--train.steps=14", "--checkpoint.every=0"]
+    result = train(out, data_cache_dir, *common, f"--failures.schedule={schedule}", workers=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = {r["step"]: r for r in read_records(out, "step")}
+    assert steps[2]["recoveries"] >= 1 and steps[2]["alive"] == 1
+    assert steps[13]["alive"] == 2  # worker 1 rejoined over a new NCCL communicator
+    final = read_records(out, "final")[0]
+    assert final["identical"] and len(final["checksums"]) == 2
+
+
 # -- the worker (run as a script) ----------------------------------------------------------------------------
 
 
-def _wait_polled(work: dist.Work, timeout_s: float, interrupted: Callable[[], bool]) -> str:
-    """Wait for a NCCL collective by polling ``is_completed()`` (a CUDA event query): a NCCL work's future is
-    complete once the collective is enqueued, so ``comm.wait_all`` would return before it ran."""
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if interrupted():
-            return "interrupted"
-        if time.monotonic() > deadline:
-            return "timed out"
-        time.sleep(0.005)
-    try:
-        work.wait()  # completed: raises the error it ended with (a dead peer, an abort)
-    except RuntimeError:
-        return "failed"
-    return "done"
+def _allreduce(group: Any, t: torch.Tensor) -> bool:
+    """An all-reduce through the library's polled wait (``comm.wait_all``): True when it completed."""
+    from unbroken.ft import comm
+
+    return comm.wait_all([comm.allreduce_async(group, t)], NCCL_TIMEOUT_S, lambda: False) is comm.WaitStatus.DONE
 
 
 def _worker(port: int, worker: int, gpu: int, members: tuple[int, ...], epochs: list[str]) -> None:
@@ -242,8 +261,7 @@ def _worker(port: int, worker: int, gpu: int, members: tuple[int, ...], epochs: 
         group, status = comm.form_group(store, epoch, group_members, worker, "nccl", NCCL_TIMEOUT_S, device)
         assert status and group is not None and group.pg is not None, status
         t = torch.full((4,), float(worker + 1), device=device)
-        pending = comm.allreduce_async(group, t)
-        assert _wait_polled(pending.work, NCCL_TIMEOUT_S, lambda: False) == "done"
+        assert _allreduce(group, t)
         result[f"epoch {epoch}"] = float(t[0])
         if epoch == 2 and worker == 0:
             result["reform_s"] = time.monotonic() - start
@@ -251,26 +269,27 @@ def _worker(port: int, worker: int, gpu: int, members: tuple[int, ...], epochs: 
             time.sleep(max(0.0, NCCL_TIMEOUT_S + 5.0 - (time.time() - float(store.get("killed_at")))))
             store.set("last_allreduce", "1")
             t = torch.full((4,), float(worker + 1), device=device)
-            assert _wait_polled(comm.allreduce_async(group, t).work, NCCL_TIMEOUT_S, lambda: False) == "done"
+            assert _allreduce(group, t)
             result["epoch 2, after the old timeout"] = float(t[0])
         elif epoch == 2:
             store.wait(["last_allreduce"], datetime.timedelta(seconds=4 * NCCL_TIMEOUT_S))
             t = torch.full((4,), float(worker + 1), device=device)
-            assert _wait_polled(comm.allreduce_async(group, t).work, NCCL_TIMEOUT_S, lambda: False) == "done"
+            assert _allreduce(group, t)
         if epoch == 1 and "2" in epochs and worker == 0:
             # The second all-reduce of epoch 1: the victim never joins; the coordinator (the test) bumps the epoch.
             t = torch.ones(4, device=device)
-            work = comm.allreduce_async(group, t).work
+            pending = comm.allreduce_async(group, t)
             store.set(f"in_collective/{worker}", "1")
             # Either the epoch changes first, or NCCL reports the dead peer and the watchdog aborts the
             # communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING=2): both end the wait without killing this process.
-            status_1 = _wait_polled(work, 120.0, lambda: epoch_now() > 1)
-            assert status_1 in ("interrupted", "failed"), status_1
+            status_1 = comm.wait_all([pending], 120.0, lambda: epoch_now() > 1)
+            assert status_1 in (comm.WaitStatus.INTERRUPTED, comm.WaitStatus.FAILED), status_1
             store.wait(["killed_at"], datetime.timedelta(seconds=60))
             result["interrupted_s"] = time.time() - float(store.get("killed_at"))
-            result["ended_by_nccl_error"] = float(status_1 == "failed")
+            result["ended_by_nccl_error"] = float(status_1 is comm.WaitStatus.FAILED)
             t0 = time.monotonic()
-            group.pg.abort()  # ncclCommAbort: the spinning kernel exits, the communicator is gone
+            aborted = comm.abort_group(group)  # ncclCommAbort: the spinning kernel exits, the communicator is gone
+            assert aborted is not None and aborted.wait(comm.ABORT_DEADLINE_S)
             result["abort_s"] = time.monotonic() - t0
         elif epoch == 1 and "hang" in epochs:
             store.set(f"in_collective/{worker}", "1")

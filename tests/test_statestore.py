@@ -29,13 +29,13 @@ from unittest import mock
 
 import pytest
 
+from unbroken.control.statebackend import open_state_store
 from unbroken.control.statestore import (
     JOURNAL_FILE,
     JournalStore,
     StaleWriteError,
     State,
     Worker,
-    open_state_store,
 )
 from unbroken.core.plan import Assignment
 

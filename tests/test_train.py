@@ -202,7 +202,7 @@ def test_cli_help_lists_the_commands_and_every_config_key() -> None:
         return result.stdout
 
     top = run("--help")
-    for command in ("train", "launch", "coordinator", "worker", "export", "bench", "report", "chaos", "simulate"):
+    for command in "train launch coordinator worker export bench report chaos simulate prepare".split():
         assert command in top, command
     assert run("--version").startswith("unbroken ")
     from dataclasses import fields

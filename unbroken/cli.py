@@ -6,6 +6,9 @@ Your own training loop (unbroken.ft, docs/library.md) on 4 workers, with the sam
     unbroken launch --workers 4 --train.steps=100 examples/plain_loop.py
 Override any config key:
     unbroken train configs/default.toml --workers 2 --train.steps=50 --data.source=my_corpus/
+Tokenize a corpus once, in parallel, into shards that training reads in place (docs/data.md):
+    unbroken prepare corpus/*.jsonl --tokenizer tokenizer.json --out data/corpus
+    unbroken train configs/default.toml --workers 4 --data.source=data/corpus
 Continue an interrupted run (reproduces the uninterrupted losses):
     unbroken train --resume runs/default-20261122-101500
 Plots and a markdown summary of a run, optionally against a reference run (written to RUN_DIR/report):
@@ -121,7 +124,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
 
     from unbroken.control.coordinator import Coordinator, run_coordinator
     from unbroken.control.gateway import require_token
-    from unbroken.control.statestore import open_state_store
+    from unbroken.control.statebackend import open_state_store
     from unbroken.control.store import bind_listen_socket
     from unbroken.core.logs import init_logger
 
@@ -193,12 +196,20 @@ def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.train.hf import export
+    from unbroken.train.export import export
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; unbroken export RUN_DIR OUT")
     print(export(Path(args.run_dir), Path(args.out)))
     return 0
+
+
+def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.data.command import run_prepare
+
+    if extra:
+        raise ValueError(f"unrecognised arguments {' '.join(extra)}; see unbroken prepare --help")
+    return run_prepare(args)
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -213,6 +224,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         args.steps,
         args.record,
         " ".join(["unbroken", *sys.argv[1:]]) if args.record or args.what == "all" else "",
+        data_gb=(args.corpus_gb, args.reader_gb),
     )
 
 
@@ -338,13 +350,27 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
     export.set_defaults(func=cmd_export)
 
+    from unbroken.data import command as prepare_command
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus once, in parallel, into shards training reads in place (docs/data.md)",
+        description=prepare_command.DESCRIPTION,
+    )
+    prepare_command.add_arguments(prepare)
+    prepare.set_defaults(func=cmd_prepare)
+
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
-    bench.add_argument("what", choices=["all", "ddp", "recovery", "policies", "mecefo", "convergence", "simulator"])
+    from unbroken.lab.bench import BENCHES
+
+    bench.add_argument("what", choices=["all", *BENCHES])
     bench.add_argument("config", nargs="?")
     bench.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
     bench.add_argument("--repeats", type=int, default=2, help="alternating rounds of each system (default 2)")
-    bench.add_argument("--steps", type=int, help="steps per run (mecefo: 200, convergence: 300)")
+    bench.add_argument("--steps", type=int, help="steps per run (mecefo: 200, convergence: 300, data: 100)")
     bench.add_argument("--record", action="store_true", help="also write the figures into docs/benchmarks.md")
+    bench.add_argument("--corpus-gb", type=float, default=1.0, help="data: the throughput corpus (default 1)")
+    bench.add_argument("--reader-gb", type=float, default=10.0, help="data: the reader-memory corpus (default 10)")
     bench.set_defaults(func=cmd_bench)
 
     report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")

@@ -351,6 +351,10 @@ def run_agent(args: argparse.Namespace) -> int:
         wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S)
     agent.stop_workers()
     codes = [p.returncode for p in agent.processes()]
+    if any(codes) or not agent.finished:
+        ended = ", ".join(f"{wid}: {p.returncode}" for wid, p in agent.workers.items())
+        log.warning("agent %d: the run %s; exit statuses of the workers: %s", rank,
+                    "finished" if agent.finished else "did not finish", ended)  # fmt: skip
     # Every worker ended with 0 only if the run finished (the coordinator may have died just after).
     return 0 if (agent.finished or codes) and not any(codes) else 1
 

@@ -3,7 +3,8 @@
 Owns the ``State`` record (its JSON encoding is spelled here and nowhere else), the ``StateStore`` interface
 the coordinator talks to, and its default backend, ``JournalStore``: an fsync'd snapshot in the run directory
 that one host's restarted coordinator recovers from. The etcd backend for several hosts is
-``control.etcd.EtcdStateStore``; ``open_state_store`` picks one from ``--coordinator.state``.
+``control.etcd.EtcdStateStore``; ``control.statebackend.open_state_store`` picks one from
+``--coordinator.state``.
 
 Only hard state is kept: the membership epoch and its members, the admitted workers and the next worker id
 (so neither an epoch nor a worker id is ever handed out twice), the last committed step, the assignment
@@ -253,19 +254,3 @@ class JournalStore(StateStore):
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def open_state_store(spec: str, run_dir: Path, candidate: str, lease_s: float = 5.0) -> StateStore:
-    """The store ``--coordinator.state`` names: ``journal`` (the default, one host) or
-    ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`` (several hosts; the prefix defaults to
-    ``/unbroken/<run directory name>``). ``candidate`` identifies this coordinator in an election (its
-    public address, so that clients can find the leader). Raises ValueError for anything else."""
-    if spec == "journal":
-        return JournalStore(run_dir)
-    if spec.startswith("etcd://"):
-        from unbroken.control.etcd import EtcdStateStore, parse_etcd_url  # etcd3gw only when etcd is used
-
-        endpoints, prefix = parse_etcd_url(spec)
-        lease = timedelta(seconds=max(1, round(lease_s)))
-        return EtcdStateStore(endpoints, prefix or f"/unbroken/{Path(run_dir).name}", candidate, lease_ttl=lease)
-    raise ValueError(f"coordinator.state = {spec!r}: expected 'journal' or 'etcd://host:port[,host:port...]'")

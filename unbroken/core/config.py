@@ -60,6 +60,25 @@ class Backend(StrEnum):
     NCCL = "nccl"
 
 
+class Precision(StrEnum):
+    """The compute precision of the forward (docs/library.md, "Precision"); weights, gradients, their reduction
+    and the optimizer stay float32 either way."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"  # torch.autocast(device type, bfloat16) around forward and loss (Context.autocast)
+
+
+class ActivationCheckpointing(StrEnum):
+    NONE = "none"
+    BLOCK = "block"  # every transformer block recomputes its forward in the backward (torch.utils.checkpoint)
+
+
+class Device(StrEnum):
+    AUTO = "auto"  # cuda when this host has a CUDA GPU, else cpu
+    CPU = "cpu"
+    CUDA = "cuda"  # one GPU per worker: the worker's index on its host (LOCAL_RANK-style, unbroken.ft.process)
+
+
 def _enum_fields(section: Any) -> None:
     """Store enum fields as their enum (a section built in code may be given the plain string); ValueError
     naming the key and what is allowed for an unknown value."""
@@ -98,20 +117,27 @@ class ModelConfig:
 class DataConfig:
     source: str = option(
         "shakespeare",
-        '"shakespeare" (the embedded corpus) or a path: a text file, a folder of text files, a .jsonl or '
-        ".parquet file, or a folder written by datasets' save_to_disk",
+        '"shakespeare" (the embedded corpus); prepared data, read in place: a folder written by `unbroken '
+        "prepare`, a Megatron/NeMo .bin/.idx dataset, nanoGPT or llm.c .bin files; or text, tokenized and "
+        "cached on first use: a text file, a folder of text files, a .jsonl or .parquet file, or a folder "
+        "written by datasets' save_to_disk",
     )
     text_field: str = option("text", "the field holding the text in JSONL, parquet and datasets sources")
-    tokenizer: str = option("", '"" trains a byte-level BPE on the training split; else a tokenizer.json path')
+    tokenizer: str = option(
+        "",
+        '"" trains a byte-level BPE on the training split (prepared data: uses its own); else a tokenizer.json '
+        "path (prepared data: must be the one it was made with)",
+    )
     vocab_size: int = option(8192, 'size of the BPE trained when tokenizer = ""')
     seq_len: int = option(256, "tokens per sequence (the model sees seq_len inputs, predicts seq_len targets)")
     microbatch_size: int = option(4, "sequences per microbatch")
     val_fraction: float = option(0.05, "share of the text held out for validation (the tail of the corpus)")
     cache_dir: str = option(".cache/unbroken", "tokenizer and token arrays, keyed by a hash of the inputs")
+    verify: bool = option(True, "prepared data: check every file's sha256 before training (false: sizes only)")
 
     def __post_init__(self) -> None:
         if not self.source:
-            raise ValueError('data.source is empty; give "shakespeare" or a path to text/JSONL/parquet data')
+            raise ValueError('data.source is empty; give "shakespeare", prepared data or a path to text data')
         if self.vocab_size < 256 or self.vocab_size > 2**20:
             raise ValueError(f"data.vocab_size = {self.vocab_size} must be in [256, 1048576]")
         if self.seq_len < 2:
@@ -143,6 +169,14 @@ class TrainConfig:
         NonfinitePolicy.SKIP, "a NaN or infinite gradient: skip the step on every member, or stop the run"
     )
     max_nonfinite_skips: int = option(5, "stop after this many consecutive skipped steps")
+    precision: Precision = option(
+        Precision.FP32, "bf16: autocast the forward and loss to bfloat16 (float32 weights, gradients, reduction)"
+    )
+    activation_checkpointing: ActivationCheckpointing = option(
+        ActivationCheckpointing.NONE, "block: recompute each transformer block's forward in the backward"
+    )
+    compile: bool = option(False, "torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)")
+    device: Device = option(Device.AUTO, "where each worker trains: cuda = one GPU per worker, the NCCL backend")
     out_dir: str = option("", '"" = runs/<config name>-<timestamp>')
 
     def __post_init__(self) -> None:

@@ -3,11 +3,13 @@
     import unbroken.ft as ft
 
     ctx = ft.init()                                   # joins the job named by the launcher's environment
-    model, opt = MyModel(), torch.optim.AdamW(...)
+    model = MyModel().to(ctx.device)                  # the worker's device: the CPU, or its own GPU
+    opt = torch.optim.AdamW(model.parameters(), ...)
     ctx.register_state(model=model, optimizer=opt)    # what a rejoining worker receives, what checkpoints hold
     for step in ctx.steps():                          # resumes from the last checkpoint transparently
         for mb in step.microbatches():                # this worker's microbatch ids; more after a failure
-            loss = loss_fn(model(*batch_for(step.index, mb)))   # the data: a pure function of (step, id)
+            with ctx.autocast():                      # bf16 autocast under train.precision = "bf16"
+                loss = loss_fn(model(*batch_for(step.index, mb)))   # the data: a pure function of (step, id)
             step.backward(loss)
         step.commit(opt)                              # the step's explicit end
 
@@ -17,6 +19,11 @@ after the last one, reduces; if a member died meanwhile it recovers and yields t
 loop body runs for them too; ``commit`` applies the agreed gradient (or skips a non-finite one on every
 member) and steps the optimizer. Nothing here raises into model code; when this worker must leave (the job
 stops, it was excluded) the process ends with the status the launcher expects.
+
+The run's ``[train]`` settings that act on the model are applied here too, so every loop gets them:
+``register_state`` applies activation checkpointing, MeCeFO's efficient backward and ``torch.compile`` (in
+that order, ``transforms.py``), ``Context.device`` is where the model and its data go, and
+``Context.autocast`` is the precision of the forward.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from torch import nn
 
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.gateway import TunnelError
-from unbroken.core.config import RunConfig
+from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.records import RecordKind
 from unbroken.ft import process
@@ -49,6 +56,7 @@ from unbroken.ft.protocol import (
     StopRun,
 )
 from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.transforms import apply_activation_checkpointing, apply_compile, check_compiler
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,41 @@ class Context:
         self._proto: StepProtocol | None = None
         self._client: CoordinatorClient | None = None
         self._closed = False
+        self._autocasts = 0  # how many times autocast() was entered under bf16 (a forward outside it is warned)
+        self._warned_precision = False
         atexit.register(self.close)
+
+    # -- where and how precisely the model computes ------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """This worker's device (``train.device``): the CPU, or under ``cuda`` the GPU of its index on its host
+        (``LOCAL_RANK``, ``SLURM_LOCALID``, else its worker id modulo ``UNBROKEN_LOCAL_WORKERS``), already the
+        current CUDA device. Put the model and each microbatch there."""
+        return self._job.device
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision of the forward (``train.precision``), to enter around each microbatch's forward and
+        loss (and an evaluation's): ``torch.autocast`` to bfloat16 on the model's device type under
+        ``"bf16"``, nothing under ``"fp32"``. The weights, their gradients (what the reduction sums, in exact
+        mode too) and the optimizer stay float32. Call ``step.backward`` after leaving it."""
+        if self.config.train.precision is Precision.FP32:
+            return contextlib.nullcontext()
+        self._autocasts += 1
+        return torch.autocast(self._device_type(), dtype=torch.bfloat16)
+
+    def _device_type(self) -> str:
+        model = self.state.model
+        param = next(model.parameters(), None) if model is not None else None
+        return param.device.type if param is not None else self.device.type
+
+    def _check_autocast(self, seen: int) -> None:
+        """Under bf16, a microbatch whose forward never entered ``autocast()``: warn once (it ran in float32)."""
+        if self.config.train.precision is Precision.FP32 or self._warned_precision or self._autocasts != seen:
+            return
+        if torch.is_autocast_enabled(self._device_type()):
+            return  # the user's own autocast, around the backward too
+        self._warned_precision = True
+        log.warning('train.precision = "bf16" but the forward ran outside ctx.autocast(): it computed in float32')
 
     # -- what the user registers ------------------------------------------------------------------
     def register_state(
@@ -81,11 +123,14 @@ class Context:
         """Register the training state: ``model`` (its parameters are what the reduction sums), the
         ``optimizer``, and any ``extra`` objects with ``state_dict()`` / ``load_state_dict()`` (or plain dicts
         of tensors and numbers). A rejoining worker receives all of it from a live peer; checkpoints hold it
-        with ``metadata``. Under the MeCeFO policies the model gets the efficient-backward transform here.
+        with ``metadata``. The model gets the transforms the config asks for here: activation checkpointing
+        (``train.activation_checkpointing``), the efficient backward (MeCeFO policies), ``torch.compile``
+        (``train.compile``), in that order (``unbroken/ft/transforms.py``).
 
         Raises:
-            ValueError: called twice, after ``steps()``, or a MeCeFO policy with a model that has no
-                LLaMA-family blocks.
+            ValueError: called twice, after ``steps()``, a MeCeFO policy with a model that has no LLaMA-family
+                blocks, checkpointing or compile with a model that has no transformer blocks (an
+                ``nn.ModuleList`` named ``layers``), or compile on the CPU without a C++ compiler.
         """
         if self.state.model is not None:
             raise ValueError("register_state() was already called; register everything at once")
@@ -93,11 +138,18 @@ class Context:
         self.state.optimizer = optimizer
         self.state.extra = dict(extra)
         self.state.metadata = dict(metadata or {})
+        tc = self.config.train
+        if tc.activation_checkpointing is ActivationCheckpointing.BLOCK:
+            apply_activation_checkpointing(model)
         if self.config.recovery.policy.mecefo:
             m = self.config.mecefo
             self.state.efficient = apply_efficient_backward(
                 model, EfficientConfig(m.rank, m.refresh_every, m.oversample, m.power_iters)
             )
+        if tc.compile:
+            if self._device_type() == "cpu":
+                check_compiler()
+            apply_compile(model)
 
     # -- the steps --------------------------------------------------------------------------------
     @property
@@ -261,6 +313,7 @@ class Step:
         self._hooks: list[Any] = []
         self._first = True
         self._factor = 1.0
+        self._autocasts = 0
 
     @property
     def efficient(self) -> bool:
@@ -312,6 +365,7 @@ class Step:
             eb.set_active(proto.is_efficient(microbatch))
         self._awaiting = microbatch
         self._factor = proto.injector.loss_factor(microbatch)
+        self._autocasts = self._ctx._autocasts
         self._t0 = time.perf_counter()
 
     def _exit(self) -> None:
@@ -329,6 +383,7 @@ class Step:
         if j is None:
             raise RuntimeError("step.backward() outside the microbatches() loop, or twice for one microbatch")
         proto = self._proto
+        self._ctx._check_autocast(self._autocasts)
         if self._factor != 1.0:
             loss = loss * self._factor
         with self._ctx._guard():  # failure injection inside the backward talks to the launcher

@@ -142,13 +142,14 @@ def retired_groups() -> int:
     return _reaper.held()
 
 
-def abort_group(group: Group | None, deadline_s: float = ABORT_DEADLINE_S) -> None:
+def abort_group(group: Group | None, deadline_s: float = ABORT_DEADLINE_S) -> threading.Event | None:
     """A NCCL group that will not be used again: abort its communicators (``ProcessGroupNCCL.abort()``,
     ncclCommAbort: local, no peer needed; a collective spinning on a dead peer ends with an error) on a helper
     thread, now. If the abort has not returned within ``deadline_s`` (NCCL's error handling can hang), the
-    worker exits with ``EXIT_ABORT_HUNG`` rather than hang: restarted, it rejoins. Nothing for gloo."""
+    worker exits with ``EXIT_ABORT_HUNG`` rather than hang: restarted, it rejoins. Nothing for gloo. Returns
+    the event set when the abort has returned (None: nothing to abort)."""
     if group is None or not group.nccl or group.aborted:
-        return
+        return None
     group.aborted = True
     pg, epoch = group.pg, group.epoch
     assert pg is not None
@@ -171,6 +172,7 @@ def abort_group(group: Group | None, deadline_s: float = ABORT_DEADLINE_S) -> No
 
     threading.Thread(target=abort, name=f"nccl-abort-{epoch}", daemon=True).start()
     threading.Thread(target=watch, name=f"nccl-abort-watch-{epoch}", daemon=True).start()
+    return done
 
 
 def form_group(

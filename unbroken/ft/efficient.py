@@ -34,8 +34,11 @@ Blocks are found by attribute names, so models we did not write work too: ``LAYO
 block's, so whatever the block's signature and return type, it works as long as the block computes
 ``h = x + attention(attention_norm(x)); out = h + mlp(ffn_norm(h))``. A block whose MLP input is not
 its ``ffn_norm`` output (e.g. Gemma-2's extra norms) is detected at the first efficient forward and
-raises ``RuntimeError``. Not supported: activation checkpointing of the blocks (a re-forward during
-backward would read the switch at backward time).
+raises ``RuntimeError``. Activation checkpointing of the blocks (``transforms.py``) works on top: its
+recomputation reads the switch again, so the switch must not change between a forward and its backward (a
+change is caught by checkpoint's determinism check). Under ``torch.compile`` the efficient forwards are
+excluded from tracing (``torch.compiler.disable``) and run eagerly; the exact path is compiled. Hugging Face's
+own gradient checkpointing is refused.
 
 The bases. V is computed by a randomized range finder with ``power_iters`` subspace iterations and
 ``oversample`` extra columns (Halko, Martinsson and Tropp 2011, algorithms 4.4 and 5.1), in float32 on
@@ -428,7 +431,9 @@ class EfficientBackward:
         module = getattr(block, attr)
         original = module.forward  # the bound method; calling it is exactly the unpatched module
         block.originals[attr] = original
-        efficient = make_efficient(original)
+        # Under torch.compile the exact path (switch off) is traced; the efficient one runs eagerly: its backward
+        # joins the basis computation of a background thread, which cannot be traced.
+        efficient = torch.compiler.disable(make_efficient(original))
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self._on:

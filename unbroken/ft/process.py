@@ -3,7 +3,8 @@
 Owns ``Job``: reading the environment a launcher, the per-host agent, torchrun or srun gives a worker
 (``UNBROKEN_COORDINATOR``, ``UNBROKEN_TOKEN``, ``UNBROKEN_WORKER_ID`` or ``RANK`` / ``SLURM_PROCID``,
 ``UNBROKEN_LOCAL_WORKERS``), fetching the run's config from the coordinator, setting the process up
-(intra-op threads, logging, host memory), registering (which starts the heartbeats), and leaving: a
+(intra-op threads, logging, host memory; its device, one GPU per worker by its index on the host, and the
+NCCL environment), registering (which starts the heartbeats), and leaving: a
 process that must stop ends with ``os._exit`` so no C++ thread still blocked in a rendezvous can abort it
 on the way out. Without a coordinator in the environment, ``Job`` runs one in this process (a job of one
 worker), which is what a plain ``python my_script.py`` gets.
@@ -11,6 +12,8 @@ worker), which is what a plain ``python my_script.py`` gets.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import subprocess
@@ -50,11 +53,94 @@ class WorkerLeft(SystemExit):
     """Raised instead of ending the process when ``Job.exit_process`` is off (threads as workers in tests)."""
 
 
-def default_backend(requested: str) -> str:
-    """``auto`` -> ``nccl`` when CUDA is present, else ``gloo``."""
+LOCAL_RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID")  # a worker's index on its host, as torchrun and srun give it
+
+# The NCCL watchdog must not end a survivor whose peer died, and waits must be polled (docs/gpu.md, 4.3): set
+# before the first NCCL group is made (its constructor reads them), overriding the user's values with a warning.
+NCCL_REQUIRED = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicators and fail the work, keep the process
+    "TORCH_NCCL_BLOCKING_WAIT": "0",  # work.wait() never blocks the training thread (comm.wait_all polls)
+    "TORCH_NCCL_ENABLE_MONITORING": "0",  # no heartbeat monitor killing the process; comm bounds abort() itself
+}
+NCCL_DEFAULTS = {  # the user may choose otherwise (e.g. the flight recorder while debugging)
+    "TORCH_NCCL_PROPAGATE_ERROR": "0",  # membership is the coordinator's business
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+
+def default_backend(requested: str, device: torch.device) -> str:
+    """``auto`` -> ``nccl`` for a worker on a CUDA device, else ``gloo``."""
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if device.type == "cuda" else "gloo"
     return requested
+
+
+def local_index(worker_id: int | None) -> int:
+    """This worker's index among the workers of its host: ``LOCAL_RANK`` (torchrun) or ``SLURM_LOCALID``
+    (srun), else its worker id modulo ``UNBROKEN_LOCAL_WORKERS`` (the launcher and the agents give a host's
+    workers consecutive ids, ``node_rank * K`` to ``node_rank * K + K - 1``).
+
+    Raises:
+        ValueError: none of these tells it (a worker whose id the coordinator will choose, several per host).
+    """
+    for name in LOCAL_RANK_ENVS:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    local = int(os.environ.get(LOCAL_WORKERS_ENV, "1"))
+    if worker_id is not None:
+        return worker_id % max(1, local)
+    if local == 1:
+        return 0
+    raise ValueError(
+        f"cannot tell which GPU this worker uses ({local} workers on this host, no worker id yet): set LOCAL_RANK "
+        f"or {WORKER_ID_ENV}"
+    )
+
+
+def check_device(requested: str, backend: str) -> str:
+    """The device type (``cpu`` or ``cuda``) a worker on this host gets for ``requested`` (``train.device``);
+    ValueError (one line) unless it can run with ``backend`` (``comm.backend``)."""
+    cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"train.device = cuda but this host has no CUDA GPU (torch {torch.__version__} sees none); "
+            "use train.device = cpu or auto"
+        )
+    if backend == "nccl" and not cuda:
+        raise ValueError("comm.backend = nccl needs train.device = cuda (NCCL reduces GPU tensors); use gloo or auto")
+    return "cuda" if cuda else "cpu"
+
+
+def worker_device(requested: str, backend: str, worker_id: int | None) -> torch.device:
+    """The device a worker trains on: the CPU, or for ``cuda`` (``auto`` with a CUDA GPU) the GPU of its index
+    on the host (``local_index``): one worker per GPU.
+
+    Raises:
+        ValueError: ``check_device`` fails, or the index has no GPU (more workers than GPUs on the host).
+    """
+    check_device(requested, backend)
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index, count = local_index(worker_id), torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(
+            f"this worker is number {index} on its host, which has {count} GPU{'s' if count != 1 else ''}: "
+            "run at most one worker per GPU"
+        )
+    return torch.device("cuda", index)
+
+
+def set_nccl_environment(timeout_s: float) -> None:
+    """The NCCL variables of ``NCCL_REQUIRED`` and ``NCCL_DEFAULTS`` (docs/gpu.md, 4.3), and the bound on a
+    non-blocking communicator's creation, ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (default: ``timeout_s``, the
+    collectives' bound): call it before the first NCCL group is made."""
+    for name, value in NCCL_REQUIRED.items():
+        if os.environ.get(name, value) != value:
+            log.warning("%s=%s replaced by %s: unbroken handles NCCL errors itself", name, os.environ[name], value)
+        os.environ[name] = value
+    for name, value in {**NCCL_DEFAULTS, "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, round(timeout_s)))}.items():
+        os.environ.setdefault(name, value)
 
 
 def _worker_id_from_env() -> int | None:
@@ -83,10 +169,18 @@ class Job:
     exit_process: bool = True
     local: Any = None  # the in-process coordinator of a job of one worker
     _probe: Any = field(default=None, repr=False)
+    _device: torch.device | None = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        """This worker's device (``train.device``; ``worker_device``)."""
+        if self._device is None:
+            self._device = worker_device(str(self.config.train.device), str(self.config.comm.backend), self.worker_id)
+        return self._device
 
     @property
     def backend(self) -> str:
-        return default_backend(str(self.config.comm.backend))
+        return default_backend(str(self.config.comm.backend), self.device)
 
     @staticmethod
     def from_environment(config: RunConfig | None, run_dir: Path | None, exit_process: bool = True) -> Job:
@@ -136,11 +230,20 @@ class Job:
         if threading.current_thread() is not threading.main_thread():
             return
         init_logger(f"worker {self.worker_id if self.worker_id is not None else '?'}")
+        if self.exit_process:
+            # The interpreter's last full collection at exit can run for many seconds in a worker that lived
+            # through a coordinator's replacement (seen: > 10 s, past the agent's grace); the OS frees the
+            # memory anyway, so the objects alive at exit are frozen out of it.
+            atexit.register(gc.freeze)
         tc = self.config.train
         if tc.retain_host_memory:
             retain_freed_memory()
         local = int(os.environ.get(LOCAL_WORKERS_ENV, "1"))
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, local)))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL, autocast and unqualified "cuda" tensors use this GPU
+        if self.backend == "nccl":
+            set_nccl_environment(self.config.comm.op_timeout_s)
 
     def register(self) -> CoordinatorClient:
         """Register with the coordinator (the heartbeats start): do it once the model is built, so a joiner

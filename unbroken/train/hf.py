@@ -10,19 +10,17 @@ imported only here, only when used (the ``hf`` extra).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unbroken.core.config import RunConfig, config_from_toml_text
 from unbroken.train.model import ModelArgs
 
 PRESETS = ("llama-tiny",)
 
 
-def _transformers() -> Any:
+def transformers_lib() -> Any:
     try:
         import transformers
     except ImportError as e:
@@ -46,7 +44,7 @@ def config_path(spec: str) -> Path:
 
 def llama_config(spec: str, vocab_size: int, seq_len: int) -> Any:
     """The ``LlamaConfig`` of ``spec`` for this run: the tokenizer's vocabulary, room for ``seq_len``, no cache."""
-    transformers = _transformers()
+    transformers = transformers_lib()
     try:
         config = transformers.LlamaConfig.from_json_file(str(config_path(spec)))
     except (OSError, ValueError) as e:
@@ -60,7 +58,7 @@ def llama_config(spec: str, vocab_size: int, seq_len: int) -> Any:
 
 def build_hf_llama(spec: str, vocab_size: int, seq_len: int) -> torch.nn.Module:
     """``LlamaForCausalLM`` from ``spec``, initialised from the global RNG (seed it first, on every worker)."""
-    return _transformers().LlamaForCausalLM(llama_config(spec, vocab_size, seq_len))
+    return transformers_lib().LlamaForCausalLM(llama_config(spec, vocab_size, seq_len))
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -92,7 +90,7 @@ def to_hf_state_dict(ours: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 
 def hf_config_of(args: ModelArgs) -> Any:
     """The ``LlamaConfig`` of our LLaMA's sizes."""
-    return _transformers().LlamaConfig(
+    return transformers_lib().LlamaConfig(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
         intermediate_size=args.ffn_hidden,
@@ -105,42 +103,3 @@ def hf_config_of(args: ModelArgs) -> Any:
         tie_word_embeddings=False,
         use_cache=False,
     )
-
-
-def export(run_dir: Path, out: Path) -> Path:
-    """Write the run's last good checkpoint as a Hugging Face ``save_pretrained`` folder (with the tokenizer).
-
-    Raises:
-        ValueError: RUN_DIR has no usable checkpoint, or OUT exists and is not empty.
-    """
-    from unbroken.ft import checkpoint as ckpt
-    from unbroken.train.data import prepare_corpus
-    from unbroken.train.trainer import build_model, model_args_of
-
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"export: {out} exists and is not empty; choose another folder")
-    loaded = ckpt.load_latest(run_dir, log_rejections=False)
-    if loaded is None:
-        raise ValueError(f"export: {run_dir} has no usable checkpoint")
-    cfg: RunConfig = config_from_toml_text(
-        str(loaded.state["metadata"].get("config") or (run_dir / "config.toml").read_text())
-    )
-    corpus = prepare_corpus(cfg.data)
-    if cfg.model.hf_config:
-        with torch.device("meta"):
-            model = build_model(cfg, corpus.vocab_size)
-        model = model.to_empty(device="cpu")
-        model.load_state_dict(loaded.state["model"])
-    else:
-        args = model_args_of(cfg, corpus.vocab_size)
-        model = _transformers().LlamaForCausalLM(hf_config_of(args))
-        model.load_state_dict(to_hf_state_dict(loaded.state["model"], args))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    shutil.copyfile(corpus.tokenizer_path, tmp / "tokenizer.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
-    return out

@@ -10,7 +10,6 @@ evaluate. Everything a failure brings (recovery, rejoin, resume, checkpoints, me
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
@@ -20,7 +19,18 @@ import torch.nn.functional as F
 import unbroken.ft as ft
 from unbroken.core.config import RunConfig, TrainConfig, to_toml
 from unbroken.ft import checkpoint as ckpt
-from unbroken.train.data import EvalSampler, MicrobatchSampler, TokenizedCorpus, check_vocab, prepare_corpus
+from unbroken.ft.process import check_device
+from unbroken.ft.transforms import check_compiler
+from unbroken.train.data import (
+    PreparedCorpus,
+    TokenizedCorpus,
+    check_vocab,
+    eval_sampler,
+    is_prepared,
+    open_corpus,
+    tokenizer_sha256,
+    train_sampler,
+)
 from unbroken.train.model import ModelArgs, Transformer, model_args
 
 
@@ -77,10 +87,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def tokenizer_sha256(corpus: TokenizedCorpus) -> str:
-    return hashlib.sha256(Path(corpus.tokenizer_path).read_bytes()).hexdigest()
-
-
 def due(every: int, step: int, total: int) -> bool:
     return step + 1 == total or (every > 0 and (step + 1) % every == 0)
 
@@ -89,8 +95,9 @@ def main() -> int:
     """One worker of ``unbroken train``: the loop."""
     ctx = ft.init()
     cfg = ctx.config
-    corpus = prepare_corpus(cfg.data)
-    model = build_model(cfg, corpus.vocab_size)
+    corpus = open_corpus(cfg.data)
+    device = ctx.device
+    model = build_model(cfg, corpus.vocab_size).to(device)  # built on the CPU: the same weights on every worker
     optimizer = build_optimizer(model, cfg.train)
     ctx.register_state(
         model,
@@ -103,14 +110,15 @@ def main() -> int:
         },
     )
     d, tc = cfg.data, cfg.train
-    train = MicrobatchSampler(corpus.train, d.seq_len, d.microbatch_size, tc.microbatches, tc.seed)
-    val = EvalSampler(corpus.val, d.seq_len, d.microbatch_size, tc.eval_microbatches)
+    train = train_sampler(corpus, d, tc.microbatches, tc.seed)
+    val = eval_sampler(corpus, d, tc.eval_microbatches)
 
     @torch.no_grad()
     def val_loss(k: int) -> float:
-        inputs, targets = val.microbatch(k)
+        inputs, targets = (t.to(device) for t in val.microbatch(k))
         model.eval()
-        loss = float(cross_entropy(logits_of(model, inputs), targets))
+        with ctx.autocast():
+            loss = float(cross_entropy(logits_of(model, inputs), targets))
         model.train()
         return loss
 
@@ -118,8 +126,10 @@ def main() -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step.index, tc)
         for mb in step.microbatches():
-            inputs, targets = train.microbatch(step.index, mb)
-            step.backward(cross_entropy(logits_of(model, inputs), targets), tokens=inputs.numel())
+            inputs, targets = (t.to(device) for t in train.microbatch(step.index, mb))
+            with ctx.autocast():
+                loss = cross_entropy(logits_of(model, inputs), targets)
+            step.backward(loss, tokens=inputs.numel())
         step.commit(optimizer, clip_grad_norm=tc.grad_clip)
         if due(tc.eval_every, step.index, tc.steps):
             loss = ctx.evaluate(tc.eval_microbatches, val_loss)
@@ -130,9 +140,15 @@ def main() -> int:
 
 def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
     """What the workers will need, checked before anything starts: the data (tokenized into the cache here,
-    once), the vocabulary, and for ``--resume`` a checkpoint that verifies and fits this model and data.
-    ValueError (one line) otherwise."""
-    if cfg.model.vocab_size and cfg.data.tokenizer:
+    once; prepared data: every checksum unless ``data.verify`` is off), the vocabulary, and for ``--resume`` a
+    checkpoint that verifies and fits this model and data; the device, and a C++ compiler for ``train.compile``
+    on the CPU. ValueError (one line) otherwise."""
+    if check_device(str(cfg.train.device), str(cfg.comm.backend)) == "cpu" and cfg.train.compile:
+        check_compiler()
+    # Text is tokenized below (slow), so a vocabulary that cannot fit is refused first; prepared data's
+    # vocabulary and tokenizer are checked when it is opened.
+    text = not is_prepared(cfg.data)
+    if text and cfg.model.vocab_size and cfg.data.tokenizer:
         from unbroken.train.data import load_tokenizer
 
         vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
@@ -141,18 +157,18 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
                 f"vocabulary mismatch: the tokenizer has {vocab} tokens but model.vocab_size = "
                 f"{cfg.model.vocab_size}; set model.vocab_size = 0 (from the tokenizer) or >= {vocab}"
             )
-    elif cfg.model.vocab_size and cfg.model.vocab_size < cfg.data.vocab_size:
+    elif text and cfg.model.vocab_size and cfg.model.vocab_size < cfg.data.vocab_size:
         raise ValueError(
             f"vocabulary mismatch: the tokenizer has {cfg.data.vocab_size} tokens but model.vocab_size = "
             f"{cfg.model.vocab_size}; set model.vocab_size = 0 (from the tokenizer) or >= {cfg.data.vocab_size}"
         )
-    corpus = prepare_corpus(cfg.data)
+    corpus = open_corpus(cfg.data, verify=cfg.data.verify)
     check_vocab(corpus, cfg.model.vocab_size)
     if resume:
         check_resumable(cfg, run_dir, corpus)
 
 
-def check_resumable(cfg: RunConfig, run_dir: Path, corpus: TokenizedCorpus) -> None:
+def check_resumable(cfg: RunConfig, run_dir: Path, corpus: TokenizedCorpus | PreparedCorpus) -> None:
     """ValueError (one line) unless RUN_DIR has a checkpoint that verifies and fits this model and data."""
     loaded = ckpt.load_latest(run_dir, log_rejections=False)  # the workers report rejections in the metrics
     if loaded is None:

@@ -1,0 +1,19 @@
+"""Data at scale: ``unbroken prepare`` and memory-mapped reading of prepared corpora.
+
+Modules, one concern each (``prepare`` and ``reader`` are the entry points):
+
+- ``prepare``: the preparation: parallel, resumable tokenization into shards.
+- ``command``: the ``unbroken prepare`` command line (``run_prepare``, ``add_arguments``).
+- ``sources``: naming the input files and streaming their documents in pieces.
+- ``tokenizer``: finding, loading or training the tokenizer; id type; fingerprint.
+- ``encode``: text to ids, in a tokenizing process.
+- ``shards``: the shard files, the index and the journal of a preparation.
+- ``formats``: Megatron-LM / NeMo, nanoGPT and llm.c files, read and written.
+- ``export``: a finished preparation converted to one of those layouts.
+- ``progress``: the progress bar or lines of a preparation.
+- ``stream``: a view of ids across files, read in place (positional reads, or memory maps).
+- ``reader``: opening prepared data (any of the formats), checking it, and the train/validation split.
+- ``sampler``: deterministic training and validation microbatches of prepared data.
+
+Nothing here imports torch except ``sampler``; ``prepare`` runs without it.
+"""
