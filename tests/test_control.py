@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,28 @@ def test_the_status_endpoint_shows_a_live_run(tmp_path: Path, data_cache_dir: Pa
     assert printed.returncode == 0, printed.stderr
     final = json.loads(printed.stdout)
     assert final["run"]["steps_done"] == STEPS and [i["worker"] for i in final["incidents"]] == [1]
+
+
+def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
+    tmp_path: Path, data_cache_dir: Path, reference: Path
+) -> None:
+    """The coordinator's process is stopped (SIGSTOP) for twice the heartbeat timeout, as an overloaded or
+    paused host does to it, then continued: the workers' heartbeats never stopped, so nobody is declared
+    dead (its own gap is not their silence), and the run ends bitwise the failure-free one."""
+    out = tmp_path / "paused"
+    cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "4", "--out", str(out), "--quiet"]
+    proc = subprocess.Popen([*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: committed(out) >= 8, 120, "step 8")
+        pid = json.loads((out / "coordinator.json").read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(4.0)  # heartbeat timeout: 2 s
+        os.kill(pid, signal.SIGCONT)
+        _, stderr = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not read_records(out, "failure")
+    assert step_losses(out) == step_losses(reference)
+    same_final(reference, out, STEPS)
