@@ -5,7 +5,7 @@ What must hold, from first principles:
 - the output is a function of the inputs and settings only (not of --procs, not of a crash and rerun);
 - bad input is exit status 2 and one line ``unbroken: error: ...`` and leaves no files behind;
 - memory stays under the issue's 1 GB bound.
-The CLI is run as ``python -m unbroken.data.prepare`` (``unbroken prepare`` calls the same
+The CLI is run as ``python -m unbroken.data.command`` (``unbroken prepare`` calls the same
 ``unbroken.data.command.run_prepare``).
 """
 
@@ -36,7 +36,7 @@ from unbroken.data.sources import resolve_sources, sample_texts, split_text
 from unbroken.data.tokenizer import EOT, load_tokenizer, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
-PREPARE = [sys.executable, "-m", "unbroken.data.prepare"]
+PREPARE = [sys.executable, "-m", "unbroken.data.command"]
 SYLLABLES = ["ka", "lo", "mi", "ren", "sto", "vu", "el", "ra", "thi", "on", "qua", "zé", "nö", "日", "本"]
 
 

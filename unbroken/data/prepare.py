@@ -10,7 +10,7 @@ read prepared data (``reader``).
     unbroken prepare corpus/*.jsonl.gz --tokenizer tokenizer.json --out data/corpus
     unbroken prepare books/ --train-tokenizer --vocab-size 32000 --sample-bytes 200M --out data/books
     unbroken prepare wiki.parquet --column body --tokenizer gpt2 --format megatron --out data/wiki
-    python -m unbroken.data.prepare ...      (the same, without the ``unbroken`` command)
+    python -m unbroken.data.command ...      (the same, without the ``unbroken`` command)
 
 Crash safety: a rerun of the same command after a crash (even ``kill -9``) keeps every finished shard,
 discards the shard being written, and continues from the source position recorded with the last finished
