@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,16 +40,10 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps
-from unbroken.lab.figures import stats
+from unbroken.lab.figures import free_port, stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bench_config(config: str | None, overrides: list[str]) -> RunConfig:
@@ -93,7 +86,7 @@ def run_ddp(cfg: RunConfig, workers: int) -> list[float]:
         config_path = Path(tmp) / "config.toml"
         config_path.write_text(to_toml(cfg))
         out = Path(tmp) / "times.json"
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "UNBROKEN_LOCAL_WORKERS": str(workers)}
         procs = [
             subprocess.Popen(
@@ -181,9 +174,6 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
     dist.destroy_process_group()
 
 
-_stats = stats  # the benchmarks' summary of a sample (unbroken/lab/figures.py)
-
-
 def bench_ddp(config: str | None, worker_counts: list[int], repeats: int, overrides: list[str]) -> list[dict[str, Any]]:
     """Median step times of DDP, unbroken (fp32 reduction) and unbroken (exact reduction), alternating."""
     cfg = _bench_config(config, overrides)
@@ -198,14 +188,14 @@ def bench_ddp(config: str | None, worker_counts: list[int], repeats: int, overri
             times["ddp"] += ddp
             times["fp32"] += fp32
             times["exact"] += run_unbroken(exact, workers)
-        stats = {name: _stats(values) for name, values in times.items()}
+        summary = {name: stats(values) for name, values in times.items()}
         rows.append(
             {
                 "workers": workers,
-                **stats,
-                "ratio": stats["fp32"]["median"] / stats["ddp"]["median"],
-                "exact_ratio": stats["exact"]["median"] / stats["ddp"]["median"],
-                "paired": _stats(paired),
+                **summary,
+                "ratio": summary["fp32"]["median"] / summary["ddp"]["median"],
+                "exact_ratio": summary["exact"]["median"] / summary["ddp"]["median"],
+                "paired": stats(paired),
             }
         )
     return rows
@@ -294,10 +284,10 @@ def bench_recovery(config: str | None, workers: int, kills: int, overrides: list
         "kills": len(rows),
         "scheduled": kills,
         "rows": rows,
-        "detection": _stats([r["detection_s"] for r in rows]),
-        "reform": _stats([r["reform_s"] for r in rows]),
-        "detect_plus_reform": _stats([r["detection_s"] + r["reform_s"] for r in rows]),
-        "to_commit": _stats([r["to_commit_s"] for r in rows]),
+        "detection": stats([r["detection_s"] for r in rows]),
+        "reform": stats([r["reform_s"] for r in rows]),
+        "detect_plus_reform": stats([r["detection_s"] + r["reform_s"] for r in rows]),
+        "to_commit": stats([r["to_commit_s"] for r in rows]),
     }
 
 
@@ -525,7 +515,7 @@ def bench_mecefo(steps: int) -> str:
         fs = run["failure_steps"]
         cells = []
         for key in ("error", "error_without_attention", "microbatch_error"):
-            st = _stats([r[key] for r in fs])
+            st = stats([r[key] for r in fs])
             cells.append(f"{st['median']:.3f} [{st['q1']:.3f}, {st['q3']:.3f}], max {st['max']:.3f}")
         out.append(f"| {'mecefo-spread' if spread else 'mecefo'} | {len(fs)} | {' | '.join(cells)} |")
     return "\n".join(out)

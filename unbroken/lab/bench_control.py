@@ -32,7 +32,7 @@ from typing import Any
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records
-from unbroken.lab.figures import stats
+from unbroken.lab.figures import free_port, stats
 
 COMMON = [
     "--train.microbatches=8",
@@ -43,14 +43,6 @@ COMMON = [
     "--train.eval_microbatches=1",
     "--failures.mttr_s=0.5",
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -122,7 +114,7 @@ def agents_round(config: str, work: Path, rng: random.Random, kills: int, overri
     loss of agent 1 and its workers. Returns the seconds kill -> re-formed of each."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, TOKEN_ENV: new_token()}
-    port, run = _free_port(), work / "run"
+    port, run = free_port(), work / "run"
     args = [*COMMON, "--train.steps=100000", *overrides]
     procs = [_spawn(["coordinator", config, "--workers", "4", "--port", str(port), "--run-dir", str(run), *args],
                     env, work / "coordinator.log")]  # fmt: skip
@@ -189,7 +181,7 @@ def coordinator_etcd(config: str, work: Path, rng: random.Random, overrides: lis
     with LocalEtcdCluster(work / "etcd", size=3) as cluster:
         args = [*COMMON, "--train.steps=100000", f"--coordinator.state={cluster.url}", "--coordinator.lease_s=2"]
         args += overrides
-        ports = [_free_port(), _free_port()]
+        ports = [free_port(), free_port()]
         procs = []
         try:
             for i, port in enumerate(ports):

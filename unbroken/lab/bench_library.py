@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from unbroken.lab.figures import stats
+from unbroken.lab.figures import free_port, stats
 
 WARMUP = 5
 
@@ -62,11 +62,7 @@ def run_library(workers: int, steps: int, microbatches: int, exact: bool) -> lis
 
 
 def run_ddp(workers: int, steps: int, microbatches: int) -> list[float]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="ddp-bench-library-") as tmp:
         out = Path(tmp) / "times.json"
         procs = [

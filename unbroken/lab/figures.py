@@ -1,8 +1,9 @@
-"""How the benchmarks summarise a sample of times: median, quartiles, range and size (one definition, used by
-every ``unbroken bench``)."""
+"""What every ``unbroken bench`` shares: how a sample of times is summarised (median, quartiles, range, size)
+and a free local port for the processes a benchmark starts."""
 
 from __future__ import annotations
 
+import socket
 import statistics
 
 
@@ -18,3 +19,10 @@ def stats(times: list[float]) -> dict[str, float]:
         "max": ordered[-1],
         "n": len(ordered),
     }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
