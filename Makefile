@@ -30,7 +30,9 @@ demo: $(BASE)
 	$(BIN)/unbroken train configs/default.toml --workers 4
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	# Two pytest processes, a test file each at a time (its module fixtures made once): the tests spend part of
+	# their time waiting (heartbeat timeouts, restarts, stopped processes), which the other process fills.
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	# The invariant checks must hold with assertions stripped: this file again under python -O.
 	$(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py
 

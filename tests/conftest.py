@@ -1,22 +1,50 @@
-"""Shared fixtures: one tokenized-corpus cache for the whole session, so the BPE is trained once; one
-failure-free reference run for the control-plane and launcher tests."""
+"""Shared fixtures: one tokenized-corpus cache for the whole session, so the BPE is trained once; the
+failure-free and faulted runs that several test files compare (the control-plane and launcher tests' reference,
+the recovery runs that the recovery and report tests read).
+
+``make test`` runs the suite in two pytest processes (pytest-xdist, a file per process at a time): each run
+below is made once for the whole session by whichever process needs it first, under a file lock, in a
+directory both processes share."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every pytest process of this session sees (xdist gives each its own base below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """``root/name``, built by ``build`` the first time any process of the session asks for it."""
+    root = _shared_root(tmp_path_factory)
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock"), timeout=900):
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            build(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
 def data_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache directory shared by every test of the session (tokenizer + token arrays)."""
+    """A cache directory shared by every test of the session (tokenizer + token arrays; safe to build from
+    several processes at once, see unbroken/train/data.py)."""
     override = os.environ.get("UNBROKEN_TEST_CACHE")
     if override:
         Path(override).mkdir(parents=True, exist_ok=True)
         return Path(override)
-    return tmp_path_factory.mktemp("data-cache")
+    cache = _shared_root(tmp_path_factory) / "data-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +52,33 @@ def control_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: 
     """The failure-free run (exact reduction) that the control-plane and launcher tests compare with."""
     from runner import CONTROL_COMMON, train
 
-    out = tmp_path_factory.mktemp("control") / "reference"
-    result = train(out, data_cache_dir, *CONTROL_COMMON)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    def build(base: Path) -> None:
+        result = train(base / "reference", data_cache_dir, *CONTROL_COMMON)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return _once(tmp_path_factory, "control", build) / "reference"
+
+
+@pytest.fixture(scope="session")
+def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict[str, Path]:
+    """Failure-free references and the same 50 steps with ``runner.RECOVERY_SCHEDULE``: exact and fp32 reduction,
+    and the ``drop`` policy (exact reduction, so it equals the reference bit for bit until work is dropped)."""
+    from runner import RECOVERY_SCHEDULE, RECOVERY_STEPS, train
+
+    common = [f"--train.steps={RECOVERY_STEPS}", "--checkpoint.every=0"]
+    exact, faults = "--recovery.reduction=exact", f"--failures.schedule={RECOVERY_SCHEDULE}"
+    plan = {
+        "exact_ref": [exact],
+        "exact_failures": [exact, faults],
+        "fp32_ref": [],
+        "fp32_failures": [faults],
+        "drop_failures": [exact, "--recovery.policy=drop", faults],
+    }
+
+    def build(base: Path) -> None:
+        for name, extra in plan.items():
+            result = train(base / name, data_cache_dir, *common, *extra)
+            assert result.returncode == 0, (name, result.stderr[-3000:])
+
+    base = _once(tmp_path_factory, "recovery", build)
+    return {name: base / name for name in plan}

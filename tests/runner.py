@@ -47,7 +47,7 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # -- jobs of several processes started by hand (coordinator, agents, launchers) --------------------------------
-CONTROL_STEPS = 60
+CONTROL_STEPS = 40
 # 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
 # mid-run; the assertions say if one did not.
 CONTROL_COMMON = [
@@ -57,6 +57,13 @@ CONTROL_COMMON = [
     "--recovery.reduction=exact",
     "--checkpoint.every=10",
 ]
+
+
+# -- the recovery runs (tests/conftest.py makes them; test_recovery and test_report read them) ------------------
+RECOVERY_STEPS = 50
+# Two kills (backward, reduction) and a rejoin. 50 steps: the restarted worker needs a few seconds to start
+# (import torch, build the model) before it can rejoin, and a tiny-model step takes about 0.15 s here.
+RECOVERY_SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
 
 
 def free_port() -> int:

@@ -14,35 +14,11 @@ from runner import final_params, train
 
 from unbroken.core.records import read_records, step_losses
 
-SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
-
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict[str, Path]:
-    """Failure-free references and the same 50 steps with two kills (backward, reduction) and a rejoin.
-
-    50 steps: the restarted worker needs a few seconds to start (import torch, build the model) before it
-    can rejoin, and a tiny-model step takes about 0.15 s here."""
-    base = tmp_path_factory.mktemp("recovery")
-    common = ["--train.steps=50", "--checkpoint.every=0"]
-    out = {}
-    for name, extra in {
-        "exact_ref": ["--recovery.reduction=exact"],
-        "exact_failures": ["--recovery.reduction=exact", f"--failures.schedule={SCHEDULE}"],
-        "fp32_ref": [],
-        "fp32_failures": [f"--failures.schedule={SCHEDULE}"],
-        "drop_failures": ["--recovery.policy=drop", f"--failures.schedule={SCHEDULE}"],
-    }.items():
-        result = train(base / name, data_cache_dir, *common, *extra)
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-        out[name] = base / name
-    return out
-
-
-def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(runs: dict[str, Path]) -> None:
-    ref, run = runs["exact_ref"], runs["exact_failures"]
+def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(recovery_runs: dict[str, Path]) -> None:
+    ref, run = recovery_runs["exact_ref"], recovery_runs["exact_failures"]
     failures = read_records(run, "failure")
     assert [f["worker"] for f in failures] == [2, 1]
     memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
@@ -65,27 +41,29 @@ def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(runs: 
     assert sum(r["recomputed"] for r in steps) >= 1  # 2 when worker 1's contribution had not gone out
 
 
-def test_fp32_mode_with_failures_commits_every_step_once_and_agrees_up_to_the_failure(runs: dict[str, Path]) -> None:
+def test_fp32_mode_with_failures_commits_every_step_once_and_agrees_up_to_the_failure(
+    recovery_runs: dict[str, Path],
+) -> None:
     """fp32 sums the survivors' gradients in another order than the failure-free run, so from the first
     failure on the two may differ in the last bits (the bound on one step's reduced gradient is checked in
     tests/test_protocol.py); up to and including the step of the first kill, the losses are forward passes of
     identical parameters and must be equal, and every step must count each microbatch exactly once."""
-    ref_losses, losses = step_losses(runs["fp32_ref"]), step_losses(runs["fp32_failures"])
+    ref_losses, losses = step_losses(recovery_runs["fp32_ref"]), step_losses(recovery_runs["fp32_failures"])
     assert sorted(losses) == list(range(50))
     assert all(losses[s] == ref_losses[s] for s in range(6))
-    steps = read_records(runs["fp32_failures"], "step")
+    steps = read_records(recovery_runs["fp32_failures"], "step")
     assert all(r["counted_once"] and r["dropped"] == 0 for r in steps)
-    assert read_records(runs["fp32_failures"], "final")[0]["identical"]
+    assert read_records(recovery_runs["fp32_failures"], "final")[0]["identical"]
 
 
-def test_drop_policy_visibly_diverges(runs: dict[str, Path]) -> None:
-    ref_losses, losses = step_losses(runs["fp32_ref"]), step_losses(runs["drop_failures"])
-    dropped = {r["step"]: r["dropped"] for r in read_records(runs["drop_failures"], "step") if r["dropped"]}
+def test_drop_policy_visibly_diverges(recovery_runs: dict[str, Path]) -> None:
+    ref_losses, losses = step_losses(recovery_runs["exact_ref"]), step_losses(recovery_runs["drop_failures"])
+    dropped = {r["step"]: r["dropped"] for r in read_records(recovery_runs["drop_failures"], "step") if r["dropped"]}
     assert dropped == {5: 1, 15: 1}
-    assert all(abs(losses[s] - ref_losses[s]) <= 1e-5 for s in range(5))  # identical until the first failure
+    assert all(losses[s] == ref_losses[s] for s in range(5))  # bitwise identical until the first failure
     divergence = max(abs(losses[s] - ref_losses[s]) for s in range(5, 50))
     assert divergence > 1e-3, divergence
-    ref_params, params = final_params(runs["fp32_ref"]), final_params(runs["drop_failures"])
+    ref_params, params = final_params(recovery_runs["exact_ref"]), final_params(recovery_runs["drop_failures"])
     assert max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params) > 1e-4
 
 

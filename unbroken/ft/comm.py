@@ -367,6 +367,19 @@ class LocalFlags:
     overflow: int = 0  # microbatches whose gradient did not fit the fixed point
 
 
+def extremes(tensor: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of ``tensor`` in one pass (NaN if it holds one); max(-min, max) is max |value|, the same value
+    as ``vector_norm(tensor, inf)`` at an eighth of its time on the CPU here."""
+    low, high = torch.aminmax(tensor)
+    return float(low), float(high)
+
+
+def max_abs(tensor: torch.Tensor) -> float:
+    """max |value| of ``tensor`` (from its extremes)."""
+    low, high = extremes(tensor)
+    return max(-low, high)
+
+
 def _to_int64(integral: torch.Tensor) -> torch.Tensor:
     """Integer-valued float32 to int64, exactly. On the CPU through numpy, whose conversion is vectorised
     (torch's float-to-int64 cast is about twice as slow here; both are exact for integers below 2^63)."""
@@ -475,8 +488,7 @@ class GradientReducer:
         if grad is None:
             return True
         p.grad = None
-        # max |g| from the extremes: one pass, 8x faster here than vector_norm(inf), and the same value.
-        low, high = (float(x) for x in torch.aminmax(grad))
+        low, high = extremes(grad)
         peak = max(-low, high)
         if not (math.isfinite(low) and math.isfinite(high)):
             if microbatch not in self.flags.nonfinite_ids:
