@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 RECENT_LINES = 4096  # metrics lines remembered, to drop a record a worker sends again after a restart
 CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
 MAX_TICK_S = 0.25
+METRIC_HOLE_GRACE_S = 1.0  # a metrics number not written after this long: its writer died (or is stopped)
+METRIC_HOLE_FORGET_S = 600.0  # ... and after this long it is not looked for any more
 
 
 class Deposed(Exception):
@@ -154,6 +156,8 @@ class Coordinator:
         self._watched_at = time.monotonic()  # when the heartbeats were last looked at
         self.tick_s = min(MAX_TICK_S, self.heartbeat_timeout_s / CHECKS_PER_TIMEOUT)
         self.next_metric = 1
+        self.hole_since: dict[int, float] = {}  # metrics numbers taken but not written yet -> first seen so
+        self.passed_holes: dict[int, float] = {}  # ... and those passed over -> when
         self.recent_lines: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
         self.recent_set: set[str] = set()
         for line in _tail_lines(run_dir / METRICS_FILE):
@@ -270,23 +274,45 @@ class Coordinator:
             self.store.delete_key(keys.injected(wid))
         self.metrics.write(make(RecordKind.FAILURE, now, worker=wid, why=why, epoch=self.epoch, **extra))
 
-    def _drain_metrics(self, seq: int | None = None) -> None:
+    def _drain_metrics(self, seq: int | None = None, final: bool = False) -> None:
+        """Append the queued records in sequence order. A writer takes its number (``add``) and then writes
+        the record (``set``): one killed in between leaves a number that never fills. Such a hole holds the
+        queue for ``METRIC_HOLE_GRACE_S`` (a live writer fills it in microseconds, and waiting keeps the file
+        in order), then is passed over and looked at again on every pass, so a writer that was only stopped
+        still gets its record in, late; ``final`` (the run is over) passes every hole at once."""
         if seq is None:
             seq = get_int(self.store, keys.METRICS_SEQ)
+        now = time.monotonic()
+        for hole, since in list(self.passed_holes.items()):
+            if self.store.check([keys.metrics(hole)]):
+                self._append_metric(keys.metrics(hole))
+                del self.passed_holes[hole]
+            elif now - since > METRIC_HOLE_FORGET_S:
+                del self.passed_holes[hole]
         while self.next_metric <= seq:
             key = keys.metrics(self.next_metric)
             if not self.store.check([key]):
-                break
-            line = self.store.get(key).decode()
-            if line not in self.recent_set:  # a worker sends its recent records again to a new coordinator
-                self.metrics.write_line(line)
-                self._remember(line)
-                if '"type": "step"' in line:
-                    record = decode(line)
-                    if record is not None and not record.get("skipped"):
-                        self.committed_step = max(self.committed_step, int(record["step"]))
-            self.store.delete_key(key)
+                since = self.hole_since.setdefault(self.next_metric, now)
+                if not final and now - since < METRIC_HOLE_GRACE_S:
+                    break
+                log.warning("metrics record %d was never written (its writer died?); going on without it",
+                            self.next_metric)  # fmt: skip
+                self.passed_holes[self.next_metric] = now
+            else:
+                self._append_metric(key)
+            self.hole_since.pop(self.next_metric, None)
             self.next_metric += 1
+
+    def _append_metric(self, key: str) -> None:
+        line = self.store.get(key).decode()
+        if line not in self.recent_set:  # a worker sends its recent records again to a new coordinator
+            self.metrics.write_line(line)
+            self._remember(line)
+            if '"type": "step"' in line:
+                record = decode(line)
+                if record is not None and not record.get("skipped"):
+                    self.committed_step = max(self.committed_step, int(record["step"]))
+        self.store.delete_key(key)
 
     def _remember(self, line: str) -> None:
         if len(self.recent_lines) == self.recent_lines.maxlen:
@@ -443,7 +469,7 @@ class Coordinator:
                     ring(self.store, keys.NEWS)  # a stop written by the launcher or a worker: tell everyone now
                     break
                 if full and self.store.check([keys.DONE]):
-                    self._drain_metrics()
+                    self._drain_metrics(final=True)
                     break
                 # Pending timeout reports are decided on the next full pass, at most a tick away.
                 wait_s = self.tick_s
@@ -456,7 +482,7 @@ class Coordinator:
         except Deposed:
             pass
         finally:
-            self._drain_metrics()
+            self._drain_metrics(final=True)
             if self.store.check([keys.STOP]) and not self.store.check([keys.DONE]):
                 self.emit(RecordKind.STOPPED, reason=self.store.get(keys.STOP).decode())
             gw = self.gateway

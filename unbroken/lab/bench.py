@@ -293,7 +293,8 @@ def bench_recovery(config: str | None, workers: int, kills: int, overrides: list
 
 def format_recovery(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['kills']} kills survived (of {result['scheduled']} scheduled) with {result['workers']} workers; "
+        f"{result['kills']} of {result['scheduled']} scheduled kills timed (a kill with no recovery of its own epoch, "
+        f"e.g. skipped or merged with another change, is not) with {result['workers']} workers; "
         "seconds, median [q1, q3] (min - max)",
         "",
         "| phase of recovery | median | q1 | q3 | min | max |",

@@ -309,7 +309,8 @@ def run_random_trial(
     log_path.unlink(missing_ok=True)
     cmd = _train_cmd(config, run_dir, workers, steps, [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"], "")
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher_log = open(out / f"random-{seed}.launcher.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=launcher_log, text=True)
     driver = subprocess.Popen(
         [
             sys.executable,
@@ -342,6 +343,7 @@ def run_random_trial(
             proc.communicate()
         code = None
     wall = time.monotonic() - t0
+    launcher_log.close()
     try:
         driver.wait(timeout=10)
     except subprocess.TimeoutExpired:
