@@ -5,7 +5,8 @@ wall-clock moments, sends ``SIGKILL`` to a worker, or ``SIGSTOP`` and ``SIGCONT`
 random worker (worker 0, the usual leader, included), sometimes to two at once. It knows nothing of the
 run's code: it finds the worker processes among the launcher's children (their environment names their
 worker id) and reads the latest membership from the run's metrics, only to spare one running member of the
-newest epoch (a cluster never loses every copy of the training state at once). Every fault delivered is
+newest epoch (a cluster never loses every copy of the training state at once); a fault due before the first
+epoch is delivered as soon as there is one. Every fault delivered is
 appended to a JSON-lines log the campaign counts.
 
     python -m unbroken.lab.faultdriver --launcher-pid PID --run-dir DIR --seed S --duration 40 --faults 5 --log F
@@ -110,6 +111,11 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
             while time.monotonic() < t0 + fault.at_s:
                 resume = _continue_due(resume)
                 time.sleep(0.01)
+            # A fault due before the job formed its first group waits for it: until then nobody holds the
+            # training state to spare, and on a loaded machine start-up can take most of the window.
+            while not latest_members(run_dir) and _state(launcher_pid) not in ("", "Z"):
+                resume = _continue_due(resume)
+                time.sleep(0.05)
             if _state(launcher_pid) in ("", "Z"):
                 break
             running = worker_processes(launcher_pid)
