@@ -82,25 +82,3 @@ def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path
 
     base = _once(tmp_path_factory, "recovery", build)
     return {name: base / name for name in plan}
-
-
-# make test hands whole files to two pytest processes in collection order: the long files go first, so
-# that the short ones fill the end instead of one process finishing a long file alone. test_report reads
-# the recovery runs and comes after test_recovery, which makes them.
-LONG_FILES_FIRST = (
-    "test_control.py",
-    "test_faults.py",
-    "test_chaos.py",
-    "test_examples.py",
-    "test_recovery.py",
-    "test_launchers.py",
-    "test_train.py",
-    "test_mecefo.py",
-    "test_transforms.py",
-    "test_coordinator.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
