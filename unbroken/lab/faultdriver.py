@@ -106,6 +106,7 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
     resume: list[tuple[float, int]] = []  # (when, pid) to SIGCONT
     t0 = time.monotonic()
     delivered = 0
+    hit: set[int] = set()  # pids killed
     with open(log_path, "a", buffering=1) as log:
         for fault in faults:
             while time.monotonic() < t0 + fault.at_s:
@@ -118,10 +119,14 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 time.sleep(0.05)
             if _state(launcher_pid) in ("", "Z"):
                 break
-            running = worker_processes(launcher_pid)
+            # Processes killed already are not running, whatever /proc says yet, and the membership record may
+            # lag behind: faults delivered back to back must not take the last copy of the state.
+            running = {w: p for w, p in worker_processes(launcher_pid).items() if p not in hit}
             for w in choose_victims(rng, running, latest_members(run_dir), fault.victims):
                 pid = running[w]
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+                if fault.kind == "kill":
+                    hit.add(pid)
                 if fault.kind == "stop":
                     resume.append((time.monotonic() + fault.stop_s, pid))
                 delivered += 1
