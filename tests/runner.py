@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import torch
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
+from unbroken.lab.figures import free_port  # noqa: F401 - the tests take it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -64,12 +64,6 @@ RECOVERY_STEPS = 50
 # Two kills (backward, reduction) and a rejoin. 50 steps: the restarted worker needs a few seconds to start
 # (import torch, build the model) before it can rejoin, and a tiny-model step takes about 0.15 s here.
 RECOVERY_SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

@@ -114,15 +114,17 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 time.sleep(0.01)
             # A fault due before the job formed its first group waits for it: until then nobody holds the
             # training state to spare, and on a loaded machine start-up can take most of the window.
-            while not latest_members(run_dir) and _state(launcher_pid) not in ("", "Z"):
+            members = latest_members(run_dir)
+            while not members and _state(launcher_pid) not in ("", "Z"):
                 resume = _continue_due(resume)
                 time.sleep(0.05)
+                members = latest_members(run_dir)
             if _state(launcher_pid) in ("", "Z"):
                 break
             # Processes killed already are not running, whatever /proc says yet, and the membership record may
             # lag behind: faults delivered back to back must not take the last copy of the state.
             running = {w: p for w, p in worker_processes(launcher_pid).items() if p not in hit}
-            for w in choose_victims(rng, running, latest_members(run_dir), fault.victims):
+            for w in choose_victims(rng, running, members, fault.victims):
                 pid = running[w]
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
                 if fault.kind == "kill":
