@@ -4,6 +4,7 @@ invariant (see unbroken/chaos.py; the long campaign's figures are in docs/reliab
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from runner import TINY
 
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.lab.chaos import KINDS, churn_schedule, make_trial
+from unbroken.lab.faultdriver import MAY_BE_EVICTED_S, Victims, choose_victims, plan_faults
 
 
 @pytest.mark.timeout(30)
@@ -40,6 +42,26 @@ def test_churn_schedule_makes_the_requested_changes() -> None:
         # Each kill removes a member and its restart adds one back: two membership changes per kill when no
         # two of them land in one epoch.
         assert 2 * len(kills) >= changes, (changes, len(kills))
+
+
+@pytest.mark.timeout(30)
+def test_faults_back_to_back_never_take_every_copy_of_the_state() -> None:
+    """Faults that waited for the first epoch fire back to back, while ``/proc`` still shows every worker running
+    and the membership record still lists every member (both lag behind the driver's signals). Whatever the
+    faults, at least one member that holds the state must stay neither killed, nor stopped, nor stopped long
+    enough to be declared dead (seed 10001: two kills, a stop of 2.4 s, then a kill of the last one running)."""
+    seen = {w: 100 + w for w in range(4)}  # what /proc says throughout
+    members = [0, 1, 2, 3]  # what the newest membership record says throughout
+    for seed in range(300):
+        rng, victims = random.Random(seed), Victims()
+        for fault in plan_faults(seed, duration_s=1.0, count=8):
+            running = victims.running(seen)
+            for w in choose_victims(rng, running, victims.holding_state(members, running), fault.victims):
+                victims.hit(running[w], fault.kind, fault.stop_s, now=0.0)
+            untouched = [w for w in members if seen[w] not in victims.killed and seen[w] not in victims.stopped]
+            assert untouched, seed
+        long_stopped = {p for p, resume_at in victims.stopped.items() if resume_at >= MAY_BE_EVICTED_S}
+        assert any(p not in victims.killed | long_stopped for p in seen.values()), seed
 
 
 @pytest.mark.timeout(400)

@@ -29,6 +29,9 @@ WORKER_ID_ENV = b"UNBROKEN_WORKER_ID="
 STOP_RANGE_S = (0.2, 4.0)  # SIGSTOP lengths: below and beyond the default heartbeat timeout (2 s)
 BOTH_AT_ONCE = 0.25  # share of faults that hit two workers at the same moment
 KILL_SHARE = 0.6
+# A worker stopped this long may be declared dead (the campaign runs with the default heartbeat timeout, 2 s):
+# once continued it no longer holds the training state, so it is never the member a fault spares.
+MAY_BE_EVICTED_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,8 @@ def latest_members(run_dir: Path) -> list[int]:
     return list(memberships[-1]["members"]) if memberships else []
 
 
-def choose_victims(rng: random.Random, running: dict[int, int], members: list[int], wanted: int) -> list[int]:
-    """Up to ``wanted`` running workers, leaving at least one running member of the newest epoch untouched."""
-    keepers = [w for w in members if w in running]
+def choose_victims(rng: random.Random, running: dict[int, int], keepers: list[int], wanted: int) -> list[int]:
+    """Up to ``wanted`` running workers, leaving one of ``keepers`` (running members holding the state) untouched."""
     if not keepers:
         return []  # nobody holding the state is running right now: wait for the next fault
     spared = rng.choice(keepers)
@@ -99,58 +101,85 @@ def choose_victims(rng: random.Random, running: dict[int, int], members: list[in
     return sorted(candidates[:wanted])
 
 
+class Victims:
+    """Which workers a fault may hit, given what the driver has done already.
+
+    ``/proc`` and the membership record both lag behind the driver's own signals: a process just sent
+    ``SIGKILL`` or ``SIGSTOP`` can still read as running, and a dead member stays in the newest membership
+    until the group re-forms. Faults delivered back to back (those that waited for the first epoch all fire at
+    once) would then take the last running copy of the state, so the driver counts every worker it killed, and
+    every one it stopped until it sends ``SIGCONT``, as not running, whatever ``/proc`` says yet."""
+
+    def __init__(self) -> None:
+        self.killed: set[int] = set()  # pids
+        self.stopped: dict[int, float] = {}  # pid -> monotonic time of its SIGCONT
+        self.maybe_evicted: set[int] = set()  # pids stopped for MAY_BE_EVICTED_S or longer
+
+    def running(self, seen: dict[int, int]) -> dict[int, int]:
+        """``seen`` (worker id -> pid, from ``/proc``) less the workers this driver has killed or holds stopped."""
+        return {w: p for w, p in seen.items() if p not in self.killed and p not in self.stopped}
+
+    def holding_state(self, members: list[int], running: dict[int, int]) -> list[int]:
+        """The members of the newest epoch (as recorded) that may still hold the training state."""
+        return [w for w in members if w in running and running[w] not in self.maybe_evicted]
+
+    def hit(self, pid: int, kind: str, stop_s: float, now: float) -> None:
+        if kind == "kill":
+            self.killed.add(pid)
+            return
+        self.stopped[pid] = now + stop_s
+        if stop_s >= MAY_BE_EVICTED_S:
+            self.maybe_evicted.add(pid)
+
+    def resume_due(self, now: float) -> list[int]:
+        """The stopped pids whose ``SIGCONT`` is due at ``now`` (and forgets them)."""
+        due = [pid for pid, when in self.stopped.items() if when <= now]
+        for pid in due:
+            del self.stopped[pid]
+        return due
+
+
 def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count: int, log_path: Path) -> int:
     """Deliver the planned faults while the launcher lives; returns how many workers were hit."""
     rng = random.Random(seed + 1_000_003)
     faults = plan_faults(seed, duration_s, count)
-    resume: list[tuple[float, int]] = []  # (when, pid) to SIGCONT
+    victims = Victims()
     t0 = time.monotonic()
     delivered = 0
-    hit: set[int] = set()  # pids killed
     with open(log_path, "a", buffering=1) as log:
         for fault in faults:
             while time.monotonic() < t0 + fault.at_s:
-                resume = _continue_due(resume)
+                _continue(victims.resume_due(time.monotonic()))
                 time.sleep(0.01)
             # A fault due before the job formed its first group waits for it: until then nobody holds the
             # training state to spare, and on a loaded machine start-up can take most of the window.
             members = latest_members(run_dir)
             while not members and _state(launcher_pid) not in ("", "Z"):
-                resume = _continue_due(resume)
+                _continue(victims.resume_due(time.monotonic()))
                 time.sleep(0.05)
                 members = latest_members(run_dir)
             if _state(launcher_pid) in ("", "Z"):
                 break
-            # Processes killed already are not running, whatever /proc says yet, and the membership record may
-            # lag behind: faults delivered back to back must not take the last copy of the state.
-            running = {w: p for w, p in worker_processes(launcher_pid).items() if p not in hit}
-            for w in choose_victims(rng, running, members, fault.victims):
+            running = victims.running(worker_processes(launcher_pid))
+            for w in choose_victims(rng, running, victims.holding_state(members, running), fault.victims):
                 pid = running[w]
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
-                if fault.kind == "kill":
-                    hit.add(pid)
-                if fault.kind == "stop":
-                    resume.append((time.monotonic() + fault.stop_s, pid))
+                victims.hit(pid, fault.kind, fault.stop_s, time.monotonic())
                 delivered += 1
                 entry = {"time": time.time(), "kind": fault.kind, "worker": w, "pid": pid, "at_s": fault.at_s}
                 log.write(json.dumps({**entry, "stop_s": fault.stop_s if fault.kind == "stop" else 0.0}) + "\n")
-        while resume:
-            resume = _continue_due(resume)
+        while victims.stopped:
+            _continue(victims.resume_due(time.monotonic()))
             time.sleep(0.01)
     return delivered
 
 
-def _continue_due(resume: list[tuple[float, int]]) -> list[tuple[float, int]]:
-    now, left = time.monotonic(), []
-    for when, pid in resume:
-        if when <= now:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        else:
-            left.append((when, pid))
-    return left
+def _continue(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def main() -> None:
