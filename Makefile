@@ -7,6 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BASE := $(VENV)/.base-stamp
 STAMP := $(VENV)/.installed-stamp
+TEST_CACHE := $(CURDIR)/.cache/test-data
 
 .PHONY: install demo test lint bench clean
 
@@ -32,8 +33,10 @@ demo: $(BASE)
 test: $(STAMP)
 	# Two pytest processes, a test file each at a time (its module fixtures made once): the tests spend part of
 	# their time waiting (heartbeat timeouts, restarts, stopped processes), which the other process fills.
-	# (tests/test_invariants.py runs a whole job under PYTHONOPTIMIZE=1: the invariant checks hold with asserts stripped.)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	# Both runs share one tokenized-corpus cache (the BPE is trained once).
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	# The invariant checks must hold with assertions stripped: this file again under python -O.
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check unbroken tests

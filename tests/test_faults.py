@@ -30,12 +30,25 @@ pytestmark = pytest.mark.timeout(300)
 EXACT = "--recovery.reduction=exact"
 
 
+@pytest.fixture(scope="module")
+def exact_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
+    """The failure-free run (exact reduction, ``configs/tiny.toml``'s 8 steps) with a checkpoint after every
+    step, that the faulted runs below are compared with (how often it checkpoints cannot change its
+    trajectory: resuming from any checkpoint reproduces the run, tests/test_train.py)."""
+    out = tmp_path_factory.mktemp("faults") / "reference"
+    result = train(out, data_cache_dir, EXACT, "--checkpoint.every=1", "--checkpoint.keep=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
 
 
-def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(tmp_path: Path, data_cache_dir: Path) -> None:
+def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(
+    tmp_path: Path, data_cache_dir: Path, exact_reference: Path
+) -> None:
     skipped = tmp_path / "nan"
     result = train(skipped, data_cache_dir, EXACT, "--failures.schedule=nan:worker=1,step=3")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -47,15 +60,13 @@ def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(tmp_path:
 
     # By construction: the state entering step 3 of a clean run, relabelled as the state entering step 4 (no
     # optimizer step, the data of step 3 never used), and trained on from there.
-    clean = tmp_path / "clean"
-    result = train(clean, data_cache_dir, EXACT, "--checkpoint.every=3", "--checkpoint.keep=5")
-    assert result.returncode == 0, result.stderr[-3000:]
+    clean = exact_reference
     constructed = tmp_path / "constructed"
     constructed.mkdir()
     shutil.copy(clean / "config.toml", constructed / "config.toml")
     state = ckpt.verify(clean, 3)
     state = {**state, "step": 4, "ft": {**state["ft"], "nonfinite_streak": 1}}
-    ckpt.save_checkpoint(constructed, 4, state, keep=5)
+    ckpt.save_checkpoint(constructed, 4, state, keep=8)
     result = subprocess.run(
         train_cmd(data_cache_dir, "--resume", str(constructed), workers=4), capture_output=True, text=True, timeout=240
     )
@@ -145,15 +156,16 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     assert ckpt.verify(run, 12)["ft"]["scale"] == ckpt.verify(reference, 12)["ft"]["scale"]
 
 
-def test_a_member_that_stalls_in_the_reduction_is_re_formed_then_excluded(tmp_path: Path, data_cache_dir: Path) -> None:
+def test_a_member_that_stalls_in_the_reduction_is_re_formed_then_excluded(
+    tmp_path: Path, data_cache_dir: Path, exact_reference: Path
+) -> None:
     """Worker 1 blocks 15 s inside step 3's reduction while its heartbeats go on: the others' collective
     times out (2 s), the coordinator re-forms the same members; worker 1 stalls the re-formed group too, so
     it is declared failed and its microbatches are recomputed by the others in the same step."""
-    common = [EXACT, "--train.steps=10", "--comm.op_timeout_s=2"]
-    reference = tmp_path / "reference"
-    assert train(reference, data_cache_dir, *common).returncode == 0
+    reference = exact_reference
     out = tmp_path / "stall"
-    result = train(out, data_cache_dir, *common, "--failures.schedule=stall:worker=1,step=3,seconds=15")
+    schedule = "--failures.schedule=stall:worker=1,step=3,seconds=15"
+    result = train(out, data_cache_dir, EXACT, "--comm.op_timeout_s=2", schedule)
     assert result.returncode == 0, result.stderr[-3000:]
     decisions = [(r["decision"], r["suspects"]) for r in read_records(out, "stall")]
     assert decisions[0] == ("re-form", [1]) and decisions[-1] == ("exclude", [1]), decisions
@@ -164,9 +176,10 @@ def test_a_member_that_stalls_in_the_reduction_is_re_formed_then_excluded(tmp_pa
     assert_same_params(final_params(reference), final_params(out))
 
 
-def test_the_leader_killed_while_writing_the_final_checkpoint(tmp_path: Path, data_cache_dir: Path) -> None:
-    reference = tmp_path / "reference"
-    assert train(reference, data_cache_dir, EXACT).returncode == 0
+def test_the_leader_killed_while_writing_the_final_checkpoint(
+    tmp_path: Path, data_cache_dir: Path, exact_reference: Path
+) -> None:
+    reference = exact_reference
     out = tmp_path / "final"
     result = train(out, data_cache_dir, EXACT, "--failures.schedule=kill:worker=0,step=7,phase=checkpoint")
     assert result.returncode == 0, result.stderr[-3000:]
