@@ -13,8 +13,9 @@ import pytest
 from runner import TINY
 
 from unbroken.core.failures import FailureKind, FailureSchedule
+from unbroken.core.records import RecordKind, append_records, make
 from unbroken.lab.chaos import KINDS, churn_schedule, make_trial
-from unbroken.lab.faultdriver import MAY_BE_EVICTED_S, Victims, choose_victims, plan_faults
+from unbroken.lab.faultdriver import MAY_BE_EVICTED_S, Victims, choose_victims, plan_faults, state_holders
 
 
 @pytest.mark.timeout(30)
@@ -62,6 +63,33 @@ def test_faults_back_to_back_never_take_every_copy_of_the_state() -> None:
             assert untouched, seed
         long_stopped = {p for p, resume_at in victims.stopped.items() if resume_at >= MAY_BE_EVICTED_S}
         assert any(p not in victims.killed | long_stopped for p in seen.values()), seed
+
+
+@pytest.mark.timeout(30)
+def test_a_joiner_holds_the_state_only_once_a_step_commits_with_it(tmp_path: Path) -> None:
+    """Seed 12031's records, in the order the run wrote them: worker 3 killed, 0 and 1 stopped past the
+    heartbeat timeout, worker 2 alone commits steps, then a restarted 3 joins. Until a step commits in the
+    joiner's epoch only worker 2 holds the state, and a fault must spare it, not the joiner."""
+
+    def membership(epoch: int, members: list[int], reason: str) -> dict:
+        return make(RecordKind.MEMBERSHIP, 0.0, epoch=epoch, members=members, reason=reason, elapsed_s=0.0)
+
+    def step(step: int, epoch: int) -> dict:
+        fields = dict.fromkeys(("loss", "lr", "grad_norm", "step_time_s"), 0.0)
+        fields |= dict.fromkeys(("tokens", "alive", "microbatches", "recomputed", "dropped", "recoveries"), 0)
+        return make(RecordKind.STEP, 0.0, step=step, epoch=epoch, committed=True, efficient=0, **fields)
+
+    assert state_holders(tmp_path) == []  # nothing formed yet: nobody to spare, so no fault is delivered
+    append_records(tmp_path, [membership(1, [0, 1, 2, 3], "start")])
+    assert state_holders(tmp_path) == [0, 1, 2, 3]
+    append_records(tmp_path, [membership(2, [0, 1, 2], "died: 3"), membership(3, [2], "died: 0, 1"), step(0, 3)])
+    assert state_holders(tmp_path) == [2]
+    append_records(tmp_path, [membership(4, [2, 3], "joined: 3"), step(1, 3)])  # step 1 committed before the join
+    assert state_holders(tmp_path) == [2]
+    append_records(tmp_path, [step(2, 4)])
+    assert state_holders(tmp_path) == [2, 3]
+    append_records(tmp_path, [membership(5, [3], "died: 2")])
+    assert state_holders(tmp_path) == [3]
 
 
 @pytest.mark.timeout(400)

@@ -4,10 +4,10 @@ A separate process, seeded, that watches a running ``unbroken train`` from outsi
 wall-clock moments, sends ``SIGKILL`` to a worker, or ``SIGSTOP`` and ``SIGCONT`` some seconds later, to a
 random worker (worker 0, the usual leader, included), sometimes to two at once. It knows nothing of the
 run's code: it finds the worker processes among the launcher's children (their environment names their
-worker id) and reads the latest membership from the run's metrics, only to spare one running member of the
-newest epoch (a cluster never loses every copy of the training state at once); a fault due before the first
-epoch is delivered as soon as there is one. Every fault delivered is
-appended to a JSON-lines log the campaign counts.
+worker id) and reads the memberships and commits from the run's metrics, only to spare one running worker that
+holds the training state (a cluster never loses every copy of the training state at once); a fault due before
+the first epoch is delivered as soon as there is one. Every fault delivered is appended to a JSON-lines log
+the campaign counts.
 
     python -m unbroken.lab.faultdriver --launcher-pid PID --run-dir DIR --seed S --duration 40 --faults 5 --log F
 """
@@ -86,9 +86,24 @@ def worker_processes(launcher_pid: int) -> dict[int, int]:
     return out
 
 
-def latest_members(run_dir: Path) -> list[int]:
-    memberships = read_records(run_dir, RecordKind.MEMBERSHIP)
-    return list(memberships[-1]["members"]) if memberships else []
+def state_holders(run_dir: Path) -> list[int]:
+    """The members of the newest recorded epoch that hold the training state, read from the run's metrics.
+
+    Every member of a ``start`` epoch builds the same initial state, and every member of an epoch in which a
+    step was committed took part in that step. A worker that joined since is receiving the state, or about
+    to: until a step commits with it, the state lives only in the members it joined (seeds 12031 and 12032:
+    the one worker holding the state was hit while a joiner was still receiving it from that worker)."""
+    holders: set[int] = set()
+    newest: tuple[int, list[int]] | None = None  # (epoch, members)
+    for record in read_records(run_dir):
+        if record["type"] == RecordKind.MEMBERSHIP:
+            members = list(record["members"])
+            holders = set(members) if newest is None or record["reason"] == "start" else holders & set(members)
+            newest = (record["epoch"], members)
+        elif record["type"] == RecordKind.STEP and newest is not None and record["epoch"] == newest[0]:
+            if record["committed"]:
+                holders = set(newest[1])
+    return sorted(holders) if newest is not None else []
 
 
 def choose_victims(rng: random.Random, running: dict[int, int], keepers: list[int], wanted: int) -> list[int]:
@@ -119,9 +134,9 @@ class Victims:
         """``seen`` (worker id -> pid, from ``/proc``) less the workers this driver has killed or holds stopped."""
         return {w: p for w, p in seen.items() if p not in self.killed and p not in self.stopped}
 
-    def holding_state(self, members: list[int], running: dict[int, int]) -> list[int]:
-        """The members of the newest epoch (as recorded) that may still hold the training state."""
-        return [w for w in members if w in running and running[w] not in self.maybe_evicted]
+    def holding_state(self, holders: list[int], running: dict[int, int]) -> list[int]:
+        """Of the workers that held the training state when last recorded, those that still may."""
+        return [w for w in holders if w in running and running[w] not in self.maybe_evicted]
 
     def hit(self, pid: int, kind: str, stop_s: float, now: float) -> None:
         if kind == "kill":
@@ -153,15 +168,15 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 time.sleep(0.01)
             # A fault due before the job formed its first group waits for it: until then nobody holds the
             # training state to spare, and on a loaded machine start-up can take most of the window.
-            members = latest_members(run_dir)
-            while not members and _state(launcher_pid) not in ("", "Z"):
+            holders = state_holders(run_dir)
+            while not holders and _state(launcher_pid) not in ("", "Z"):
                 _continue(victims.resume_due(time.monotonic()))
                 time.sleep(0.05)
-                members = latest_members(run_dir)
+                holders = state_holders(run_dir)
             if _state(launcher_pid) in ("", "Z"):
                 break
             running = victims.running(worker_processes(launcher_pid))
-            for w in choose_victims(rng, running, victims.holding_state(members, running), fault.victims):
+            for w in choose_victims(rng, running, victims.holding_state(holders, running), fault.victims):
                 pid = running[w]
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
                 victims.hit(pid, fault.kind, fault.stop_s, time.monotonic())
