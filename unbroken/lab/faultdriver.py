@@ -29,9 +29,10 @@ WORKER_ID_ENV = b"UNBROKEN_WORKER_ID="
 STOP_RANGE_S = (0.2, 4.0)  # SIGSTOP lengths: below and beyond the default heartbeat timeout (2 s)
 BOTH_AT_ONCE = 0.25  # share of faults that hit two workers at the same moment
 KILL_SHARE = 0.6
-# A worker stopped this long may be declared dead (the campaign runs with the default heartbeat timeout, 2 s):
-# once continued it no longer holds the training state, so it is never the member a fault spares.
-MAY_BE_EVICTED_S = 1.5
+# A worker stopped this long may be declared dead (the campaign runs with the default heartbeat timeout, 2 s, and
+# a loaded machine adds delays of its own): once continued it may no longer hold the training state, so it is
+# never the worker a fault spares.
+MAY_BE_EVICTED_S = 1.0
 
 
 @dataclass(frozen=True)
