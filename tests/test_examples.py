@@ -59,14 +59,17 @@ def test_the_plain_loop_with_kills_is_bitwise_the_failure_free_run(tmp_path: Pat
 
 
 def test_the_hugging_face_example_with_a_kill(tmp_path: Path) -> None:
+    """Two workers (each imports transformers): worker 1 killed in a backward and restarted; under MeCeFO its
+    ring neighbour, worker 0, takes its microbatches in efficient mode."""
     common = [EXACT, "--train.steps=10", "--checkpoint.every=0"]
     kill = "--failures.schedule=kill:worker=1,step=4,phase=backward,rejoin=1"
     reference, killed, mecefo = tmp_path / "reference", tmp_path / "killed", tmp_path / "mecefo"
-    assert launch(reference, HF, *common).returncode == 0
-    result = launch(killed, HF, *common, kill)
+    assert launch(reference, HF, *common, workers=2).returncode == 0
+    result = launch(killed, HF, *common, kill, workers=2)
     assert result.returncode == 0, result.stderr[-3000:]
     same_final(reference, killed, 10)
-    result = launch(mecefo, HF, "--train.steps=10", "--recovery.policy=mecefo", "--mecefo.rank=8", kill)
+    mecefo_args = ["--train.steps=10", "--recovery.policy=mecefo", "--mecefo.rank=8", kill]
+    result = launch(mecefo, HF, *mecefo_args, workers=2)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = read_records(mecefo, "step")
     assert sum(r["efficient"] for r in steps) >= 1  # the neighbour took worker 1's microbatches in efficient mode
@@ -78,9 +81,9 @@ def test_a_hugging_face_model_in_the_trainer_with_kills_is_the_failure_free_run(
 ) -> None:
     common = [EXACT, "--model.hf_config=llama-tiny"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert train(reference, data_cache_dir, *common).returncode == 0
-    schedule = "kill:worker=3,step=2,phase=forward,rejoin=0.5; kill:worker=0,step=5,phase=reduction"
-    result = train(killed, data_cache_dir, *common, f"--failures.schedule={schedule}")
+    assert train(reference, data_cache_dir, *common, workers=3).returncode == 0
+    schedule = "kill:worker=2,step=2,phase=forward,rejoin=0.5; kill:worker=0,step=5,phase=reduction"
+    result = train(killed, data_cache_dir, *common, f"--failures.schedule={schedule}", workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     same_final(reference, killed, 8)
 

@@ -1,6 +1,6 @@
 """Invariants whose violation would corrupt training are explicit checks, not ``assert``: they hold under
-``python -O`` (every process of the job below runs with ``PYTHONOPTIMIZE=1``, and the Makefile runs this file
-under ``python -O`` too), and when one fails the run stops cleanly with one line naming the step and the evidence,
+``python -O`` (every process of the job below runs with ``PYTHONOPTIMIZE=1``, and ``make test`` runs this file
+under ``python -O``), and when one fails the run stops cleanly with one line naming the step and the evidence,
 keeping its last good checkpoint."""
 
 from __future__ import annotations
