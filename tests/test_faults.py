@@ -22,6 +22,7 @@ import pytest
 import torch
 from runner import TINY, final_params, train, train_cmd
 
+from unbroken.control.progress import summarize
 from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
@@ -57,6 +58,7 @@ def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(
     assert records[0]["microbatches"] == [1]  # worker 1's first microbatch of the plan over 4 workers, M = 4
     steps = {r["step"]: r for r in read_records(skipped, "step")}
     assert steps[3]["skipped"] and not steps[3]["committed"] and not steps[4]["skipped"]
+    assert summarize(read_records(skipped), wall_s=1.0)["skipped"] == [3]  # the run summary names the step
 
     # By construction: the state entering step 3 of a clean run, relabelled as the state entering step 4 (no
     # optimizer step, the data of step 3 never used), and trained on from there.

@@ -136,6 +136,7 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "tokens_per_s": tokens / train_time if train_time else 0.0,
         "wall_s": wall_s,
         "failures": failures,
+        "skipped": sorted(r["step"] for r in records if r.get("type") == "nonfinite_skip"),
         "rejoins": [
             r for r in records if r.get("type") == "membership" and str(r.get("reason", "")).startswith("joined")
         ],
@@ -157,6 +158,8 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
     s = summarize(records, wall_s)
     table = Table(title=f"unbroken run summary ({run_dir})", show_header=False)
     table.add_row("steps", f"{s['steps']} of {total_steps}")
+    if s["skipped"]:
+        table.add_row("skipped steps", f"{s['skipped']} (a non-finite gradient: no optimizer step)")
     table.add_row("tokens", f"{s['tokens']:,}")
     last = min(10, s["steps"])
     mean = f"mean of the last {last} steps" if last > 1 else "the last step"
