@@ -49,11 +49,12 @@ def data_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def control_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
-    """The failure-free run (exact reduction) that the control-plane and launcher tests compare with."""
+    """The failure-free run (exact reduction) that the control-plane and launcher tests compare with: one worker,
+    since with exact reduction the trajectory does not depend on the number of workers."""
     from runner import CONTROL_COMMON, train
 
     def build(base: Path) -> None:
-        result = train(base / "reference", data_cache_dir, *CONTROL_COMMON)
+        result = train(base / "reference", data_cache_dir, *CONTROL_COMMON, workers=1)
         assert result.returncode == 0, result.stderr[-3000:]
 
     return _once(tmp_path_factory, "control", build) / "reference"
@@ -61,23 +62,26 @@ def control_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: 
 
 @pytest.fixture(scope="session")
 def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict[str, Path]:
-    """Failure-free references and the same 50 steps with ``runner.RECOVERY_SCHEDULE``: exact and fp32 reduction,
-    and the ``drop`` policy (exact reduction, so it equals the reference bit for bit until work is dropped)."""
-    from runner import RECOVERY_SCHEDULE, RECOVERY_STEPS, train
+    """Failure-free references and the same steps with ``runner.RECOVERY_SCHEDULE`` (4 workers): exact reduction
+    (50 steps; the reference by one worker, since the exact trajectory does not depend on the number of
+    workers), fp32 (20 steps, both by 4 workers: fp32 sums in an order that does), and the ``drop`` policy
+    (exact reduction, so it equals the reference bit for bit until work is dropped)."""
+    from runner import FP32_STEPS, RECOVERY_SCHEDULE, RECOVERY_STEPS, train
 
-    common = [f"--train.steps={RECOVERY_STEPS}", "--checkpoint.every=0"]
+    common = ["--checkpoint.every=0", "--train.threads=1"]
     exact, faults = "--recovery.reduction=exact", f"--failures.schedule={RECOVERY_SCHEDULE}"
-    plan = {
-        "exact_ref": [exact],
-        "exact_failures": [exact, faults],
-        "fp32_ref": [],
-        "fp32_failures": [faults],
-        "drop_failures": [exact, "--recovery.policy=drop", faults],
+    long, short = f"--train.steps={RECOVERY_STEPS}", f"--train.steps={FP32_STEPS}"
+    plan = {  # name: (overrides, workers)
+        "exact_ref": ([long, exact], 1),
+        "exact_failures": ([long, exact, faults], 4),
+        "fp32_ref": ([short], 4),
+        "fp32_failures": ([short, faults], 4),
+        "drop_failures": ([long, exact, "--recovery.policy=drop", faults], 4),
     }
 
     def build(base: Path) -> None:
-        for name, extra in plan.items():
-            result = train(base / name, data_cache_dir, *common, *extra)
+        for name, (extra, workers) in plan.items():
+            result = train(base / name, data_cache_dir, *common, *extra, workers=workers)
             assert result.returncode == 0, (name, result.stderr[-3000:])
 
     base = _once(tmp_path_factory, "recovery", build)

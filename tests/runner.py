@@ -49,12 +49,14 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 # -- jobs of several processes started by hand (coordinator, agents, launchers) --------------------------------
 CONTROL_STEPS = 40
 # 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
-# mid-run; the assertions say if one did not.
+# mid-run; the assertions say if one did not. One intra-op thread per worker whatever the number of workers, so
+# that runs of different worker counts are bitwise comparable (exact reduction: tests/test_train.py).
 CONTROL_COMMON = [
     f"--train.steps={CONTROL_STEPS}",
     "--train.microbatches=8",
     "--data.microbatch_size=4",
     "--recovery.reduction=exact",
+    "--train.threads=1",
     "--checkpoint.every=10",
 ]
 
@@ -64,6 +66,7 @@ RECOVERY_STEPS = 50
 # Two kills (backward, reduction) and a rejoin. 50 steps: the restarted worker needs a few seconds to start
 # (import torch, build the model) before it can rejoin, and a tiny-model step takes about 0.15 s here.
 RECOVERY_SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
+FP32_STEPS = 20  # the fp32 runs: both kills, no need to wait for the rejoin
 
 
 def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

@@ -102,9 +102,9 @@ def test_the_coordinator_killed_mid_run(tmp_path: Path, data_cache_dir: Path, re
     register with it again, and the run ends bitwise the failure-free one."""
     out = tmp_path / how
     if how == "schedule":
-        result = train(out, data_cache_dir, *COMMON, "--failures.schedule=kill:coordinator,step=8")
+        result = train(out, data_cache_dir, *COMMON, "--failures.schedule=kill:coordinator,step=8", workers=2)
     else:
-        cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "4", "--out", str(out), "--quiet"]
+        cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
         proc = subprocess.Popen(
             [*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True
         )
@@ -146,7 +146,7 @@ def test_with_etcd_a_standby_coordinator_takes_over(tmp_path: Path, data_cache_d
                     "coordinator",
                     TINY,
                     "--workers",
-                    "4",
+                    "2",
                     "--port",
                     str(port),
                     "--run-dir",
@@ -159,7 +159,7 @@ def test_with_etcd_a_standby_coordinator_takes_over(tmp_path: Path, data_cache_d
             if i == 0:  # the first leads before the second campaigns
                 wait_for(lambda: (run / "config.toml").exists(), 60, "the first coordinator")
         addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
-        agent = unbroken("agent", "--coordinator", addresses, "--workers", "4", env=env, log=tmp_path / "agent.log")
+        agent = unbroken("agent", "--coordinator", addresses, "--workers", "2", env=env, log=tmp_path / "agent.log")
         try:
             wait_for(lambda: committed(run) >= 8, 120, "step 8")
             os.kill(coordinators[0].pid, signal.SIGKILL)
@@ -213,7 +213,7 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
     paused host does to it, then continued: the workers' heartbeats never stopped, so nobody is declared
     dead (its own gap is not their silence), and the run ends bitwise the failure-free one."""
     out = tmp_path / "paused"
-    cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "4", "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
     proc = subprocess.Popen([*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: committed(out) >= 8, 120, "step 8")

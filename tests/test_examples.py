@@ -1,7 +1,8 @@
 """unbroken as a library: the examples (a user's own loop and model, a Hugging Face Llama) under ``unbroken
 launch`` with kills, the Hugging Face model in the built-in trainer, and ``unbroken export``. The oracle is
 the failure-free run: with exact reduction a run with kills (worker 0, the leader, included) must end with the
-same final checkpoint, tensor for tensor."""
+same final checkpoint, tensor for tensor. Exact reduction makes the trajectory independent of the number of
+workers (tests/test_train.py: one intra-op thread each), so each reference is a one-worker run."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 PLAIN = ROOT / "examples" / "plain_loop.py"
 HF = ROOT / "examples" / "hf_llama.py"
 EXACT = "--recovery.reduction=exact"
+ONE_THREAD = "--train.threads=1"
 
 
 def launch(out: Path, script: Path, *args: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
@@ -47,11 +49,11 @@ def test_the_plain_loop_is_short_and_runs_alone(tmp_path: Path) -> None:
 
 
 def test_the_plain_loop_with_kills_is_bitwise_the_failure_free_run(tmp_path: Path) -> None:
-    common = [EXACT, "--train.steps=24", "--checkpoint.every=8"]
+    common = [EXACT, ONE_THREAD, "--train.steps=24", "--checkpoint.every=8"]
     schedule = "kill:worker=0,step=5,phase=backward,rejoin=1; kill:worker=2,step=11,phase=reduction,rejoin=1"
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert launch(reference, PLAIN, *common).returncode == 0
-    result = launch(killed, PLAIN, *common, f"--failures.schedule={schedule}")
+    assert launch(reference, PLAIN, *common, workers=1).returncode == 0
+    result = launch(killed, PLAIN, *common, f"--failures.schedule={schedule}", workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [f["worker"] for f in read_records(killed, "failure")] == [0, 2]
     same_final(reference, killed, 24)
@@ -61,10 +63,10 @@ def test_the_plain_loop_with_kills_is_bitwise_the_failure_free_run(tmp_path: Pat
 def test_the_hugging_face_example_with_a_kill(tmp_path: Path) -> None:
     """Two workers (each imports transformers): worker 1 killed in a backward and restarted; under MeCeFO its
     ring neighbour, worker 0, takes its microbatches in efficient mode."""
-    common = [EXACT, "--train.steps=10", "--checkpoint.every=0"]
+    common = [EXACT, ONE_THREAD, "--train.steps=10", "--checkpoint.every=0"]
     kill = "--failures.schedule=kill:worker=1,step=4,phase=backward,rejoin=1"
     reference, killed, mecefo = tmp_path / "reference", tmp_path / "killed", tmp_path / "mecefo"
-    assert launch(reference, HF, *common, workers=2).returncode == 0
+    assert launch(reference, HF, *common, workers=1).returncode == 0
     result = launch(killed, HF, *common, kill, workers=2)
     assert result.returncode == 0, result.stderr[-3000:]
     same_final(reference, killed, 10)
@@ -79,9 +81,9 @@ def test_the_hugging_face_example_with_a_kill(tmp_path: Path) -> None:
 def test_a_hugging_face_model_in_the_trainer_with_kills_is_the_failure_free_run(
     tmp_path: Path, data_cache_dir: Path
 ) -> None:
-    common = [EXACT, "--model.hf_config=llama-tiny"]
+    common = [EXACT, ONE_THREAD, "--model.hf_config=llama-tiny"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert train(reference, data_cache_dir, *common, workers=3).returncode == 0
+    assert train(reference, data_cache_dir, *common, workers=1).returncode == 0
     schedule = "kill:worker=2,step=2,phase=forward,rejoin=0.5; kill:worker=0,step=5,phase=reduction"
     result = train(killed, data_cache_dir, *common, f"--failures.schedule={schedule}", workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -106,7 +108,7 @@ def test_export_gives_a_hugging_face_model_that_computes_the_same_function(
     from unbroken.train.model import Transformer, model_args
 
     run = tmp_path / "run"
-    assert train(run, data_cache_dir, "--train.steps=2", workers=2).returncode == 0
+    assert train(run, data_cache_dir, "--train.steps=2", workers=1).returncode == 0
     out = tmp_path / "hf"
     result = subprocess.run(
         [sys.executable, "-m", "unbroken", "export", str(run), str(out)], capture_output=True, text=True, timeout=120

@@ -23,12 +23,19 @@ import torch
 from runner import TINY, final_params, train, train_cmd
 
 from unbroken.control.progress import summarize
+from unbroken.core.plan import plan_step
 from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(300)
 
-EXACT = "--recovery.reduction=exact"
+# One intra-op thread per worker, however many share the machine: every microbatch gradient is computed by
+# the same kernels, so runs of different worker counts are bitwise comparable.
+EXACT = ("--recovery.reduction=exact", "--train.threads=1")
+# With exact reduction a run's trajectory does not depend on how many workers compute it (tests/test_train.py),
+# so the failure-free reference is a one-worker run, and each faulted run uses the fewest workers its claim
+# needs: two, three where a majority must be left after excluding one.
+WORKERS = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +44,15 @@ def exact_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Pa
     step, that the faulted runs below are compared with (how often it checkpoints cannot change its
     trajectory: resuming from any checkpoint reproduces the run, tests/test_train.py)."""
     out = tmp_path_factory.mktemp("faults") / "reference"
-    result = train(out, data_cache_dir, EXACT, "--checkpoint.every=1", "--checkpoint.keep=8")
+    result = train(out, data_cache_dir, *EXACT, "--checkpoint.every=1", "--checkpoint.keep=8", workers=1)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+def first_of_worker_1(step: int) -> int:
+    """The first microbatch id worker 1 computes in ``step`` of a failure-free run of WORKERS workers (M = 4):
+    the one a ``nan:worker=1`` or ``inf:worker=1`` event poisons."""
+    return plan_step(step, range(WORKERS), 4).ids[1][0]
 
 
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -51,11 +64,11 @@ def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(
     tmp_path: Path, data_cache_dir: Path, exact_reference: Path
 ) -> None:
     skipped = tmp_path / "nan"
-    result = train(skipped, data_cache_dir, EXACT, "--failures.schedule=nan:worker=1,step=3")
+    result = train(skipped, data_cache_dir, *EXACT, "--failures.schedule=nan:worker=1,step=3", workers=WORKERS)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_records(skipped, "nonfinite_skip")
     assert [(r["step"], r["workers"]) for r in records] == [(3, [1])]
-    assert records[0]["microbatches"] == [1]  # worker 1's first microbatch of the plan over 4 workers, M = 4
+    assert records[0]["microbatches"] == [first_of_worker_1(3)]
     steps = {r["step"]: r for r in read_records(skipped, "step")}
     assert steps[3]["skipped"] and not steps[3]["committed"] and not steps[4]["skipped"]
     assert summarize(read_records(skipped), wall_s=1.0)["skipped"] == [3]  # the run summary names the step
@@ -70,7 +83,10 @@ def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(
     state = {**state, "step": 4, "ft": {**state["ft"], "nonfinite_streak": 1}}
     ckpt.save_checkpoint(constructed, 4, state, keep=8)
     result = subprocess.run(
-        train_cmd(data_cache_dir, "--resume", str(constructed), workers=4), capture_output=True, text=True, timeout=240
+        train_cmd(data_cache_dir, "--resume", str(constructed), workers=WORKERS),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_params(final_params(skipped), final_params(constructed))
@@ -83,13 +99,19 @@ def test_an_infinity_never_crashes_and_is_skipped_everywhere(
     tmp_path: Path, data_cache_dir: Path, reduction: str
 ) -> None:
     out = tmp_path / "inf"
-    result = train(out, data_cache_dir, f"--recovery.reduction={reduction}", "--failures.schedule=inf:worker=2,step=2")
+    result = train(
+        out,
+        data_cache_dir,
+        f"--recovery.reduction={reduction}",
+        "--failures.schedule=inf:worker=1,step=2",
+        workers=WORKERS,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = read_records(out, "nonfinite_skip")
-    assert record["step"] == 2 and record["workers"] == [2]
+    assert record["step"] == 2 and record["workers"] == [1]
     assert record["parameter"]  # named: the first parameter whose gradient is not finite
     final = read_records(out, "final")[0]
-    assert final["identical"] and len(final["checksums"]) == 4
+    assert final["identical"] and len(final["checksums"]) == WORKERS
 
 
 def test_nonfinite_stop_exits_with_one_line_and_keeps_the_last_checkpoint(tmp_path: Path, data_cache_dir: Path) -> None:
@@ -97,15 +119,17 @@ def test_nonfinite_stop_exits_with_one_line_and_keeps_the_last_checkpoint(tmp_pa
     result = train(
         out,
         data_cache_dir,
-        EXACT,
+        *EXACT,
         "--train.nonfinite=stop",
         "--checkpoint.every=2",
         "--failures.schedule=nan:worker=1,step=5",
+        workers=WORKERS,
     )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert "step 5" in lines[0] and "microbatch 1" in lines[0] and "layers." in lines[0], lines[0]
+    assert "step 5" in lines[0] and f"microbatch {first_of_worker_1(5)}" in lines[0], lines[0]
+    assert "layers." in lines[0], lines[0]
     assert ckpt.list_checkpoints(out) == [4, 2]  # nothing written after the bad step
     assert ckpt.load_latest(out).step == 4
     assert not read_records(out, "final")
@@ -114,7 +138,9 @@ def test_nonfinite_stop_exits_with_one_line_and_keeps_the_last_checkpoint(tmp_pa
 def test_too_many_consecutive_skips_stop_the_run(tmp_path: Path, data_cache_dir: Path) -> None:
     out = tmp_path / "streak"
     poison = "; ".join(f"nan:worker=0,step={s}" for s in range(1, 5))
-    result = train(out, data_cache_dir, EXACT, "--train.max_nonfinite_skips=3", f"--failures.schedule={poison}")
+    result = train(
+        out, data_cache_dir, *EXACT, "--train.max_nonfinite_skips=3", f"--failures.schedule={poison}", workers=WORKERS
+    )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "3 consecutive steps skipped" in lines[0], lines
@@ -126,9 +152,9 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     is killed and rejoins, and the run is stopped and resumed: bitwise the uninterrupted run with the same
     huge gradient."""
     scale = "scale:step=2,microbatch=1,factor=1e9"
-    common = [EXACT, "--train.steps=12", "--checkpoint.every=2", "--checkpoint.keep=10"]
+    common = [*EXACT, "--train.steps=12", "--checkpoint.every=2", "--checkpoint.keep=10"]
     reference = tmp_path / "reference"
-    result = train(reference, data_cache_dir, *common, f"--failures.schedule={scale}")
+    result = train(reference, data_cache_dir, *common, f"--failures.schedule={scale}", workers=1)
     assert result.returncode == 0, result.stderr[-3000:]
     redone = {r["step"]: r["overflow_redos"] for r in read_records(reference, "step")}
     assert redone[2] >= 1 and redone[0] == redone[1] == 0
@@ -136,7 +162,7 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     run = tmp_path / "interrupted"
     schedule = f"{scale}; kill:worker=1,step=4,phase=backward,rejoin=0.5"
     proc = subprocess.Popen(
-        train_cmd(data_cache_dir, TINY, "--out", str(run), *common, f"--failures.schedule={schedule}"),
+        train_cmd(data_cache_dir, TINY, "--out", str(run), *common, f"--failures.schedule={schedule}", workers=WORKERS),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -149,7 +175,7 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     proc.communicate(timeout=60)
     assert not read_records(run, "final"), "stopped too late to test --resume"
     result = subprocess.run(
-        train_cmd(data_cache_dir, "--resume", str(run), workers=4), capture_output=True, text=True, timeout=240
+        train_cmd(data_cache_dir, "--resume", str(run), workers=WORKERS), capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [f["worker"] for f in read_records(run, "failure")][:1] == [1]
@@ -167,13 +193,16 @@ def test_a_member_that_stalls_in_the_reduction_is_re_formed_then_excluded(
     reference = exact_reference
     out = tmp_path / "stall"
     schedule = "--failures.schedule=stall:worker=1,step=3,seconds=15"
-    result = train(out, data_cache_dir, EXACT, "--comm.op_timeout_s=2", schedule)
+    result = train(out, data_cache_dir, *EXACT, "--comm.op_timeout_s=2", schedule, workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     decisions = [(r["decision"], r["suspects"]) for r in read_records(out, "stall")]
-    assert decisions[0] == ("re-form", [1]) and decisions[-1] == ("exclude", [1]), decisions
+    # A member that is only slow (still computing when the others timed out) may be a suspect of the first
+    # round too; only one that stalls both rounds is excluded.
+    assert decisions[0][0] == "re-form" and 1 in decisions[0][1], decisions
+    assert decisions[-1] == ("exclude", [1]), decisions
     (failure,) = read_records(out, "failure")
     assert failure["worker"] == 1 and "stalled" in failure["why"]
-    assert [tuple(m["members"]) for m in read_records(out, "membership")][-1] == (0, 2, 3)
+    assert [tuple(m["members"]) for m in read_records(out, "membership")][-1] == (0, 2)
     assert step_losses(out) == step_losses(reference)
     assert_same_params(final_params(reference), final_params(out))
 
@@ -183,11 +212,13 @@ def test_the_leader_killed_while_writing_the_final_checkpoint(
 ) -> None:
     reference = exact_reference
     out = tmp_path / "final"
-    result = train(out, data_cache_dir, EXACT, "--failures.schedule=kill:worker=0,step=7,phase=checkpoint")
+    result = train(
+        out, data_cache_dir, *EXACT, "--failures.schedule=kill:worker=0,step=7,phase=checkpoint", workers=WORKERS
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [f["worker"] for f in read_records(out, "failure")] == [0]
     final = read_records(out, "final")[-1]
-    assert final["step"] == 8 and sorted(final["checksums"]) == ["1", "2", "3"]
+    assert final["step"] == 8 and sorted(final["checksums"]) == ["1"]
     assert_same_params(ckpt.verify(reference, 8)["model"], ckpt.verify(out, 8)["model"])
     problems, leftovers = ckpt.verify_all(out)
     assert not problems and not leftovers  # the dead writer's temporary file is gone

@@ -363,13 +363,18 @@ class Coordinator:
 
     def _timeouts(self) -> set[int] | None:
         """Members that reported a timed-out collective of the current epoch, once it is time to decide (every
-        member reported, or half a heartbeat timeout passed since the first report); None before that."""
+        member reported, or a window passed since the first report); None before that. The window is half a
+        heartbeat timeout before a re-formation (cheap, and it changes nothing if wrong) and a whole one before
+        an exclusion: a member that is only slow (still computing when the others' collective timed out)
+        reports late, and must not be excluded for it."""
         reported = {w for w in self.members if self.store.check([keys.timeout(self.epoch, w)])}
         if not reported:
             return None
         now = time.monotonic()
         first = self.first_timeout.setdefault(self.epoch, now)
-        if len(reported) < len(self.members) and now - first < self.heartbeat_timeout_s / 2:
+        excluding = self.stall is not None and self.stall.retry_epoch == self.epoch
+        window = self.heartbeat_timeout_s if excluding else self.heartbeat_timeout_s / 2
+        if len(reported) < len(self.members) and now - first < window:
             return None
         return reported
 
