@@ -23,16 +23,20 @@ SCHEDULE = "kill:worker=2,step=4,phase=backward,rejoin=1.0"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict[str, Path]:
+    """The failure-free runs in exact reduction with one intra-op thread, so that the plain one (the reference)
+    can be run by one worker and MeCeFO's by two (the exact trajectory does not depend on the number of
+    workers); the runs with a kill by 4 workers, so that a neighbour takes over while others go on."""
     base = tmp_path_factory.mktemp("mecefo")
     common = ["--train.steps=40", "--checkpoint.every=0", "--train.microbatches=8", "--mecefo.rank=8"]
+    exact = ["--recovery.reduction=exact", "--train.threads=1"]
     out = {}
-    for name, extra in {
-        "recover": [],
-        "mecefo": ["--recovery.policy=mecefo"],
-        "mecefo_kill": ["--recovery.policy=mecefo", f"--failures.schedule={SCHEDULE}"],
-        "spread_kill": ["--recovery.policy=mecefo-spread", f"--failures.schedule={SCHEDULE}"],
-    }.items():
-        result = train(base / name, data_cache_dir, *common, *extra)
+    for name, extra, workers in (
+        ("recover", exact, 1),
+        ("mecefo", [*exact, "--recovery.policy=mecefo"], 2),
+        ("mecefo_kill", ["--recovery.policy=mecefo", f"--failures.schedule={SCHEDULE}"], 4),
+        ("spread_kill", ["--recovery.policy=mecefo-spread", f"--failures.schedule={SCHEDULE}"], 4),
+    ):
+        result = train(base / name, data_cache_dir, *common, *extra, workers=workers)
         assert result.returncode == 0, (name, result.stderr[-3000:])
         out[name] = base / name
     return out
