@@ -66,10 +66,10 @@ def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path
     (50 steps; the reference by one worker, since the exact trajectory does not depend on the number of
     workers), fp32 (20 steps, both by 4 workers: fp32 sums in an order that does), and the ``drop`` policy
     (exact reduction, so it equals the reference bit for bit until work is dropped)."""
-    from runner import FP32_STEPS, RECOVERY_SCHEDULE, RECOVERY_STEPS, train
+    from runner import EXACT, FP32_STEPS, ONE_THREAD, RECOVERY_SCHEDULE, RECOVERY_STEPS, train
 
-    common = ["--checkpoint.every=0", "--train.threads=1"]
-    exact, faults = "--recovery.reduction=exact", f"--failures.schedule={RECOVERY_SCHEDULE}"
+    common = ["--checkpoint.every=0", ONE_THREAD]
+    exact, faults = EXACT, f"--failures.schedule={RECOVERY_SCHEDULE}"
     long, short = f"--train.steps={RECOVERY_STEPS}", f"--train.steps={FP32_STEPS}"
     plan = {  # name: (overrides, workers)
         "exact_ref": ([long, exact], 1),

@@ -16,6 +16,10 @@ from unbroken.lab.figures import free_port  # noqa: F401 - the tests take it fro
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
+EXACT = "--recovery.reduction=exact"
+# One intra-op thread per worker, however many share the machine: every microbatch gradient is computed by the
+# same kernels, so exact runs of different worker counts are bitwise comparable (tests/test_train.py).
+ONE_THREAD = "--train.threads=1"
 
 
 def train_cmd(cache: Path, *args: str, workers: int = 4) -> list[str]:
@@ -49,14 +53,13 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 # -- jobs of several processes started by hand (coordinator, agents, launchers) --------------------------------
 CONTROL_STEPS = 40
 # 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
-# mid-run; the assertions say if one did not. One intra-op thread per worker whatever the number of workers, so
-# that runs of different worker counts are bitwise comparable (exact reduction: tests/test_train.py).
+# mid-run; the assertions say if one did not.
 CONTROL_COMMON = [
     f"--train.steps={CONTROL_STEPS}",
     "--train.microbatches=8",
     "--data.microbatch_size=4",
-    "--recovery.reduction=exact",
-    "--train.threads=1",
+    EXACT,
+    ONE_THREAD,
     "--checkpoint.every=10",
 ]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import ROOT, train
+from runner import EXACT, ONE_THREAD, ROOT, train
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
@@ -21,8 +21,6 @@ pytestmark = pytest.mark.timeout(300)
 
 PLAIN = ROOT / "examples" / "plain_loop.py"
 HF = ROOT / "examples" / "hf_llama.py"
-EXACT = "--recovery.reduction=exact"
-ONE_THREAD = "--train.threads=1"
 
 
 def launch(out: Path, script: Path, *args: str, workers: int = 4) -> subprocess.CompletedProcess[str]:

@@ -20,18 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import TINY, final_params, train, train_cmd
+from runner import EXACT, ONE_THREAD, TINY, final_params, train, train_cmd
 
 from unbroken.control.progress import summarize
+from unbroken.core.config import load_config
 from unbroken.core.plan import plan_step
 from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(300)
 
-# One intra-op thread per worker, however many share the machine: every microbatch gradient is computed by
-# the same kernels, so runs of different worker counts are bitwise comparable.
-EXACT = ("--recovery.reduction=exact", "--train.threads=1")
 # With exact reduction a run's trajectory does not depend on how many workers compute it (tests/test_train.py),
 # so the failure-free reference is a one-worker run, and each faulted run uses the fewest workers its claim
 # needs: two, three where a majority must be left after excluding one.
@@ -44,15 +42,15 @@ def exact_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Pa
     step, that the faulted runs below are compared with (how often it checkpoints cannot change its
     trajectory: resuming from any checkpoint reproduces the run, tests/test_train.py)."""
     out = tmp_path_factory.mktemp("faults") / "reference"
-    result = train(out, data_cache_dir, *EXACT, "--checkpoint.every=1", "--checkpoint.keep=8", workers=1)
+    result = train(out, data_cache_dir, EXACT, ONE_THREAD, "--checkpoint.every=1", "--checkpoint.keep=8", workers=1)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
 
 def first_of_worker_1(step: int) -> int:
-    """The first microbatch id worker 1 computes in ``step`` of a failure-free run of WORKERS workers (M = 4):
-    the one a ``nan:worker=1`` or ``inf:worker=1`` event poisons."""
-    return plan_step(step, range(WORKERS), 4).ids[1][0]
+    """The first microbatch id worker 1 computes in ``step`` of a failure-free run of WORKERS workers: the one a
+    ``nan:worker=1`` or ``inf:worker=1`` event poisons."""
+    return plan_step(step, range(WORKERS), load_config(TINY).train.microbatches).ids[1][0]
 
 
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -64,7 +62,9 @@ def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(
     tmp_path: Path, data_cache_dir: Path, exact_reference: Path
 ) -> None:
     skipped = tmp_path / "nan"
-    result = train(skipped, data_cache_dir, *EXACT, "--failures.schedule=nan:worker=1,step=3", workers=WORKERS)
+    result = train(
+        skipped, data_cache_dir, EXACT, ONE_THREAD, "--failures.schedule=nan:worker=1,step=3", workers=WORKERS
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_records(skipped, "nonfinite_skip")
     assert [(r["step"], r["workers"]) for r in records] == [(3, [1])]
@@ -119,7 +119,8 @@ def test_nonfinite_stop_exits_with_one_line_and_keeps_the_last_checkpoint(tmp_pa
     result = train(
         out,
         data_cache_dir,
-        *EXACT,
+        EXACT,
+        ONE_THREAD,
         "--train.nonfinite=stop",
         "--checkpoint.every=2",
         "--failures.schedule=nan:worker=1,step=5",
@@ -139,7 +140,13 @@ def test_too_many_consecutive_skips_stop_the_run(tmp_path: Path, data_cache_dir:
     out = tmp_path / "streak"
     poison = "; ".join(f"nan:worker=0,step={s}" for s in range(1, 5))
     result = train(
-        out, data_cache_dir, *EXACT, "--train.max_nonfinite_skips=3", f"--failures.schedule={poison}", workers=WORKERS
+        out,
+        data_cache_dir,
+        EXACT,
+        ONE_THREAD,
+        "--train.max_nonfinite_skips=3",
+        f"--failures.schedule={poison}",
+        workers=WORKERS,
     )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
@@ -152,7 +159,7 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     is killed and rejoins, and the run is stopped and resumed: bitwise the uninterrupted run with the same
     huge gradient."""
     scale = "scale:step=2,microbatch=1,factor=1e9"
-    common = [*EXACT, "--train.steps=12", "--checkpoint.every=2", "--checkpoint.keep=10"]
+    common = [EXACT, ONE_THREAD, "--train.steps=12", "--checkpoint.every=2", "--checkpoint.keep=10"]
     reference = tmp_path / "reference"
     result = train(reference, data_cache_dir, *common, f"--failures.schedule={scale}", workers=1)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -193,7 +200,7 @@ def test_a_member_that_stalls_in_the_reduction_is_re_formed_then_excluded(
     reference = exact_reference
     out = tmp_path / "stall"
     schedule = "--failures.schedule=stall:worker=1,step=3,seconds=15"
-    result = train(out, data_cache_dir, *EXACT, "--comm.op_timeout_s=2", schedule, workers=3)
+    result = train(out, data_cache_dir, EXACT, ONE_THREAD, "--comm.op_timeout_s=2", schedule, workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     decisions = [(r["decision"], r["suspects"]) for r in read_records(out, "stall")]
     # A member that is only slow (still computing when the others timed out) may be a suspect of the first
@@ -213,7 +220,12 @@ def test_the_leader_killed_while_writing_the_final_checkpoint(
     reference = exact_reference
     out = tmp_path / "final"
     result = train(
-        out, data_cache_dir, *EXACT, "--failures.schedule=kill:worker=0,step=7,phase=checkpoint", workers=WORKERS
+        out,
+        data_cache_dir,
+        EXACT,
+        ONE_THREAD,
+        "--failures.schedule=kill:worker=0,step=7,phase=checkpoint",
+        workers=WORKERS,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [f["worker"] for f in read_records(out, "failure")] == [0]

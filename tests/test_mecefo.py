@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import final_params, train
+from runner import EXACT, ONE_THREAD, final_params, train
 
 from unbroken.core.records import committed_steps, read_records, step_losses
 
@@ -28,7 +28,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict
     workers); the runs with a kill by 4 workers, so that a neighbour takes over while others go on."""
     base = tmp_path_factory.mktemp("mecefo")
     common = ["--train.steps=40", "--checkpoint.every=0", "--train.microbatches=8", "--mecefo.rank=8"]
-    exact = ["--recovery.reduction=exact", "--train.threads=1"]
+    exact = [EXACT, ONE_THREAD]
     out = {}
     for name, extra, workers in (
         ("recover", exact, 1),

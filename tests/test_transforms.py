@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from runner import ROOT, TINY, train
+from runner import EXACT, ONE_THREAD, ROOT, TINY, train
 
 from unbroken.core.config import load_config
 from unbroken.core.records import read_records, step_losses
@@ -31,8 +31,6 @@ from unbroken.train.model import Transformer, model_args
 
 pytestmark = pytest.mark.timeout(300)
 
-EXACT = "--recovery.reduction=exact"
-ONE_THREAD = "--train.threads=1"  # every microbatch's gradient by the same kernels, whoever computes it
 STEPS = 4
 
 

@@ -361,6 +361,10 @@ class Coordinator:
         ring(self.store, keys.NEWS)
         ring(self.store)
 
+    def _retrying(self) -> bool:
+        """The current epoch re-formed a stalled group: a second timeout in it excludes, not re-forms."""
+        return self.stall is not None and self.stall.retry_epoch == self.epoch
+
     def _timeouts(self) -> set[int] | None:
         """Members that reported a timed-out collective of the current epoch, once it is time to decide (every
         member reported, or a window passed since the first report); None before that. The window is half a
@@ -372,8 +376,7 @@ class Coordinator:
             return None
         now = time.monotonic()
         first = self.first_timeout.setdefault(self.epoch, now)
-        excluding = self.stall is not None and self.stall.retry_epoch == self.epoch
-        window = self.heartbeat_timeout_s if excluding else self.heartbeat_timeout_s / 2
+        window = self.heartbeat_timeout_s if self._retrying() else self.heartbeat_timeout_s / 2
         if len(reported) < len(self.members) and now - first < window:
             return None
         return reported
@@ -381,7 +384,7 @@ class Coordinator:
     def _decide_stall(self, reported: set[int]) -> None:
         """A collective of the current epoch timed out while every heartbeat arrives (no member died)."""
         suspects = frozenset(self.members) - reported
-        if self.stall is None or self.stall.retry_epoch != self.epoch:
+        if not self._retrying():
             self.stall = Stall(self.members, self.epoch + 1, suspects)
             self.emit(
                 RecordKind.STALL,
