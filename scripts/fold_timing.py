@@ -6,11 +6,14 @@ gradients (7.4 M values, one thread), median of 9 repetitions, in ms.
 
 import statistics
 import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from unbroken.ft.comm import GradientReducer, max_abs
+from unbroken.ft.comm import GradientReducer
+from unbroken.ft.foldkernel import peak
 from unbroken.train.model import Transformer, model_args
 
 
@@ -40,20 +43,44 @@ def main() -> None:
     forward_backward()
     grads = [p.grad.clone() for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
+    accumulator = torch.zeros(flat.numel(), dtype=torch.int64)
     reducer = GradientReducer(params, 25 * 2**20, 4, exact=True)
     reducer.set_exponents([40] * len(params), 2.0**59)
 
-    def fold() -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        reducer.fold(0)
+    def torch_fold() -> None:
+        """What one microbatch's fold was until the kernels: the torch ops, a pass each."""
+        offset = 0
+        for g in grads:
+            low, high = torch.aminmax(g)
+            float(low), float(high)
+            view = accumulator[offset : offset + g.numel()]
+            view.add_(torch.from_numpy(g.reshape(-1).mul(2.0**40).round_().numpy().astype(np.int64)))
+            offset += g.numel()
+
+    def fold(microbatches: int) -> Callable[[], None]:
+        """The reducer's fold of ``microbatches`` microbatches' gradients (the kernels sum up to PENDING_FOLDS
+        of them in one pass), through to its reduced buffer."""
+
+        def run() -> None:
+            reducer.reset_local()
+            for microbatch in range(microbatches):
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+                reducer.fold(microbatch)
+            for b in range(len(reducer.buckets)):
+                reducer._fill_bucket(b)
+
+        return run
 
     rows = {
         "fp32, vector_norm(inf) of the reduced gradient": lambda: torch.linalg.vector_norm(flat, float("inf")),
         "fp32, sum of the reduced gradient": lambda: flat.sum(),
         "exact, _foreach_norm(inf) per tensor": lambda: torch._foreach_norm(grads, float("inf")),
-        "exact, max_abs (aminmax) per tensor": lambda: [max_abs(g) for g in grads],
-        "exact, fold of one microbatch": fold,
+        "exact, aminmax per tensor": lambda: [torch.aminmax(g) for g in grads],
+        "exact, peak per tensor (kernel)": lambda: [peak(g) for g in grads],
+        "exact, one microbatch's fold by torch's ops": torch_fold,
+        "exact, fold of 1 microbatch and fill (kernel)": fold(1),
+        "exact, fold of 4 microbatches and fill (kernel)": fold(4),
         "exact, int64 back to float32 (apply)": reducer.apply,
         "forward + backward of one microbatch (2 x 256 tokens)": forward_backward,
     }

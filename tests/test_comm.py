@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from unbroken.ft.comm import (
+    PENDING_FOLDS,
     GradientReducer,
     Group,
     WaitStatus,
@@ -22,6 +23,7 @@ from unbroken.ft.comm import (
     retired_groups,
     wait_all,
 )
+from unbroken.ft.exact import FixedPointScale
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,3 +212,68 @@ def test_a_small_first_bucket_starts_reducing_while_the_backward_runs() -> None:
     )
     # 512 bytes a parameter (64 int64): the first bucket closes after one (>= 8 bytes), the rest hold two (1,024)
     assert [len(b) for b in exact.buckets] == [1, 2, 2, 2, 1]
+
+
+def quantised_sum(grads: list[torch.Tensor], exponent: int) -> torch.Tensor:
+    """The exact fold's integers by torch's ops: the sum of each gradient rounded to a multiple of 2**-exponent."""
+    total = torch.zeros(grads[0].numel(), dtype=torch.int64)
+    for g in grads:
+        total += g.reshape(-1).mul(2.0**exponent).round().to(torch.int64)
+    return total
+
+
+def test_deferred_folds_sum_flag_and_restart_as_immediate_ones() -> None:
+    """Seven microbatches through a reducer (more than PENDING_FOLDS wait at once, so some are folded into the
+    accumulator and some straight into the reduced buffer): the reduced integers are the sum of every
+    microbatch's own quantised gradient; a NaN and an overflow are named by microbatch; a reduction abandoned
+    and launched again on a new group reduces the same integers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    params = list(model.parameters())
+    scale = FixedPointScale(len(params), num_microbatches=8)
+    inputs = [torch.randn(3, 16) for _ in range(7)]
+    assert len(inputs) > PENDING_FOLDS
+    _server, groups = gloo_groups(1)
+
+    def gradients(x: torch.Tensor) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        model(x).sum().backward()
+        return [p.grad.clone() for p in params]
+
+    grads = [gradients(x) for x in inputs]
+    scale.grow([max(float(g[i].abs().max()) for g in grads) for i in range(len(params))])  # they fit
+
+    def run(poison: dict[int, float]) -> GradientReducer:
+        """The reducer's step: every microbatch but the last folded after its backward, the last one armed."""
+        reducer = GradientReducer(params, bucket_bytes=1_024, num_extras=1, exact=True, first_bucket_bytes=8)
+        reducer.set_exponents(scale.exponents(), scale.limit)
+        reducer.reset_local()
+        for microbatch, x in enumerate(inputs):
+            last = microbatch == len(inputs) - 1
+            if last:
+                reducer.arm(groups[0], microbatch)
+            model(x).sum().backward()
+            if not last:
+                if microbatch in poison:
+                    params[0].grad[0, 0] = poison[microbatch]
+                reducer.fold(microbatch)
+        reduce_now(reducer, groups[0])
+        return reducer
+
+    reducer = run({})
+    expected = [quantised_sum([g[i] for g in grads], e).reshape(-1) for i, e in enumerate(scale.exponents())]
+    for i in range(len(params)):
+        assert torch.equal(reducer._view(reducer.flat, i), expected[i])
+    assert reducer.flags.nonfinite_ids == [] and reducer.flags.overflow == 0
+    assert reducer.observed == [max(float(g[i].abs().max()) for g in grads) for i in range(len(params))]
+
+    # Abandoned, then launched again: the accumulator and the waiting gradients were left as they were.
+    reducer.disarm()
+    reduce_now(reducer, groups[0])
+    for i in range(len(params)):
+        assert torch.equal(reducer._view(reducer.flat, i), expected[i])
+
+    reducer = run({2: float("nan"), 5: 2.0**70})
+    assert reducer.flags.nonfinite_ids == [2] and reducer.flags.first_bad_param == 0
+    assert reducer.flags.overflow == 1  # microbatch 5 did not fit; 2 is counted as not finite only

@@ -27,18 +27,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 
 from unbroken.control import keys
+from unbroken.ft.foldkernel import KERNEL_ARITY, dequantise, kernel_applies, quantise_sum
 
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 0.005
 ABORT_DEADLINE_S = 30.0  # past this, a NCCL abort that has not returned ends the worker (it rejoins if restarted)
 EXIT_ABORT_HUNG = 7
+# Exact mode on the CPU: a parameter's gradients of up to this many microbatches wait to be folded in one pass
+# (the fold is bound by memory writes: one write of the sum instead of one per microbatch), at the price of
+# keeping up to this many gradients at once.
+PENDING_FOLDS = KERNEL_ARITY
 
 
 class WaitStatus(Enum):
@@ -374,20 +378,6 @@ def extremes(tensor: torch.Tensor) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def max_abs(tensor: torch.Tensor) -> float:
-    """max |value| of ``tensor`` (from its extremes)."""
-    low, high = extremes(tensor)
-    return max(-low, high)
-
-
-def _to_int64(integral: torch.Tensor) -> torch.Tensor:
-    """Integer-valued float32 to int64, exactly. On the CPU through numpy, whose conversion is vectorised
-    (torch's float-to-int64 cast is about twice as slow here; both are exact for integers below 2^63)."""
-    if integral.device.type == "cpu":
-        return torch.from_numpy(integral.numpy().astype(np.int64))
-    return integral.long()
-
-
 class GradientReducer:
     """Sums the workers' local gradients into a separate flat buffer, bucket by bucket.
 
@@ -447,6 +437,12 @@ class GradientReducer:
         self.flat = torch.zeros(offset, dtype=dtype, device=device)
         self.extras = torch.zeros(num_extras, dtype=torch.float64)
         self.accumulator = torch.zeros(offset, dtype=torch.int64, device=device) if exact else None
+        # Exact mode: a parameter's slice of the accumulator counts as zero until first written, and its
+        # gradients wait, not yet folded, in ``_unfolded`` (microbatch id, gradient) until PENDING_FOLDS of them
+        # are there or the reduction starts: one pass then reads them all and writes their sum once.
+        self._written = [False] * len(self.params)
+        self._unfolded: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.params]
+        self._overflowed: set[int] = set()  # microbatches with a gradient that did not fit
         self.exponents = [0] * len(self.params)
         self.limit = math.inf
         self.flags = LocalFlags()
@@ -458,7 +454,6 @@ class GradientReducer:
         self._pending: list[Pending] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # only while a backward is armed
         self._armed_microbatch: int | None = None
-        self._armed_bad = False
 
     def _view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         p = self.params[index]
@@ -473,48 +468,59 @@ class GradientReducer:
 
     def reset_local(self) -> None:
         """Forget the local contribution (a new step, or a step that must be redone)."""
-        if self.accumulator is not None:
-            self.accumulator.zero_()
+        self._written = [False] * len(self.params)
+        self._unfolded = [[] for _ in self.params]
+        self._overflowed = set()
         self.flags = LocalFlags()
         self.observed = [0.0] * len(self.params)
         for p in self.params:
             p.grad = None
 
-    @torch.no_grad()
-    def _fold_one(self, index: int, microbatch: int) -> bool:
-        """Fold parameter ``index``'s gradient into the accumulator; False if it is not finite or does not fit."""
+    def _take(self, index: int, microbatch: int, fold_now: bool) -> None:
+        """Take parameter ``index``'s gradient of ``microbatch`` out of ``param.grad`` into the local contribution;
+        fold the waiting gradients into the accumulator when ``fold_now`` and PENDING_FOLDS of them wait."""
         p = self.params[index]
         grad = p.grad
         if grad is None:
-            return True
+            return
         p.grad = None
-        low, high = extremes(grad)
-        peak = max(-low, high)
-        if not (math.isfinite(low) and math.isfinite(high)):
-            if microbatch not in self.flags.nonfinite_ids:
-                self.flags.nonfinite_ids.append(microbatch)
-            if self.flags.first_bad_param is None or index < self.flags.first_bad_param:
-                self.flags.first_bad_param = index
-            return False
-        self.observed[index] = max(self.observed[index], peak)
-        scale = 2.0 ** self.exponents[index]
-        if peak * scale >= self.limit:
-            return False
-        # Multiplying a float32 by a power of two is exact, and every product is below 2^62 here, so rounding
-        # it in float32 gives the same integer as in any wider type.
-        self._view(self.accumulator, index).add_(_to_int64(grad.reshape(-1).mul(scale).round_()))
-        return True
+        unfolded = self._unfolded[index]
+        unfolded.append((microbatch, grad))
+        limit = PENDING_FOLDS if kernel_applies(grad) else 1  # torch's ops gain nothing from waiting
+        if fold_now and len(unfolded) >= limit:
+            self._fold(index, self._view(self.accumulator, index))
+            unfolded.clear()
+            self._written[index] = True
+
+    @torch.no_grad()
+    def _fold(self, index: int, out: torch.Tensor) -> None:
+        """``out`` = parameter ``index``'s accumulated sum plus its waiting gradients, fixed point; notes what
+        each gradient's microbatch showed (not finite, did not fit). Folding the same gradients again (a
+        reduction restarted on a new group) notes nothing new."""
+        unfolded = self._unfolded[index]
+        accumulated = self._view(self.accumulator, index) if self._written[index] else None
+        exponent = self.exponents[index]
+        # The accumulator is written before the checks: a microbatch that fails them makes the step skipped
+        # (not finite) or redone from an empty accumulator (did not fit), never committed.
+        peaks = quantise_sum([g for _, g in unfolded], accumulated, out, exponent, self.limit)
+        for (microbatch, _), value in zip(unfolded, peaks, strict=True):
+            if not math.isfinite(value):
+                if microbatch not in self.flags.nonfinite_ids:
+                    self.flags.nonfinite_ids.append(microbatch)
+                if self.flags.first_bad_param is None or index < self.flags.first_bad_param:
+                    self.flags.first_bad_param = index
+                continue
+            self.observed[index] = max(self.observed[index], value)
+            if value * 2.0**exponent >= self.limit:
+                self._overflowed.add(microbatch)
+        self.flags.overflow = len(self._overflowed - set(self.flags.nonfinite_ids))
 
     def fold(self, microbatch: int) -> None:
-        """Exact mode: move the gradient of microbatch ``microbatch``, just back-propagated, into the accumulator
-        (the armed backward folds its own gradients as they come)."""
+        """Exact mode: move the gradient of microbatch ``microbatch``, just back-propagated, into the local
+        contribution (the armed backward takes its own gradients as they come)."""
         assert self.accumulator is not None
-        ok = all([self._fold_one(i, microbatch) for i in range(len(self.params))])
-        self._note(microbatch, ok)
-
-    def _note(self, microbatch: int, ok: bool) -> None:
-        if not ok and microbatch not in self.flags.nonfinite_ids:
-            self.flags.overflow += 1
+        for index in range(len(self.params)):
+            self._take(index, microbatch, fold_now=True)
 
     def check_nonfinite(self, microbatch_ids: Sequence[int]) -> None:
         """fp32 mode: note whether this worker's local gradient (its microbatches ``microbatch_ids``) holds a
@@ -536,8 +542,7 @@ class GradientReducer:
                 return
             if self.exact:
                 assert self._armed_microbatch is not None
-                if not self._fold_one(index, self._armed_microbatch):
-                    self._armed_bad = True
+                self._take(index, self._armed_microbatch, fold_now=False)  # folded as its bucket is filled
             self._ready[self.bucket_of[index]] += 1
             self._launch_ready()
 
@@ -551,7 +556,6 @@ class GradientReducer:
         accumulation, like DDP's ``no_sync``) run without a Python call per parameter."""
         self._start(group)
         self._armed_microbatch = microbatch
-        self._armed_bad = False
         if not self._hooks:
             self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
@@ -581,7 +585,14 @@ class GradientReducer:
         for index in self.buckets[b]:
             view = self._view(self.flat, index)
             if self.accumulator is not None:
-                view.copy_(self._view(self.accumulator, index))
+                # The sum goes straight into the buffer the collective reduces; the accumulator and the
+                # waiting gradients stay as they are, so a restarted reduction fills it again from them.
+                if self._unfolded[index]:
+                    self._fold(index, view)
+                elif self._written[index]:
+                    view.copy_(self._view(self.accumulator, index))
+                else:
+                    view.zero_()
             elif self.params[index].grad is None:
                 view.zero_()
             else:
@@ -605,8 +616,8 @@ class GradientReducer:
         self._unhook()
         if self._armed_microbatch is not None:
             if self.exact:  # gradients the hooks never saw (no hook fires for a parameter without a gradient)
-                ok = all([self._fold_one(i, self._armed_microbatch) for i in range(len(self.params))])
-                self._note(self._armed_microbatch, ok and not self._armed_bad)
+                for index in range(len(self.params)):
+                    self._take(index, self._armed_microbatch, fold_now=False)
             self._armed_microbatch = None
         if self._group is not group:
             self._start(group)
@@ -644,11 +655,11 @@ class GradientReducer:
         views. In exact mode the integers are converted (int64 to float32 rounds once; the power-of-two scale
         is exact)."""
         for index, p in enumerate(self.params):
-            view = self._view(self.flat, index).view_as(p)
+            view = self._view(self.flat, index)
             if self.exact:
-                p.grad = view.to(p.dtype).mul_(2.0 ** -self.exponents[index])
+                p.grad = dequantise(view, self.exponents[index], p.dtype).view_as(p)
             else:
-                p.grad = view
+                p.grad = view.view_as(p)
             if scale != 1.0:
                 p.grad.mul_(scale)
 

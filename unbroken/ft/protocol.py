@@ -42,11 +42,11 @@ from unbroken.ft.comm import (
     broadcast_async,
     extremes,
     form_group,
-    max_abs,
     retire_group,
     wait_all,
 )
 from unbroken.ft.exact import FixedPointScale
+from unbroken.ft.foldkernel import peak
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.sidevec import Reduced, SideVector
 from unbroken.ft.state import StepOutcome, TrainingState
@@ -584,7 +584,7 @@ class StepProtocol:
             if optimizer is not None:
                 optimizer.step()
             if self.state.scale is not None:
-                self.state.scale.track([0.0 if p.grad is None else max_abs(p.grad) for p in self.params])
+                self.state.scale.track([0.0 if p.grad is None else peak(p.grad) for p in self.params])
             self.state.nonfinite_streak = 0
             outcome = StepOutcome(loss, grad_norm, lr, **common)
         self.state.last = outcome

@@ -1,0 +1,77 @@
+"""The exact fold's CPU kernels give the bits of the torch ops they replace (the reducer that defers folds to
+use them: tests/test_comm.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unbroken.ft import foldkernel
+from unbroken.ft.comm import PENDING_FOLDS
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMIT = 2.0**59  # FixedPointScale's limit for M = 8
+
+
+def awkward_values(n: int, seed: int) -> torch.Tensor:
+    """float32 values over many binades, with exact ties (x.5), signed zeros and subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 20, (n,), generator=g).float())
+    values[:400] = torch.arange(400, dtype=torch.float32) * 0.5 - 100  # ties both ways, after a scale of 1
+    values[400:402] = torch.tensor([0.0, -0.0])
+    values[402:404] = torch.tensor([1e-45, -3e-44])  # subnormals
+    return values
+
+
+def reference_sum(grads: list[torch.Tensor], base: torch.Tensor | None, exponent: int) -> torch.Tensor:
+    total = torch.zeros(grads[0].numel(), dtype=torch.int64) if base is None else base.clone()
+    for g in grads:
+        total += g.reshape(-1).mul(2.0**exponent).round().to(torch.int64)
+    return total
+
+
+def test_the_kernels_are_compiled_here() -> None:
+    """numba is a dependency: a CPU run that fell back to the torch ops would be correct but slow."""
+    assert foldkernel.kernel_applies(torch.zeros(4))
+
+
+@pytest.mark.parametrize("exponent", [0, 1, 23, 40, -5, -69, 99])
+@pytest.mark.parametrize("count", [1, 2, PENDING_FOLDS + 1])
+def test_quantise_sum_is_the_torch_ops_bit_for_bit(exponent: int, count: int) -> None:
+    n = 10_007
+    grads = []
+    for j in range(count):
+        values = awkward_values(n, seed=j)
+        values[values.abs() * 2.0**exponent >= LIMIT / 16] = 0.0  # the caller's bound holds
+        grads.append(values)
+    base = torch.randint(-(2**50), 2**50, (n,), generator=torch.Generator().manual_seed(9))
+    for start in (None, base):
+        out = torch.empty(n, dtype=torch.int64)
+        peaks = foldkernel.quantise_sum(grads, start, out, exponent, LIMIT)
+        assert torch.equal(out, reference_sum(grads, start, exponent))
+        assert peaks == [float(g.abs().max()) for g in grads]
+    in_place = base.clone()
+    foldkernel.quantise_sum(grads, in_place, in_place, exponent, LIMIT)
+    assert torch.equal(in_place, reference_sum(grads, base, exponent))
+
+
+@pytest.mark.parametrize("exponent", [0, 40, -69, 99])
+def test_dequantise_is_the_torch_ops_bit_for_bit(exponent: int) -> None:
+    g = torch.Generator().manual_seed(exponent & 0xFFFF)
+    acc = torch.randint(-(2**62), 2**62, (20_000,), generator=g)
+    acc[:1000] = torch.randint(-(2**30), 2**30, (1000,), generator=g)  # where the float32 conversion is exact
+    acc[1000:1003] = torch.tensor([0, 2**24 + 1, -(2**24 + 3)])  # ties of the conversion
+    assert torch.equal(foldkernel.dequantise(acc, exponent), acc.to(torch.float32).mul_(2.0**-exponent))
+
+
+def test_peak_names_nan_and_infinity() -> None:
+    values = awkward_values(1000, seed=3)
+    assert foldkernel.peak(values) == float(values.abs().max())
+    values[17] = -float("inf")
+    assert foldkernel.peak(values) == math.inf
+    values[500] = float("nan")
+    assert math.isnan(foldkernel.peak(values))
+    assert foldkernel.peak(torch.tensor([-2.5, 1.0])) == 2.5

@@ -1,0 +1,158 @@
+"""The exact fold's arithmetic on one tensor: sum quantised gradients into int64, and convert back.
+
+``quantise_sum(grads, base, out, e, limit)`` writes ``base + sum_j round(grads[j] x 2**e)`` (round half to
+even) to ``out`` and returns each gradient's max |value|; ``dequantise(acc, e)`` returns ``acc x 2**-e``
+(int64 to float32 rounds once, the power-of-two scale is exact); ``peak(t)`` is max |t|.
+
+On the CPU, for float32, each is one numba loop. The fold is bound by memory traffic, writes above all:
+torch's ops (extremes, multiply, round, convert, add) make six passes per microbatch and cost about 15% of a
+microbatch's forward and backward here, while one loop that reads several microbatches' gradients and
+writes their sum once costs a fraction of that (docs/benchmarks.md). Elsewhere (a GPU, another dtype, numba
+not installed) they are torch ops, which run at memory bandwidth on a GPU. Both paths give the same bits
+(tests/test_foldkernel.py): IEEE multiplication by a power of two is exact below the bound the caller
+checks, and both round half to even.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+_INF_BITS = 0x7F800000  # float32 infinity; every NaN's bits (sign cleared) are above it
+KERNEL_ARITY = 4  # gradients summed in one pass (more are summed four at a time)
+_NO_BASE = np.zeros(1, dtype=np.int64)
+
+
+@functools.cache
+def _kernels() -> tuple[Callable[..., tuple[int, ...]], Callable[..., int], Callable[..., None]] | None:
+    """The compiled CPU kernels (cached on disk by numba), or None when numba is not installed."""
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    # The largest |value| is found as the largest bit pattern with the sign cleared: for floats that are not
+    # NaN, the order of those integers is the order of the magnitudes, and every NaN is above infinity. An
+    # integer maximum vectorises where a NaN-aware float one does not.
+    @numba.njit(cache=True, nogil=True)
+    def peak_bits(values: Any) -> int:
+        bits = values.view(np.int32)
+        peak = np.int32(0)
+        for i in range(bits.size):
+            magnitude = bits[i] & np.int32(0x7FFFFFFF)
+            peak = magnitude if magnitude > peak else peak
+        return peak
+
+    # Up to four gradients in one pass, with their peaks. Fixed arity, the unused ones skipped by
+    # loop-invariant tests that the compiler hoists out of the loop (a tuple of any length, indexed in the
+    # loop, does not vectorise as well).
+    @numba.njit(cache=True, nogil=True)
+    def quantise_sum4(
+        g0: Any, g1: Any, g2: Any, g3: Any, count: int, base: Any, out: Any, scale: Any, has_base: bool
+    ) -> tuple[int, int, int, int]:
+        bits0, bits1, bits2, bits3 = g0.view(np.int32), g1.view(np.int32), g2.view(np.int32), g3.view(np.int32)
+        sign_off = np.int32(0x7FFFFFFF)
+        peak0 = peak1 = peak2 = peak3 = np.int32(0)
+        for i in range(out.size):
+            total = base[i] if has_base else np.int64(0)
+            magnitude = bits0[i] & sign_off
+            peak0 = magnitude if magnitude > peak0 else peak0
+            total += np.int64(np.rint(g0[i] * scale))
+            if count > 1:
+                magnitude = bits1[i] & sign_off
+                peak1 = magnitude if magnitude > peak1 else peak1
+                total += np.int64(np.rint(g1[i] * scale))
+            if count > 2:
+                magnitude = bits2[i] & sign_off
+                peak2 = magnitude if magnitude > peak2 else peak2
+                total += np.int64(np.rint(g2[i] * scale))
+            if count > 3:
+                magnitude = bits3[i] & sign_off
+                peak3 = magnitude if magnitude > peak3 else peak3
+                total += np.int64(np.rint(g3[i] * scale))
+            out[i] = total
+        return peak0, peak1, peak2, peak3
+
+    @numba.njit(cache=True, nogil=True)
+    def dequantise(acc: Any, out: Any, scale: Any) -> None:
+        for i in range(acc.size):
+            out[i] = np.float32(acc[i]) * scale
+
+    return quantise_sum4, peak_bits, dequantise
+
+
+def _float_of(bits: int) -> float:
+    return math.nan if bits > _INF_BITS else float(np.int32(bits).view(np.float32))
+
+
+def _on_cpu(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()
+
+
+def kernel_applies(grad: torch.Tensor) -> bool:
+    """Whether the CPU kernels serve this gradient (then summing several microbatches in one pass pays)."""
+    return _kernels() is not None and _on_cpu(grad, torch.float32)
+
+
+def peak(tensor: torch.Tensor) -> float:
+    """max |value| of ``tensor``; NaN if it holds a NaN."""
+    kernels = _kernels()
+    if kernels is not None and _on_cpu(tensor, torch.float32):
+        return _float_of(int(kernels[1](tensor.detach().reshape(-1).numpy())))
+    low, high = torch.aminmax(tensor.detach())
+    return max(-float(low), float(high))
+
+
+def quantise_sum(
+    grads: Sequence[torch.Tensor], base: torch.Tensor | None, out: torch.Tensor, exponent: int, limit: float
+) -> list[float]:
+    """``out = base + sum_j round(grads[j] x 2**exponent)`` elementwise (``base`` None: zero; ``out`` and ``base``
+    flat int64 of the gradients' size, ``out`` may be ``base``); returns each gradient's max |value| (NaN if it
+    holds a NaN). Where one is not finite, or times ``2**exponent`` is not below ``limit``, ``out`` is left
+    unspecified: the caller discards it (the step is skipped or redone)."""
+    kernels = _kernels()
+    flat = [g.detach().reshape(-1) for g in grads]
+    if (
+        kernels is not None
+        and all(_on_cpu(g, torch.float32) for g in flat)
+        and _on_cpu(out, torch.int64)
+        and (base is None or _on_cpu(base, torch.int64))
+    ):
+        scale = np.float32(2.0**exponent)
+        arrays = [g.numpy() for g in flat]
+        target = out.numpy()
+        # Without a base, a one-value array stands in for it (not read): passing ``out`` itself would make the
+        # compiled loop's overlap check fail and run it unvectorised.
+        source = _NO_BASE if base is None else base.numpy()
+        peaks: list[float] = []
+        for start in range(0, len(arrays), KERNEL_ARITY):
+            chunk = arrays[start : start + KERNEL_ARITY]
+            padded = chunk + [chunk[0]] * (KERNEL_ARITY - len(chunk))  # not read: ``count`` says how many are
+            has_base = base is not None or start > 0
+            bits = kernels[0](*padded, len(chunk), source if start == 0 else target, target, scale, has_base)
+            peaks += [_float_of(int(b)) for b in bits[: len(chunk)]]
+        return peaks
+    peaks = [peak(g) for g in flat]
+    if base is None:
+        out.zero_()
+    elif base.data_ptr() != out.data_ptr():
+        out.copy_(base)
+    for g, value in zip(flat, peaks, strict=True):
+        if math.isfinite(value) and value * 2.0**exponent < limit:
+            out.add_(g.mul(2.0**exponent).round_().to(torch.int64))
+    return peaks
+
+
+def dequantise(acc: torch.Tensor, exponent: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``acc x 2**-exponent`` as a new flat tensor of ``dtype`` (converted to ``dtype``, then scaled in it)."""
+    kernels = _kernels()
+    if kernels is not None and dtype == torch.float32 and _on_cpu(acc, torch.int64):
+        out = torch.empty(acc.shape, dtype=torch.float32)
+        kernels[2](acc.numpy(), out.numpy(), np.float32(2.0**-exponent))
+        return out
+    return acc.to(dtype).mul_(2.0**-exponent)
