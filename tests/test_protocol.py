@@ -18,6 +18,7 @@ from ftharness import Died, ThreadJob
 from torch import nn
 
 from unbroken.core.config import RunConfig
+from unbroken.core.records import read_records
 from unbroken.ft.api import Context
 from unbroken.train.model import FLAVOURS, Transformer
 
@@ -97,6 +98,37 @@ def test_exact_reduction_with_a_death_mid_step_is_the_failure_free_run(tmp_path:
     assert sorted(results) == [0, 2]  # worker 1 died in step 2, before its first microbatch
     for params in results.values():
         assert all(torch.equal(params[k], ref[k]) for k in ref)
+
+
+def test_drop_loses_only_the_dead_members_share(tmp_path: Path) -> None:
+    """Under ``drop``, worker 1 dies at step 2 before computing its microbatch, while worker 0 meets the death
+    before it has started the step (it waits for the new epoch): only worker 1's microbatch is lost; worker
+    0 still computes its own."""
+    cfg = config(recovery={"reduction": "exact", "policy": "drop"}, train={"microbatches": 3})
+    job = ThreadJob(tmp_path / "run", cfg, 3)
+
+    def loop(ctx: Context, worker: int) -> None:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx.register_state(model, opt)
+        for step in ctx.steps():
+            if worker == 0 and step.index == 2:
+                deadline = time.monotonic() + 30
+                while job.coordinator.epoch < 2:  # the death is published before worker 0 starts the step
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            for k, mb in enumerate(step.microbatches()):
+                if worker == 1 and (step.index, k) == (2, 0):
+                    raise Died
+                step.backward(loss_of(model, step.index, mb))
+            step.commit(opt)
+
+    try:
+        job.run(loop)
+    finally:
+        job.close()
+    dropped = {r["step"]: r["dropped"] for r in read_records(tmp_path / "run", "step")}
+    assert dropped == {0: 0, 1: 0, 2: 1, 3: 0}
 
 
 def test_fp32_reduced_gradient_after_a_failure_is_within_the_summation_bound(tmp_path: Path) -> None:

@@ -337,6 +337,10 @@ class StepProtocol:
         self.done_efficient: list[int] = []
         self.local_losses: dict[int, float] = {}
         self.local_tokens: dict[int, int] = {}
+        self.step_owners: dict[int, int] = {}  # microbatch id -> the member the step's plan gave it to
+
+    def _note_owners(self, plan: Assignment) -> None:
+        self.step_owners = {j: w for w, ids in plan.ids.items() for j in ids}
 
     def begin_step(self) -> None:
         """Fresh local state for the current step: no microbatch done, empty accumulators."""
@@ -376,9 +380,15 @@ class StepProtocol:
         if self.client.removed_since(self.group.epoch, self.group.members) or self.switch_epoch > self.group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
             self.recoveries += 1
+            if self.cfg.policy is RecoveryPolicy.DROP:
+                # The others may have started this step with the group's plan: under drop only the dead members'
+                # share is lost, so this worker still owes its own.
+                step, members, workload = self.state.step, self.group.members, self.cfg.workload
+                self._note_owners(plan_ids(step, members, range(self.M), self.M, workload, self.state.speeds))
             return self.recover()
         self.injector.inject(Phase.START)
         plan = self.plan()
+        self._note_owners(plan)
         self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
         return list(plan.ids_for(self.wid))
 
@@ -482,7 +492,9 @@ class StepProtocol:
             self.names[grown[0]] if grown else "-",
         )
         self.begin_step()
-        return list(self.plan().ids_for(self.wid))
+        plan = self.plan()
+        self._note_owners(plan)
+        return list(plan.ids_for(self.wid))
 
     def _reduced_nonfinite(self, reduced: Reduced) -> bool:
         """fp32 mode: whether the reduced gradient (the same bits on every member) holds a NaN or an infinity;
@@ -763,11 +775,13 @@ class StepProtocol:
                 )
             died = not set(old_members) <= set(self.group.members)
             if self.cfg.policy is RecoveryPolicy.DROP and old_epoch > 0 and died and len(missing) < self.M:
-                # Someone died mid-step: their microbatches are lost. (A join alone loses nothing, and a step
-                # nobody had started yet is planned as usual.)
-                return []
+                # Someone died mid-step: their microbatches are lost; a live member that had not computed its
+                # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
+                # and a step nobody had started yet is planned as usual.)
+                return [j for j in missing if self.step_owners.get(j) == self.wid]
             plan = self.plan(missing)
             if len(missing) == self.M:
+                self._note_owners(plan)
                 self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
             return list(plan.ids_for(self.wid))
 
