@@ -15,6 +15,7 @@ Plots and a markdown summary of a run, optionally against a reference run (writt
     unbroken report runs/default-20261122-101500 [REFERENCE_RUN_DIR]
 Simulate a cluster (no torch; policies side by side; tables printed, plots written with --out):
     unbroken simulate configs/sim/recover_512.toml [--run.policies=recover,restart] [--out DIR]
+    unbroken simulate configs/sim/replicas_512.toml --sweep cluster.gpus_per_replica=1,8,64
 Several hosts (the coordinator binds to 127.0.0.1 unless --host says otherwise):
     host A:  unbroken coordinator configs/default.toml --workers 8 --host 0.0.0.0 --port 29400
     each:    unbroken worker --coordinator hostA:29400
@@ -252,9 +253,14 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
+    out = Path(args.out) if args.out else None
+    if args.sweep:
+        from unbroken.sim.sweep import run_sweep
+
+        return run_sweep(args.scenario, _split_overrides(extra), args.sweep, out)
     from unbroken.sim.report import run_simulate
 
-    return run_simulate(args.scenario, _split_overrides(extra), Path(args.out) if args.out else None)
+    return run_simulate(args.scenario, _split_overrides(extra), out)
 
 
 def _with_keys(parser: argparse.ArgumentParser) -> None:
@@ -399,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="discrete-event model of a cluster: recovery policies side by side")
     simulate.add_argument("scenario", metavar="SCENARIO.toml", help="e.g. configs/sim/recover_512.toml")
     simulate.add_argument("--out", help="also write scenario.toml, summary.md, results.json and plots here")
+    simulate.add_argument(
+        "--sweep",
+        action="append",
+        metavar="SECTION.KEY=V1,V2,...",
+        help="run the scenario once per value (repeat for a grid) and compare the policies across them in one "
+        "table, e.g. --sweep cluster.gpus_per_replica=1,8,64 (with --out: a folder per point, sweep.md)",
+    )
     simulate.set_defaults(func=cmd_simulate)
     return parser
 

@@ -55,7 +55,8 @@ def format_markdown(res: SimResult) -> str:
         f"microbatch {c.microbatch_s:.4g} s ({how_mb}), all-reduce {c.allreduce_s(sc.cluster.replicas):.4g} s "
         f"({how_ar}); failure-free step {res.failure_free_step_s:.4g} s, "
         f"{sc.model.microbatches * c.tokens_per_microbatch / res.failure_free_step_s:,.0f} tokens/s",
-        f"{tl.gpu_failures:,} GPU failures in the timeline; detect {c.detect_s:g} s, re-form {c.reform_s:g} s, "
+        f"{tl.gpu_failures:,} GPU failures in the timeline, taking down {tl.replica_failures:,} replicas of "
+        f"{sc.cluster.gpus_per_replica}; detect {c.detect_s:g} s, re-form {c.reform_s:g} s, "
         f"rejoin {c.rejoin_s:.3g} s, restart {c.restart_s:g} s; checkpoint every {sc.checkpoint.every} steps "
         f"(restart) / {sc.checkpoint.in_place_every} (the others), {c.save_s:g} s each; "
         f"{res.planner_calls} calls into unbroken.core.plan",
@@ -122,6 +123,7 @@ def _json(res: SimResult) -> dict[str, Any]:
         "microbatch_s": res.costs.microbatch_s,
         "allreduce_s": res.costs.allreduce_s(res.scenario.cluster.replicas),
         "gpu_failures": res.timeline.gpu_failures,
+        "replica_failures": res.timeline.replica_failures,
         "policies": [policy(r) for r in res.policies],
     }
 
@@ -187,13 +189,18 @@ def write_outputs(res: SimResult, out: Path) -> None:
     plot(res, out)
 
 
-def run_simulate(scenario: str | None, overrides: list[str], out: Path | None) -> int:
-    """Entry point of ``unbroken simulate``; ValueError (one line) for bad input, before anything runs."""
-    sc = load_scenario(scenario, overrides)
+def check_out(out: Path | None) -> None:
+    """Refuse an ``--out`` that cannot be written (not a directory, or no matplotlib for the plots)."""
     if out is not None:
         _figure_class()
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} exists and is not a directory")
+
+
+def run_simulate(scenario: str | None, overrides: list[str], out: Path | None) -> int:
+    """Entry point of ``unbroken simulate``; ValueError (one line) for bad input, before anything runs."""
+    sc = load_scenario(scenario, overrides)
+    check_out(out)
     res = simulate(sc)
     print(format_markdown(res))
     if out is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +157,9 @@ class CostSection:
 class FailureSection:
     mtbf_h: float = 0.0  # per-GPU mean time between failures (exponential, seeded); 0 = none
     mttr_h: float = 0.0  # a failed GPU is back this long after (mtbf and trace failures); 0 or inf = never
+    # mtbf failures: each repair takes an exponential time of mean mttr_h (seeded) rather than exactly mttr_h,
+    # so that repairs do not all land at one phase of restart's checkpoint cycle
+    random_repair: bool = False
     scenario: str = ""  # MeCeFO's low / mid / high (failures.SCENARIOS; reading explained in failures.py)
     lost_gpus: int = 0  # ReCoVer: this many GPUs lost (whole replicas), spread evenly over run.hours, for good
     trace: str = ""  # CSV file of `time_s,gpu,event` rows, event fail or repair
@@ -189,11 +192,29 @@ class CheckpointSection:
     # Steps between the checkpoints of the in-step policies (recover, drop, mecefo*), which need one only when
     # every member of the group is lost; 0 = never (they then fall back to the initial state).
     in_place_every: int = 1000
+    # The same intervals in seconds of the full cluster's failure-free steps, rounded to whole steps (at least
+    # one); when > 0 they replace `every` / `in_place_every`, so that runs whose steps differ in length (other
+    # replica sizes in a sweep) save equally often in wall time. 0 = use the intervals in steps.
+    every_s: float = 0.0
+    in_place_every_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("every", "in_place_every"):
             value = getattr(self, name)
             _check(value >= 0, f"checkpoint.{name} = {value} must be >= 0 (0 = never)")
+        for name in ("every_s", "in_place_every_s"):
+            value = getattr(self, name)
+            ok = math.isfinite(value) and value >= 0
+            _check(ok, f"checkpoint.{name} = {value} must be a finite number >= 0 (0 = use the interval in steps)")
+
+    def in_steps(self, step_s: float) -> CheckpointSection:
+        """The intervals given in seconds turned into whole steps of ``step_s`` (at least one)."""
+        every, in_place = self.every, self.in_place_every
+        if self.every_s > 0:
+            every = max(1, round(self.every_s / step_s))
+        if self.in_place_every_s > 0:
+            in_place = max(1, round(self.in_place_every_s / step_s))
+        return replace(self, every=every, in_place_every=in_place)
 
     def of(self, policy: str) -> int:
         return self.every if policy is RecoveryPolicy.RESTART else self.in_place_every

@@ -29,7 +29,7 @@ against real runs and the papers' figures are in docs/simulation.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -110,7 +110,8 @@ def check_finishes(sc: Scenario, costs: Costs, step_s: float) -> None:
 
 
 def simulate(sc: Scenario) -> SimResult:
-    """Run every policy of ``sc.run.policies`` over one failure timeline.
+    """Run every policy of ``sc.run.policies`` over one failure timeline. The result's scenario has the
+    checkpoint intervals given in seconds resolved to steps (``CheckpointSection.in_steps``).
 
     Raises:
         ValueError: the scenario would never finish (failures faster than any step can commit, or every
@@ -122,6 +123,7 @@ def simulate(sc: Scenario) -> SimResult:
     full = planner.steady(replicas)
     full_work = np.array([len(full.ids[k]) for k in range(replicas)]) * costs.microbatch_s
     step_s = makespan(full_work, sc.cluster.shared_cores, sc.cluster.oversubscription) + costs.allreduce_s(replicas)
+    sc = replace(sc, checkpoint=sc.checkpoint.in_steps(step_s))
     check_finishes(sc, costs, step_s)
     cap_s = GIVE_UP_S
     end_s = sc.run.hours * HOUR if sc.run.hours > 0 else cap_s

@@ -1,10 +1,11 @@
 """The failure timeline of a simulated cluster (``unbroken.sim.simulate``): which replica goes down or comes
 back when, the same for every policy. Pure Python + numpy.
 
-Owns turning the scenario's [failures] into GPU events (per-GPU exponential MTBF with repairs, MeCeFO's
-scenarios from ``failures.SCENARIOS``, ReCoVer's evenly spread losses, a CSV trace) and those into replica
-events through the spare pool. Each random process draws from its own seeded stream, the same numbers
-whatever the horizon, so a longer horizon only adds events.
+Owns turning the scenario's [failures] into GPU events (per-GPU exponential MTBF with repairs after a fixed
+or an exponential time, MeCeFO's scenarios from ``failures.SCENARIOS``, ReCoVer's evenly spread losses, a CSV
+trace) and those into replica events through the spare pool: a replica is down while any of its GPUs is.
+Each random process draws from its own seeded stream, the same numbers whatever the horizon, so a longer
+horizon only adds events.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ class Timeline:
     gpus: int
     gpu_failures: int
 
+    @property
+    def replica_failures(self) -> int:
+        """Replicas taken down in the timeline: a GPU failure in a replica none of whose GPUs was down (a
+        failure in a replica already down takes nothing more down)."""
+        return int(np.count_nonzero(~self.up))
+
+    def gpu_failures_until(self, t: float) -> int:
+        """GPU failures at or before ``t``: each lowers the number of working GPUs by one."""
+        drops = np.diff(self.counts, prepend=self.gpus) < 0
+        return int(np.count_nonzero(drops & (self.count_times <= t)))
+
     def gpu_hours(self, t: np.ndarray | float) -> np.ndarray:
         """GPU-hours the job has held at time(s) ``t``: its working GPUs (the idle ones of a replica that
         lost one included; failed ones not, until repaired or replaced by a spare)."""
@@ -56,6 +68,7 @@ def _gpu_events(sc: Scenario, horizon_s: float) -> tuple[np.ndarray, np.ndarray,
     mttr_s = f.repaired_after_s
     if f.mtbf_h > 0:
         rng = np.random.default_rng([f.seed, 1])
+        repair_rng = np.random.default_rng([f.seed, 4])
         t = np.zeros(c.gpus)
         while True:
             t = t + rng.exponential(f.mtbf_h * HOUR, c.gpus)
@@ -65,9 +78,10 @@ def _gpu_events(sc: Scenario, horizon_s: float) -> tuple[np.ndarray, np.ndarray,
             parts.append((t[hit], hit, np.ones(hit.size, dtype=bool)))
             if math.isinf(mttr_s):
                 break
-            back = t[hit] + mttr_s
-            parts.append((back, hit, np.zeros(hit.size, dtype=bool)))
-            t = t + mttr_s
+            # one draw per GPU and round, used or not, so that the draws do not depend on the horizon
+            repair_s = repair_rng.exponential(mttr_s, c.gpus) if f.random_repair else np.full(c.gpus, mttr_s)
+            parts.append((t[hit] + repair_s[hit], hit, np.zeros(hit.size, dtype=bool)))
+            t = t + repair_s
     if f.scenario:
         between_h, repair_h = SCENARIOS[f.scenario]
         rng = np.random.default_rng([f.seed, 2])
