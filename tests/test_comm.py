@@ -17,6 +17,7 @@ from unbroken.ft.comm import (
     PENDING_FOLDS,
     GradientReducer,
     Group,
+    GroupFormer,
     WaitStatus,
     allreduce_async,
     retire_group,
@@ -277,3 +278,80 @@ def test_deferred_folds_sum_flag_and_restart_as_immediate_ones() -> None:
     reducer = run({2: float("nan"), 5: 2.0**70})
     assert reducer.flags.nonfinite_ids == [2] and reducer.flags.first_bad_param == 0
     assert reducer.flags.overflow == 1  # microbatch 5 did not fit; 2 is counted as not finite only
+
+
+class _Latest:
+    """The newest epoch a (simulated) client has seen: what a former's ``superseded`` reads."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def superseded(self, epoch: int) -> bool:
+        return self.epoch > epoch
+
+
+def _formers(size: int, backend: str = "gloo") -> tuple[TCPStore, _Latest, list[GroupFormer]]:
+    server = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    latest = _Latest(2)
+
+    def connect() -> TCPStore:
+        return TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+    formers = [
+        GroupFormer(connect, w, backend, GROUP_TIMEOUT_S, torch.device("cpu"), latest.superseded) for w in range(size)
+    ]
+    return server, latest, formers
+
+
+def test_an_epoch_offered_to_every_member_is_formed_before_anyone_asks_for_it() -> None:
+    """The watcher offers the new epoch: its group forms on the formers' own threads, so by the time a training
+    thread asks for it (take) it is already there, and it works."""
+    _server, _latest, formers = _formers(2)
+    for f in formers:
+        f.offer(2, (0, 1))
+    attempts = [f._attempts[2] for f in formers]
+    for attempt in attempts:
+        assert attempt.done.wait(30.0)  # formed without any training thread taking part
+    asked = time.time()
+    taken = [f.take(2) for f in formers]
+    groups = []
+    for rank, result in enumerate(taken):
+        assert result is not None
+        group, status = result
+        assert status is WaitStatus.DONE and group is not None
+        assert (group.epoch, group.members, group.rank) == (2, (0, 1), rank)
+        assert group.formed_at <= asked
+        groups.append(group)
+    tensors = [torch.full((4,), float(r + 1)) for r in range(2)]
+    pending = [allreduce_async(g, t) for g, t in zip(groups, tensors, strict=True)]
+    assert all(wait_all([p], 30.0, lambda: False) for p in pending)
+    assert all(torch.equal(t, torch.full((4,), 3.0)) for t in tensors)
+    assert all(f.pending() == 0 for f in formers)
+
+
+def test_a_superseded_epoch_is_abandoned_and_an_untaken_group_is_retired() -> None:
+    _server, latest, formers = _formers(2)
+    # Epoch 2: only worker 0 arrives (worker 1 died before seeing it), then epoch 3 supersedes it.
+    formers[0].offer(2, (0, 1))
+    attempt = formers[0]._attempts[2]
+    time.sleep(0.2)
+    assert not attempt.done.is_set()  # waiting in the rendezvous for worker 1
+    latest.epoch = 3
+    assert attempt.done.wait(5.0)
+    assert attempt.result == (None, WaitStatus.INTERRUPTED)
+    # Epoch 3 is formed by both but never taken: asking for epoch 4 retires it.
+    for f in formers:
+        f.offer(3, (0, 1))
+    for f in formers:
+        assert f._attempts[3].done.wait(30.0)
+    before = retired_groups()
+    latest.epoch = 4
+    assert all(f.take(4) is None for f in formers)  # nothing offered for 4: the caller forms it itself
+    assert retired_groups() >= before + 2
+    assert all(f.pending() == 0 for f in formers)
+    # An epoch already asked for is not formed ahead again, nor one this worker is not a member of, nor NCCL's.
+    formers[0].offer(3, (0, 1))
+    formers[0].offer(5, (1, 2))
+    _s, _l, nccl = _formers(1, backend="nccl")
+    nccl[0].offer(3, (0, 1))
+    assert formers[0].pending() == 0 and nccl[0].pending() == 0

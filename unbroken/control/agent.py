@@ -8,6 +8,11 @@ one once the coordinator has excluded it, and restarts a replaced worker after i
 with live state transfer). ``unbroken train`` runs one agent in the launcher's process; on a cluster,
 ``unbroken agent`` runs one per host (under ``srun``, a Kubernetes pod, or by hand): docs/control.md.
 
+With replicas of several ranks (``[parallel]``), a replica's ranks are on one host and are started, and
+restarted, together: each start of a replica gets a new incarnation (``UNBROKEN_REPLICA_INCARNATION``, the
+name of its own process group's rendezvous), and a replica whose rank died is started again only once every
+one of its ranks has ended (the others leave by themselves when the membership removes the replica).
+
 The agent knows the coordinator only through the store (``control.keys``); when the coordinator restarts,
 ``connect`` points it at the new one.
 """
@@ -18,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -32,6 +38,7 @@ from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
 from unbroken.control.store import connect_store, publish_record, ring
 from unbroken.core.config import config_from_toml_text
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
+from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
 from unbroken.core.records import RecordKind, make
 
@@ -54,7 +61,10 @@ class Agent:
         restart_after_s: float = 0.0,
         injections: bool = False,
         own_sessions: bool = True,
+        layout: ReplicaLayout | None = None,
     ) -> None:
+        self.layout = layout or ReplicaLayout()
+        self.incarnations: dict[int, str] = {}  # replica -> the incarnation its running ranks were started with
         self.ids = list(worker_ids)
         self.command = command
         self.env = env
@@ -110,6 +120,8 @@ class Agent:
             WORKER_ID_ENV: str(worker_id),
             LOCAL_WORKERS_ENV: str(len(self.ids)),
         }
+        if self.layout.size > 1:
+            env[INCARNATION_ENV] = self.incarnations[self.layout.replica_of(worker_id)]
         with open(self.log_dir / f"worker-{worker_id}.log", "ab") as out:
             self.workers[worker_id] = subprocess.Popen(
                 list(self.command), stdout=out, stderr=subprocess.STDOUT, start_new_session=self.own_sessions, env=env
@@ -117,8 +129,36 @@ class Agent:
         self.reported.discard(worker_id)
 
     def start_all(self) -> None:
+        for replica in self.layout.replicas(self.alive_ids()):
+            self.incarnations[replica] = secrets.token_hex(4)
         for wid in self.alive_ids():
             self.start_worker(wid)
+
+    def _restart(self, wid: int) -> None:
+        """Start ``wid`` again (a replica of several ranks: all of its ranks, under a new incarnation)."""
+        if self.layout.size == 1:
+            self.start_worker(wid)
+            return
+        replica = self.layout.replica_of(wid)
+        self.incarnations[replica] = secrets.token_hex(4)
+        for mate in self.layout.workers_of(replica):
+            self.down.pop(mate, None)
+            self.last_event.pop(mate, None)
+            self.start_worker(mate)
+
+    def _replica_ended(self, wid: int) -> bool:
+        """Every rank of ``wid``'s replica has ended (a replica restarts only whole); a rank still running once
+        the membership excludes it (it hangs) is killed."""
+        running = [m for m in self.layout.workers_of(self.layout.replica_of(wid)) if self.workers[m].poll() is None]
+        if not running:
+            return True
+        members = self.newest_members()
+        for mate in running:
+            if members is not None and mate not in members and mate not in self.pauses:
+                self.workers[mate].kill()
+                self.workers[mate].wait()
+                self.reported.add(mate)  # already excluded; its exit is not news
+        return all(self.workers[m].poll() is not None for m in running)
 
     def alive_ids(self) -> list[int]:
         return [w for w in self.ids if w not in self.down]
@@ -188,8 +228,9 @@ class Agent:
         """Whether a member of the newest epoch other than ``wid`` is alive (not killed, paused or exited
         here; a member on another host counts as alive until the coordinator removes it)."""
         members = self.newest_members() or []
+        replica = self.layout.replica_of(wid)
         return any(
-            w != wid
+            self.layout.replica_of(w) != replica
             and (
                 w not in self.workers
                 or (w not in self.down and w not in self.pauses and self.workers[w].poll() is None)
@@ -237,8 +278,10 @@ class Agent:
             rejoin = info["rejoin"]
             due = rejoin is not None and now >= info["at"] + rejoin
             if due and proc.poll() is not None and self.store is not None and not self.finished:
+                if self.layout.size > 1 and not self._replica_ended(wid):
+                    continue
                 del self.down[wid]
-                self.start_worker(wid)
+                self._restart(wid)
 
     def report_exits(self) -> None:
         if self.store is None or self.finished:
@@ -324,8 +367,23 @@ def run_agent(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
     env[COORDINATOR_ENV] = ",".join(addresses)
+    layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+    if args.workers % layout.size:
+        raise ValueError(
+            f"--workers = {args.workers}: a host runs whole replicas of {layout.size} ranks (parallel.shard x "
+            f"parallel.pipeline); use a multiple of {layout.size}"
+        )
     ids = list(range(rank * args.workers, (rank + 1) * args.workers))
-    agent = Agent(ids, command, env, log_dir, cfg.failures.mttr_s, bool(cfg.failures.schedule), own_sessions=False)
+    agent = Agent(
+        ids,
+        command,
+        env,
+        log_dir,
+        cfg.failures.mttr_s,
+        bool(cfg.failures.schedule),
+        own_sessions=False,
+        layout=layout,
+    )
     agent.connect(address, token)
     agent.env[COORDINATOR_ENV] = ",".join(addresses)
     agent.address = ",".join(addresses)

@@ -142,6 +142,11 @@ class CoordinatorClient:
         # member counts as removed from the old group). A join alone never interrupts one (every member is
         # alive, so it completes), which keeps all members' collective sequences matched.
         self.removals: list[tuple[int, frozenset[int]]] = []
+        # Called by the watcher with (epoch, members) of each newest epoch it reads (the step protocol forms
+        # the epoch's group ahead of need): must be quick and must not raise.
+        self.on_epoch: Callable[[int, tuple[int, ...]], None] | None = None
+        self.excluded = False  # an epoch removed this worker after it had been a member
+        self._connection_lock = threading.Lock()  # new_connection is called from the training and former threads
         self.address = self.addresses[0]
         self.store: Any = _HeldStore(self)
         self._store = self._first_connection()
@@ -190,7 +195,8 @@ class CoordinatorClient:
         self._sender_store.set_timeout(self._op_timeout)
         self._news_store, self._news_tunnel = open_store(self.address, token=self.token)
         self._news_store.set_timeout(self._op_timeout)
-        self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
+        with self._connection_lock:
+            self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
         generation = self._generation
         self._watch_threads = [
             threading.Thread(target=self._send, args=(generation,), name="heartbeat+metrics", daemon=True),
@@ -253,7 +259,9 @@ class CoordinatorClient:
             self._connection_failed(generation)
 
     def _advance(self, store: TCPStore, newest: int) -> None:
-        """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch."""
+        """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch; then
+        tell ``on_epoch`` of the newest one read."""
+        read: tuple[int, tuple[int, ...]] | None = None
         for epoch in range(self._seen_epoch + 1, newest + 1):
             if not store.check([keys.epoch(epoch)]):
                 continue  # published by a coordinator that died before this one (a restart skips it)
@@ -262,9 +270,14 @@ class CoordinatorClient:
             removed = self._seen_members if record.get("reform") else self._seen_members - members
             if removed:
                 self.removals.append((epoch, removed))
+            if self.worker_id in self._seen_members and self.worker_id not in members:
+                self.excluded = True
             self._seen_epoch, self._seen_members = epoch, members
+            read = (epoch, tuple(sorted(members)))
         self._seen_epoch = max(self._seen_epoch, newest)
         self.latest_epoch = max(self.latest_epoch, newest)  # after the removals: readers check both
+        if read is not None and read[0] == self.latest_epoch and self.on_epoch is not None:
+            self.on_epoch(*read)
 
     def removed_since(self, epoch: int, members: tuple[int, ...]) -> bool:
         """True if an epoch newer than ``epoch`` removed one of ``members`` (cheap: the watcher's cache)."""
@@ -382,8 +395,9 @@ class CoordinatorClient:
         The connection was opened ahead on a background thread (and the next one is started now): torch
         formats a new socket's addresses with getnameinfo, a reverse DNS lookup that stalls for the
         resolver's timeout (5 s) where DNS is slow or unreachable, and recovery must not wait for that."""
-        spare = self._spare
-        self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
+        with self._connection_lock:
+            spare = self._spare
+            self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
         try:
             return spare.result(timeout=STORE_TIMEOUT_S)
         except (RuntimeError, ConnectionError, concurrent.futures.TimeoutError):
@@ -429,6 +443,17 @@ class CoordinatorClient:
             return first
         except RuntimeError:
             return False  # the coordinator is gone: nobody left to tell
+
+    def wait_removed(self, timeout_s: float) -> bool:
+        """Whether this worker was removed from the membership or the run is stopping, waiting up to
+        ``timeout_s`` for the news (a replica-mate's death is seen by the coordinator within a heartbeat
+        timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.excluded or self.stopped is not None or self.lost is not None):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def wait_stopped(self, timeout_s: float) -> bool:
         """Wait (bounded) until the job's stop is seen; True if it was."""

@@ -19,6 +19,10 @@ sees everything, decides within the step: the first time it re-forms the same me
 again, the members that never reported either time are declared failed and the rest go on without them,
 as after a kill. The job stops only when no majority of the group where it began is left.
 
+With replicas of several ranks (``[parallel]``, ``core.layout``) membership is by whole replicas: the death,
+silence or exclusion of any rank removes its replica's every rank in the same epoch, and a replica that
+restarts is admitted only once all of its ranks have registered.
+
 Nothing polls at a high rate (the coordinator and the launcher share the workers' cores, so every wake-up
 is taken from training). The coordinator sleeps in a store wait on the next ``bell/<n>``; whoever writes
 something it must act on rings it. Between rings it wakes every ``heartbeat_timeout_s /
@@ -58,6 +62,7 @@ from unbroken.control.statestore import StaleWriteError, State, StateStore, Work
 from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
 from unbroken.core.config import RunConfig, to_toml
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import METRICS_FILE, MetricsFile, RecordKind, decode, make, read_records
 
 log = logging.getLogger(__name__)
@@ -131,6 +136,8 @@ class Coordinator:
         self.token = token if token is not None else require_token()
         self.gateway = Gateway(sock, ("127.0.0.1", internal_port), self.token)
         self.cfg = cfg
+        self.layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+        self.joining: set[int] = set()  # admitted workers whose replica is not complete yet
         self.run_dir = run_dir
         self.expected = expected_workers
         self.heartbeat_timeout_s = cfg.comm.heartbeat_timeout_s
@@ -399,7 +406,7 @@ class Coordinator:
                 reform=True,
             )
             return
-        stalled = (suspects & self.stall.suspects) or suspects
+        stalled = frozenset(self.layout.with_replicas((suspects & self.stall.suspects) or suspects))
         survivors = tuple(w for w in self.members if w not in stalled)
         if not stalled or 2 * len(survivors) <= len(self.stall.base):
             why = (
@@ -454,7 +461,8 @@ class Coordinator:
                 else:
                     dead = self._dead(counts, reported=full)
                     if dead:
-                        survivors = tuple(w for w in self.members if w not in dead)
+                        down = set(self.layout.with_replicas(dead))  # a rank's death takes its replica down
+                        survivors = tuple(w for w in self.members if w not in down)
                         if not survivors:
                             self.publish((), "every worker died")
                             self.stop("every worker died")
@@ -464,8 +472,11 @@ class Coordinator:
                             self._failure_record(wid, why)
                     elif full and (reported := self._timeouts()) is not None:
                         self._decide_stall(reported)
-                    if joined:
-                        self.publish((*self.members, *joined), "joined: " + ", ".join(str(w) for w in joined))
+                    self.joining |= set(joined)
+                    ready = [w for w in self.layout.whole(self.joining) if w not in self.members]
+                    if ready:
+                        self.joining -= set(ready)
+                        self.publish((*self.members, *ready), "joined: " + ", ".join(str(w) for w in ready))
                 self._drain_metrics(metrics_seq)
                 if self.state_store is not None:
                     if not self.state_store.is_leader():
@@ -509,8 +520,8 @@ class Coordinator:
     def _end_restore(self, joined: list[int]) -> None:
         """A restarted coordinator: publish the next epoch with the members that came back (and any joiner);
         those that did not are failures like any other."""
-        back = tuple(w for w in self.restored if w in self.returned)
-        gone = [w for w in self.restored if w not in self.returned]
+        back = self.layout.whole(w for w in self.restored if w in self.returned)  # whole replicas only
+        gone = [w for w in self.restored if w not in back]
         self.restored = ()
         members = (*back, *joined)
         if not members:

@@ -29,6 +29,9 @@
     fired/<event>             launcher / agent, worker     workers: this scheduled event already fired
     skip/<id>                 launcher / agent             that worker: the event was not delivered
     pg/<e>/...                torch.distributed            the members of epoch e: their group's rendezvous
+                                                           (pg/<e>/c<r>/...: rank r of every replica)
+    replica/<a>/<inc>/...     torch.distributed            the ranks of replica a (incarnation inc): the
+                                                           rendezvous of the replica's own process group
 
 docs/library.md lists the same table for users.
 """
@@ -115,5 +118,11 @@ def skip(worker: int) -> str:
     return f"skip/{worker}"
 
 
-def group_prefix(e: int) -> str:
-    return f"pg/{e}"
+def group_prefix(e: int, coordinate: int | None = None) -> str:
+    """The rendezvous of epoch ``e``'s group; with replicas of several ranks, one group per rank index."""
+    return f"pg/{e}" if coordinate is None else f"pg/{e}/c{coordinate}"
+
+
+def replica_prefix(replica: int, incarnation: str) -> str:
+    """The rendezvous of one incarnation of a replica's own process group (its ranks' FSDP and pipeline)."""
+    return f"replica/{replica}/{incarnation}"

@@ -35,6 +35,7 @@ from unbroken.control.store import bind_listen_socket
 from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, append_records, decode, make
 
 MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
@@ -73,6 +74,7 @@ def plan_launch(
     raises ValueError (one line) and writes nothing if anything is wrong."""
     if workers < 1:
         raise ValueError(f"--workers = {workers} must be >= 1")
+    ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline).replicas_in(workers)  # whole replicas only
     if resume:
         if not (run_dir / "config.toml").is_file():
             raise ValueError(f"--resume {run_dir}: not a run directory (no config.toml)")
@@ -143,6 +145,7 @@ class Launcher:
             self.run_dir / "logs",
             plan.restart_after_s,
             injections=bool(schedule.events),
+            layout=ReplicaLayout(self.cfg.parallel.shard, self.cfg.parallel.pipeline),
         )
 
     @property
@@ -335,7 +338,7 @@ class Launcher:
         """What is wrong with the final checkpoint a finished run must leave (empty when it verifies)."""
         final = next(r for r in reversed(self._records) if r.get("type") == RecordKind.FINAL)
         try:
-            ckptfiles.read_verified(self.run_dir, int(final["step"]))
+            ckptfiles.verify_files(self.run_dir, int(final["step"]))
         except ValueError as e:
             return f"its final checkpoint (step {final['step']}) does not verify: {e}"
         leftovers = ckptfiles.leftovers(self.run_dir)

@@ -5,6 +5,11 @@ Owns the file layout of ``RUN_DIR/checkpoints/``: ``step_<N>.pt`` (the encoded s
 written to a temporary file named after the writing process, fsynced and renamed, the manifest last, so a
 checkpoint is either complete and verifiable or ignored. Pure Python: the launcher and the per-host agent
 verify checkpoints without torch.
+
+A replica of several ranks writes a *sharded* checkpoint instead: the directory ``step_<N>.dcp/`` (its files
+are ``ft.distcp``'s), written as ``step_<N>.dcp.<tag>.tmp/``, sealed (every file fsynced, the directory
+renamed into place) and then named by the same manifest, which lists every file's size and sha256 (``dir``,
+``files``) instead of one file's.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +86,95 @@ def prune(directory: Path, keep: int) -> None:
     for manifest in manifests[:-keep] if keep > 0 else []:
         manifest.unlink(missing_ok=True)  # manifest first: a half-deleted checkpoint is never "complete"
         manifest.with_suffix(".pt").unlink(missing_ok=True)
+        shutil.rmtree(manifest.with_suffix(".dcp"), ignore_errors=True)
+
+
+def sharded_path(run_dir: Path, step: int) -> Path:
+    """The directory of the sharded checkpoint of ``step``."""
+    return checkpoint_path(run_dir, step).with_suffix(".dcp")
+
+
+def sharded_temp(run_dir: Path, step: int, tag: str) -> Path:
+    """Where the writers named ``tag`` write the sharded checkpoint of ``step`` before it is sealed."""
+    return checkpoint_dir(run_dir) / f"{sharded_path(run_dir, step).name}.{tag}.tmp"
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def seal_directory(run_dir: Path, step: int, temp: Path, keep: int) -> Path:
+    """Make the written directory ``temp`` the sharded checkpoint of ``step``: fsync its files, rename it into
+    place, write the manifest last (every file's size and sha256), then delete all but the ``keep`` newest
+    checkpoints. Returns the directory."""
+    entries: dict[str, dict[str, int | str]] = {}
+    for path in sorted(p for p in temp.iterdir() if p.is_file()):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        entries[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256_of(path)}
+    _fsync_dir(temp)
+    final = sharded_path(run_dir, step)
+    if final.exists():  # a writer that died after renaming but before the manifest: never verified, replaced
+        shutil.rmtree(final)
+    os.replace(temp, final)
+    directory = checkpoint_dir(run_dir)
+    _fsync_dir(directory)
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "dir": final.name, "files": entries, "time": time.time()}
+    write_atomic(checkpoint_path(run_dir, step).with_suffix(".json"), json.dumps(manifest, indent=1).encode())
+    _fsync_dir(directory)
+    prune(directory, keep)
+    return final
+
+
+def _manifest(run_dir: Path, step: int) -> dict[str, object]:
+    manifest_path = checkpoint_path(run_dir, step).with_suffix(".json")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if int(manifest["step"]) != step:
+            raise ValueError(f"it is for step {manifest['step']}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"manifest {manifest_path.name} is unreadable ({e})") from None
+    return manifest
+
+
+def is_sharded(run_dir: Path, step: int) -> bool:
+    """Whether the checkpoint of ``step`` is a sharded one (ValueError if its manifest is unreadable)."""
+    return "dir" in _manifest(run_dir, step)
+
+
+def verify_directory(run_dir: Path, step: int) -> Path:
+    """The directory of the sharded checkpoint of ``step`` once every file's size and sha256 match its manifest;
+    ValueError (one line) naming what is wrong otherwise."""
+    manifest = _manifest(run_dir, step)
+    try:
+        directory = checkpoint_dir(run_dir) / str(manifest["dir"])
+        files = dict(manifest["files"])  # type: ignore[call-overload]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"manifest of step {step} is not a sharded checkpoint's ({e})") from None
+    on_disk = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
+    for name, entry in files.items():
+        path = directory / name
+        if name not in on_disk:
+            raise ValueError(f"{directory.name}/{name} is missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise ValueError(
+                f"{directory.name}/{name} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+            )
+        if _sha256_of(path) != entry["sha256"]:
+            raise ValueError(f"{directory.name}/{name} fails its checksum")
+    return directory
+
+
+def verify_files(run_dir: Path, step: int) -> None:
+    """ValueError (one line) unless the checkpoint of ``step``, a file or a sharded directory, verifies."""
+    if is_sharded(run_dir, step):
+        verify_directory(run_dir, step)
+    else:
+        read_verified(run_dir, step)
 
 
 def clean_partial(run_dir: Path) -> list[Path]:
@@ -93,11 +188,17 @@ def clean_partial(run_dir: Path) -> list[Path]:
     for path in directory.glob("*.tmp"):
         if path.name.endswith(f".{os.getpid()}.tmp"):
             continue  # a save of this process under way (another of its threads)
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    for path in directory.glob("step_*.pt"):
-        if not path.with_suffix(".json").exists():
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
             path.unlink(missing_ok=True)
+        removed.append(path)
+    for path in [*directory.glob("step_*.pt"), *directory.glob("step_*.dcp")]:
+        if not path.with_suffix(".json").exists():
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     return removed
 
@@ -142,4 +243,5 @@ def leftovers(run_dir: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = sorted(directory.glob("*.tmp"))
-    return found + [p for p in sorted(directory.glob("step_*.pt")) if not p.with_suffix(".json").exists()]
+    data = [*sorted(directory.glob("step_*.pt")), *sorted(directory.glob("step_*.dcp"))]
+    return found + [p for p in data if not p.with_suffix(".json").exists()]

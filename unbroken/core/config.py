@@ -79,6 +79,13 @@ class Device(StrEnum):
     CUDA = "cuda"  # one GPU per worker: the worker's index on its host (LOCAL_RANK-style, unbroken.ft.process)
 
 
+class PipelineSchedule(StrEnum):
+    """The pipeline schedule of a replica's stages (``torch.distributed.pipelining``)."""
+
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B (GPipe for a step where a replica runs fewer microbatches than stages)
+    GPIPE = "gpipe"  # ScheduleGPipe
+
+
 def _enum_fields(section: Any) -> None:
     """Store enum fields as their enum (a section built in code may be given the plain string); ValueError
     naming the key and what is allowed for an unknown value."""
@@ -334,6 +341,25 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    shard: int = option(1, "FSDP2 ranks per replica (HSDP: sharded inside a replica, replicated across replicas)")
+    pipeline: int = option(1, "pipeline stages per replica (torch.distributed.pipelining)")
+    schedule: PipelineSchedule = option(PipelineSchedule.ONE_F_ONE_B, "the pipeline schedule")
+
+    def __post_init__(self) -> None:
+        _enum_fields(self)
+        for name in ("shard", "pipeline"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} = {getattr(self, name)} must be >= 1")
+        if self.shard > 1 and self.pipeline > 1:
+            raise ValueError(
+                f"parallel.shard = {self.shard} with parallel.pipeline = {self.pipeline} is not supported; use one "
+                "of them (docs/parallel.md: a pipeline stage's FSDP reduce-scatter is deferred by torch's "
+                "pipelining, which the exact reduction cannot fold per microbatch)"
+            )
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     tensorboard: bool = option(False, "also write TensorBoard event files (needs the tensorboard extra)")
 
@@ -349,7 +375,16 @@ class RunConfig:
     failures: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        if self.parallel.shard * self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
+            raise ValueError(
+                f"recovery.policy = {self.recovery.policy} with replicas of several ranks (parallel.shard = "
+                f"{self.parallel.shard}, parallel.pipeline = {self.parallel.pipeline}) is not supported; allowed "
+                "there: recover, drop, restart"
+            )
 
 
 def _field_type(cls: type, name: str) -> type:

@@ -49,7 +49,9 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     RecordKind.EVAL: frozenset({"step", "val_loss", "val_ppl"}),
     RecordKind.MEMBERSHIP: frozenset({"epoch", "members", "reason", "elapsed_s"}),
     RecordKind.FAILURE: frozenset({"worker", "why", "epoch"}),
-    RecordKind.RECOVERY: frozenset({"step", "from_epoch", "epoch", "alive", "reform_s", "missing", "time_reformed"}),
+    RecordKind.RECOVERY: frozenset(
+        {"step", "from_epoch", "epoch", "alive", "reform_s", "missing", "time_reformed", "time_recovered"}
+    ),
     RecordKind.CHECKPOINT: frozenset({"step", "path", "seconds"}),
     RecordKind.CHECKPOINT_REJECTED: frozenset({"detail"}),
     RecordKind.RESUME: frozenset({"step", "path"}),

@@ -24,6 +24,12 @@ The run's ``[train]`` settings that act on the model are applied here too, so ev
 ``register_state`` applies activation checkpointing, MeCeFO's efficient backward and ``torch.compile`` (in
 that order, ``transforms.py``), ``Context.device`` is where the model and its data go, and
 ``Context.autocast`` is the precision of the forward.
+
+Replicas of several ranks (``[parallel] shard`` / ``pipeline``, docs/parallel.md): ``Context.mesh`` is the
+replica's device mesh (shard the model on it, e.g. ``fsdp.apply_fsdp``), ``Context.stage`` / ``stages`` say
+which pipeline stage this rank builds; ``Step.microbatches`` then yields this rank's ids round by round (a
+rank with nothing left in a round gets a padding microbatch that counts for nothing), and a pipelined replica
+runs its microbatches with ``Step.pipeline`` instead.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -44,6 +51,7 @@ from unbroken.control.client import CoordinatorClient
 from unbroken.control.gateway import TunnelError
 from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig
 from unbroken.core.failures import FailureSchedule
+from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
 from unbroken.core.records import RecordKind
 from unbroken.ft import process
 from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
@@ -55,6 +63,12 @@ from unbroken.ft.protocol import (
     StepProtocol,
     StopRun,
 )
+
+if TYPE_CHECKING:  # imported where a replica of several ranks needs them: they cost a worker about a second
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from unbroken.ft.pipeline import BatchOf, Pipeline
+    from unbroken.ft.replica import Replica
 from unbroken.ft.state import StepOutcome, TrainingState
 from unbroken.ft.transforms import apply_activation_checkpointing, apply_compile, check_compiler
 
@@ -77,7 +91,58 @@ class Context:
         self._closed = False
         self._autocasts = 0  # how many times autocast() was entered under bf16 (a forward outside it is warned)
         self._warned_precision = False
+        self.layout = ReplicaLayout(self.config.parallel.shard, self.config.parallel.pipeline)
+        self._replica = self._join_replica() if self.layout.size > 1 else None
+        self._pipeline: Pipeline | None = None
         atexit.register(self.close)
+
+    # -- a replica of several ranks -------------------------------------------------------------------
+    def _join_replica(self) -> Replica:
+        """Form this rank's replica (its own process group and mesh) with its replica-mates."""
+        from unbroken.ft.replica import Replica
+
+        job = self._job
+        if job.worker_id is None or job.local is not None:
+            raise ValueError(
+                f"parallel.shard = {self.layout.shard}, parallel.pipeline = {self.layout.pipeline}: a replica of "
+                f"several ranks needs a job of several workers with known ids (unbroken launch / agent set "
+                "UNBROKEN_WORKER_ID; torchrun sets RANK)"
+            )
+        try:
+            return Replica(
+                self.layout,
+                job.worker_id,
+                job.connect(),
+                os.environ.get(INCARNATION_ENV, DEFAULT_INCARNATION),
+                4 * self.config.comm.op_timeout_s,
+                job.device,
+                job.backend,
+                self._replica_down,
+            )
+        except (RuntimeError, TunnelError) as e:
+            self._replica_down(f"its ranks did not meet ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+    def _replica_down(self, reason: str) -> NoReturn:
+        """This rank's replica is down: end the process now (any thread; the replica restarts whole)."""
+        log.error("leaving: %s", reason)
+        self._job.leave(EXIT_STOPPED)
+        raise AssertionError("leave() returned")  # pragma: no cover
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The replica's device mesh under ``parallel.shard`` > 1 (dimension ``"shard"``: apply FSDP2 on it)
+        or ``parallel.pipeline`` > 1 (``"pp"``); None for a replica of one rank."""
+        return self._replica.mesh if self._replica is not None else None
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without pipelining): build that part of the model."""
+        return self._replica.stage if self._replica is not None else 0
+
+    @property
+    def stages(self) -> int:
+        """The pipeline stages of a replica (``parallel.pipeline``)."""
+        return self.layout.pipeline
 
     # -- where and how precisely the model computes ------------------------------------------------
     @property
@@ -210,7 +275,11 @@ class Context:
             device,
             tuple(range(job.expected_workers())),
             total,
+            self._replica,
         )
+        if self._replica is not None:
+            client = self._client
+            self._replica.removed = client.wait_removed
         self._proto.join(resume=job.resume(), late=self._client.late)
         return self._proto
 
@@ -220,14 +289,69 @@ class Context:
         recovered, and the next step goes on as usual)."""
         proto = self._proto
         assert proto is not None and proto.group is not None, "evaluate() runs between steps"
+        if self.layout.pipeline > 1:
+            raise ValueError("under parallel.pipeline > 1, evaluate with evaluate_pipeline()")
         total = torch.zeros(2, dtype=torch.float64)
-        for k in range(proto.group.rank, num_items, proto.group.size):
-            total[0] += float(loss_of(k))
-            total[1] += 1
+        # The items are split over every rank computing a forward of its own: the members, and under FSDP each
+        # member's shards. A replica's ranks run as many forwards each (FSDP gathers the weights together):
+        # one with fewer items runs item 0 again and ignores it.
+        lanes = proto.group.size * self.layout.shard
+        lane = proto.group.rank * self.layout.shard + (self._replica.shard if self._replica is not None else 0)
+        rounds = math.ceil(num_items / lanes) if self._replica is not None else 0
+        for k in range(lane, max(num_items, rounds * lanes), lanes):
+            value = float(loss_of(k if k < num_items else 0))
+            if k < num_items:
+                total[0] += value
+                total[1] += 1
+        return self._mean_over_members(total)
+
+    def evaluate_pipeline(
+        self, num_items: int, batch_of: BatchOf, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> float | None:
+        """``evaluate`` for a pipelined replica: the mean loss of items ``batch_of(k) -> (inputs, targets)``,
+        ``k < num_items``, each replica running its share through its pipeline (forward only)."""
+        proto = self._proto
+        assert proto is not None and proto.group is not None, "evaluate_pipeline() runs between steps"
+        ids = list(range(proto.group.rank, num_items, proto.group.size))
+        total = torch.zeros(2, dtype=torch.float64)
+        if ids:
+            with self._guard():
+                losses = self.pipeline(loss_fn).evaluate(ids, batch_of)
+            total[0], total[1] = sum(losses), len(losses)
+        return self._mean_over_members(total)
+
+    def _mean_over_members(self, total: torch.Tensor) -> float | None:
+        proto = self._proto
+        assert proto is not None
         with self._guard():
+            proto._combine_sum(total)
             if not proto.allreduce_interruptible(total):
                 return None
         return float(total[0] / total[1])
+
+    def pipeline(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+        """This rank's pipeline stage (the registered model) under its replica's schedule (``parallel.schedule``);
+        ``loss_fn(output, target)`` is the mean loss of a microbatch, computed on the last stage."""
+        proto, replica = self._proto, self._replica
+        assert proto is not None and self.state.model is not None
+        if replica is None or self.layout.pipeline == 1:
+            raise ValueError("pipeline() needs parallel.pipeline > 1")
+        if self._pipeline is None:
+            from unbroken.ft.pipeline import Pipeline
+
+            self._pipeline = Pipeline(
+                self.state.model,
+                replica.stage,
+                self.layout.pipeline,
+                next(self.state.model.parameters()).device,
+                replica.pg,
+                loss_fn,
+                self.config.parallel.schedule,
+                proto.reducer,
+                proto.M,
+            )
+        self._pipeline.loss_fn = loss_fn
+        return self._pipeline
 
     def log(self, kind: str, **fields: Any) -> None:
         """Publish a metrics record of ``kind`` (e.g. ``"eval"``) into the run's metrics.jsonl (the leader's)."""
@@ -244,6 +368,8 @@ class Context:
         except StopRun as e:
             self._leave(e)
         except (RuntimeError, TunnelError) as e:
+            if self._replica is not None:
+                self._replica.collective_failed(e)  # leaves if the replica is down (a replica-mate died)
             if not self._connection_error(e):
                 raise
             self._leave(StopRun(str(e).splitlines()[0] if str(e) else type(e).__name__))
@@ -314,6 +440,7 @@ class Step:
         self._first = True
         self._factor = 1.0
         self._autocasts = 0
+        self._padding = False
 
     @property
     def efficient(self) -> bool:
@@ -326,31 +453,81 @@ class Step:
         per id. When the iteration ends, ``param.grad`` holds the step's agreed gradient."""
         if self._status is not _Status.OPEN:
             raise RuntimeError(f"step {self.index}: microbatches() was already iterated")
+        if self._ctx.layout.pipeline > 1:
+            raise RuntimeError("under parallel.pipeline > 1 a step runs its microbatches with step.pipeline()")
         proto, guard = self._proto, self._ctx._guard
         try:
             with guard():
                 todo = proto.start_step()
-            while True:
-                if proto.state.step != self.index:
-                    proto.pending_todo = todo
-                    self._status = _Status.ELSEWHERE
-                    return
-                for k, j in enumerate(todo):
+            while not self._elsewhere(todo):
+                lanes = _rounds(todo, self._ctx.layout.shard, self._ctx._replica)
+                for k, (j, padding, round_ids) in enumerate(lanes):
                     with guard():
-                        self._enter(j, first=k == 0, last=k == len(todo) - 1)
+                        self._enter(j, first=k == 0, last=k == len(lanes) - 1, padding=padding)
                     yield j
                     if self._awaiting is not None:
                         raise RuntimeError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
-                with guard():
-                    todo_next = proto.reduce_step()
+                    if round_ids is not None:
+                        proto.round_done(round_ids)
+                todo_next = self._reduce()
                 if todo_next is None:
-                    self._status = _Status.REDUCED
                     return
                 todo = todo_next
         finally:
             self._exit()
 
-    def _enter(self, microbatch: int, first: bool, last: bool) -> None:
+    def _elsewhere(self, todo: list[int]) -> bool:
+        """The others committed this step while this worker recovered (it received their state): keep ``todo``,
+        its share of the next step, for when that starts."""
+        if self._proto.state.step == self.index:
+            return False
+        self._proto.pending_todo = todo
+        self._status = _Status.ELSEWHERE
+        return True
+
+    def _reduce(self) -> list[int] | None:
+        """Reduce this worker's microbatches: None once the step's gradient is agreed, else the ids to compute
+        next (its share of those a failure lost, or all its own again after a fixed-point overflow)."""
+        with self._ctx._guard():
+            todo = self._proto.reduce_step()
+        if todo is None:
+            self._status = _Status.REDUCED
+        return todo
+
+    def pipeline(self, batch_of: BatchOf, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Under ``parallel.pipeline`` > 1, instead of ``microbatches()``: run this replica's microbatches through
+        its pipeline (``batch_of(id) -> (inputs, targets)``, stacked along the first dimension; ``loss_fn(output,
+        target)`` the mean loss of one microbatch, on the last stage), then, if a replica died meanwhile, its
+        share of the lost ones. When it returns, ``param.grad`` holds the step's agreed gradient."""
+        if self._status is not _Status.OPEN:
+            raise RuntimeError(f"step {self.index}: its microbatches already ran")
+        ctx, proto, guard = self._ctx, self._proto, self._ctx._guard
+        model = proto.state.model
+        assert model is not None
+        with guard():
+            pipe = ctx.pipeline(loss_fn)
+            todo = proto.start_step()
+        while not self._elsewhere(todo):
+            proto.injector.step = self.index
+            hooks = proto.injector.phase_hooks(model, first=True, last=True)
+            started = time.perf_counter()
+            try:
+                with guard():
+                    losses = pipe.run(todo, batch_of) if todo else {}
+            finally:
+                remove(hooks)
+            slow = proto.injector.slow_factor()
+            if slow > 1.0:  # an injected slow-down: this rank (so its replica) computes `slow` x slower
+                time.sleep((slow - 1.0) * (time.perf_counter() - started))
+            if pipe.last:
+                proto.pipelined(losses, {j: int(batch_of(j)[1].numel()) for j in losses})
+            proto.round_done(todo, (time.perf_counter() - started) / max(1, len(todo)))
+            todo_next = self._reduce()
+            if todo_next is None:
+                return
+            todo = todo_next
+
+    def _enter(self, microbatch: int, first: bool, last: bool, padding: bool = False) -> None:
         proto = self._proto
         proto.injector.step = self.index
         model = proto.state.model
@@ -364,6 +541,8 @@ class Step:
         if eb is not None:
             eb.set_active(proto.is_efficient(microbatch))
         self._awaiting = microbatch
+        self._padding = padding
+        proto.before_backward(microbatch, padding)
         self._factor = proto.injector.loss_factor(microbatch)
         self._autocasts = self._ctx._autocasts
         self._t0 = time.perf_counter()
@@ -386,6 +565,8 @@ class Step:
         self._ctx._check_autocast(self._autocasts)
         if self._factor != 1.0:
             loss = loss * self._factor
+        if self._padding:
+            loss = loss * 0.0  # a padding microbatch of a round: it takes part in FSDP's collectives only
         with self._ctx._guard():  # failure injection inside the backward talks to the launcher
             (loss / proto.M).backward()
         remove(self._hooks)
@@ -399,7 +580,8 @@ class Step:
             time.sleep((slow - 1.0) * elapsed)  # an injected slow-down: this worker computes `slow` x slower
             elapsed *= slow
         self._awaiting = None
-        proto.after_backward(j, float(loss.detach()), tokens, elapsed)
+        if not self._padding:
+            proto.after_backward(j, float(loss.detach()), tokens, elapsed)
 
     def commit(self, optimizer: torch.optim.Optimizer | None = None, clip_grad_norm: float = 0.0) -> StepOutcome:
         """End the step: unless the gradient is not finite (then the step is skipped on every member alike),
@@ -418,6 +600,21 @@ class Step:
             self._status = _Status.COMMITTED
             proto.save_checkpoint_if_due()
         return outcome
+
+
+def _rounds(todo: list[int], shard: int, replica: Replica | None) -> list[tuple[int, bool, list[int] | None]]:
+    """This rank's microbatches of ``todo`` as (id, padding, the round's ids): a replica of ``shard`` FSDP ranks
+    computes them in rounds of ``shard``, rank j taking the j-th id of each (a microbatch is never split over
+    ranks, so its gradient is the same bits whoever computes it); a rank with none left in the last round
+    runs the round's first id as padding. A replica of one rank: its ids, no rounds."""
+    if replica is None:
+        return [(j, False, None) for j in todo]
+    out: list[tuple[int, bool, list[int] | None]] = []
+    for start in range(0, len(todo), shard):
+        ids = todo[start : start + shard]
+        mine = replica.shard < len(ids)
+        out.append((ids[replica.shard] if mine else ids[0], not mine, ids))
+    return out
 
 
 def init(config: RunConfig | None = None, run_dir: str | os.PathLike[str] | None = None) -> Context:

@@ -21,6 +21,7 @@ import datetime
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,7 @@ class Group:
     works: list[dist.Work] = field(default_factory=list)  # collectives started on it, not yet seen complete
     backend: str = "gloo"
     aborted: bool = False
+    formed_at: float = field(default_factory=time.time)  # wall clock when its rendezvous completed
 
     @property
     def nccl(self) -> bool:
@@ -188,8 +190,10 @@ def form_group(
     timeout_s: float,
     device: torch.device,
     interrupted: Callable[[], bool] = lambda: False,
+    coordinate: int | None = None,
 ) -> tuple[Group | None, WaitStatus]:
-    """Build the epoch's process group under the store prefix ``pg/<epoch>`` (every member calls this).
+    """Build the epoch's process group under the store prefix ``pg/<epoch>`` (every member calls this; with
+    replicas of several ranks, ``coordinate`` names the rank index whose group this is: ``pg/<epoch>/c<r>``).
 
     The rendezvous blocks until every member has arrived, so it runs on a helper thread while this one
     watches ``interrupted`` (a newer epoch: a member died before arriving) and the ``timeout_s`` deadline (a
@@ -201,7 +205,7 @@ def form_group(
     rank = ordered.index(worker_id)
     if len(ordered) == 1:
         return Group(epoch, ordered, 0, None, device), WaitStatus.DONE
-    prefixed = PrefixStore(keys.group_prefix(epoch), store)
+    prefixed = PrefixStore(keys.group_prefix(epoch, coordinate), store)
     timeout = datetime.timedelta(seconds=timeout_s)
     result: list[dist.ProcessGroup | BaseException] = []
     finished, abandoned = threading.Event(), threading.Event()
@@ -242,6 +246,106 @@ def form_group(
         log.warning("forming the group of epoch %d failed: %s", epoch, result[0])
         return None, WaitStatus.FAILED
     return Group(epoch, ordered, rank, result[0], device, backend=backend), WaitStatus.DONE
+
+
+class GroupFormer:
+    """Forms the group of a newly published epoch ahead of need, on a thread of its own (gloo only).
+
+    The coordinator publishes an epoch the moment it learns of a death. A survivor still computing its
+    microbatches would reach the new group's rendezvous only at its reduction, and every other member would
+    wait there for it; formed as soon as each member's watcher sees the epoch (``offer``), the group is ready
+    when the training thread asks for it (``take``), and the computing survivor's microbatches were not wasted.
+    An attempt whose epoch is superseded ends (``superseded``), and a group formed but never taken is retired.
+
+    NCCL groups are not formed ahead: a new communicator must not be created on a GPU where the old one may be
+    spinning on a dead peer until ``abort_group`` has ended it (docs/gpu.md)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Store],
+        worker_id: int,
+        backend: str,
+        timeout_s: float,
+        device: torch.device,
+        superseded: Callable[[int], bool],
+        coordinate: int | None = None,
+    ) -> None:
+        self._coordinate = coordinate
+        self._connect = connect
+        self._worker_id = worker_id
+        self._backend = backend
+        self._timeout_s = timeout_s
+        self._device = device
+        self._superseded = superseded
+        self._lock = threading.Lock()
+        self._attempts: dict[int, _Attempt] = {}
+        self._taken = 0  # the newest epoch the training thread has asked for
+
+    def offer(self, epoch: int, members: Sequence[int]) -> None:
+        """Start forming ``epoch``'s group (members ``members``) unless it is not this worker's to form ahead.
+        Cheap and never raises: the client's watcher thread calls it."""
+        if self._backend != "gloo" or self._worker_id not in members or len(members) < 2:
+            return
+        with self._lock:
+            if epoch <= self._taken or epoch in self._attempts:
+                return
+            attempt = _Attempt()
+            self._attempts[epoch] = attempt
+        threading.Thread(
+            target=self._form, args=(epoch, tuple(members), attempt), name=f"pre-form-{epoch}", daemon=True
+        ).start()
+
+    def _form(self, epoch: int, members: tuple[int, ...], attempt: _Attempt) -> None:
+        try:
+            attempt.result = form_group(
+                self._connect(),
+                epoch,
+                members,
+                self._worker_id,
+                self._backend,
+                self._timeout_s,
+                self._device,
+                lambda: self._superseded(epoch),
+                self._coordinate,
+            )
+        except (RuntimeError, OSError, ConnectionError) as e:  # no store connection: the training thread retries
+            log.warning("forming the group of epoch %d ahead failed: %s", epoch, e)
+            attempt.result = (None, WaitStatus.FAILED)
+        with self._lock:
+            stale = epoch < self._taken
+            if stale:
+                self._attempts.pop(epoch, None)
+        if stale and attempt.result[0] is not None:
+            retire_group(attempt.result[0], self._timeout_s + 1.0)
+        attempt.done.set()
+
+    def take(self, epoch: int) -> tuple[Group | None, WaitStatus] | None:
+        """The training thread needs ``epoch``'s group: the attempt's outcome once it ends (bounded by the
+        rendezvous timeout and by the epoch being superseded), or None if none was started (form it
+        directly). Attempts for older epochs are dropped (their groups retired)."""
+        with self._lock:
+            self._taken = max(self._taken, epoch)
+            attempt = self._attempts.pop(epoch, None)
+            older = [e for e in self._attempts if e < epoch]
+            finished = [self._attempts.pop(e) for e in older if self._attempts[e].done.is_set()]
+        for old in finished:
+            if old.result[0] is not None:
+                retire_group(old.result[0], self._timeout_s + 1.0)
+        if attempt is None:
+            return None
+        attempt.done.wait()
+        return attempt.result
+
+    def pending(self) -> int:
+        """Attempts started and not yet taken or dropped (for tests)."""
+        with self._lock:
+            return len(self._attempts)
+
+
+@dataclass
+class _Attempt:
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[Group | None, WaitStatus] = (None, WaitStatus.FAILED)
 
 
 class Pending:
@@ -371,6 +475,18 @@ class LocalFlags:
     overflow: int = 0  # microbatches whose gradient did not fit the fixed point
 
 
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (FSDP2's sharded parameters), without importing DTensor's module: it
+    costs a worker about a second at start, and where it was never imported no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of an FSDP-sharded ``DTensor``, else the tensor."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
 class GradientReducer:
     """Sums the workers' local gradients into a separate flat buffer, bucket by bucket.
 
@@ -388,6 +504,10 @@ class GradientReducer:
 
     The local contribution (``param.grad`` in fp32 mode, the int64 accumulator in exact mode) is never
     touched by a collective, so a reduction interrupted by a failure is restarted on the next group from it.
+
+    Parameters sharded by FSDP (``DTensor``s, ``sharded``) are reduced as their local shards: across replicas,
+    shard by shard. In exact mode their microbatch gradients are folded inside FSDP's reduce-scatter
+    (``fsdp.ExactReduceScatter``, through ``note`` and ``accumulate``) instead of by ``fold``.
     """
 
     def __init__(
@@ -401,7 +521,9 @@ class GradientReducer:
         self.params = list(params)
         self.num_extras = num_extras
         self.exact = exact
-        device = self.params[0].device
+        self.sharded = any(is_dtensor(p) for p in self.params)
+        self.numels = [local_tensor(p).numel() for p in self.params]
+        device = local_tensor(self.params[0]).device
         element_bytes = 8 if exact else 4
         # A small first bucket (DDP's policy) starts the reduction of the last layers' gradients while the
         # rest of the backward runs.
@@ -411,7 +533,7 @@ class GradientReducer:
         current_bytes = 0
         for index in reversed(range(len(self.params))):
             current.append(index)
-            current_bytes += self.params[index].numel() * element_bytes
+            current_bytes += self.numels[index] * element_bytes
             if current_bytes >= (bucket_bytes if self.buckets else first_bytes):
                 self.buckets.append(current)
                 current, current_bytes = [], 0
@@ -424,7 +546,7 @@ class GradientReducer:
             start = offset
             for index in bucket:
                 self.offsets[index] = offset
-                offset += self.params[index].numel()
+                offset += self.numels[index]
             self.bucket_ranges.append((start, offset))
         dtype = torch.int64 if exact else torch.float32
         self.flat = torch.zeros(offset, dtype=dtype, device=device)
@@ -447,10 +569,13 @@ class GradientReducer:
         self._pending: list[Pending] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # only while a backward is armed
         self._armed_microbatch: int | None = None
+        # The microbatch whose backward runs now (set by the step protocol); a padding microbatch (a rank of a
+        # replica with nothing left to compute in a round) contributes nothing.
+        self.current: int | None = None
+        self.padding = False
 
     def _view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
-        p = self.params[index]
-        return buffer[self.offsets[index] : self.offsets[index] + p.numel()]
+        return buffer[self.offsets[index] : self.offsets[index] + self.numels[index]]
 
     # -- exact mode ---------------------------------------------------------------------------------
     def set_exponents(self, exponents: Sequence[int], limit: float) -> None:
@@ -497,21 +622,48 @@ class GradientReducer:
         # (not finite) or redone from an empty accumulator (did not fit), never committed.
         peaks = quantise_sum([g for _, g in unfolded], accumulated, out, exponent, self.limit)
         for (microbatch, _), value in zip(unfolded, peaks, strict=True):
-            if not math.isfinite(value):
-                if microbatch not in self.flags.nonfinite_ids:
-                    self.flags.nonfinite_ids.append(microbatch)
-                if self.flags.first_bad_param is None or index < self.flags.first_bad_param:
-                    self.flags.first_bad_param = index
-                continue
+            self._note(index, microbatch, value)
+
+    def _note(self, index: int, microbatch: int, value: float) -> bool:
+        """What microbatch ``microbatch``'s gradient of parameter ``index`` showed (its max |value|): True if it
+        is finite and fits the fixed point; else the flags say so (the step is then skipped or redone)."""
+        if not math.isfinite(value):
+            if microbatch not in self.flags.nonfinite_ids:
+                self.flags.nonfinite_ids.append(microbatch)
+            if self.flags.first_bad_param is None or index < self.flags.first_bad_param:
+                self.flags.first_bad_param = index
+            fits = False
+        else:
             self.observed[index] = max(self.observed[index], value)
-            if value * 2.0**exponent >= self.limit:
+            fits = value * 2.0 ** self.exponents[index] < self.limit
+            if not fits:
                 self._overflowed.add(microbatch)
         self.flags.overflow = len(self._overflowed - set(self.flags.nonfinite_ids))
+        return fits
+
+    def note(self, index: int, value: float) -> bool:
+        """The current microbatch's gradient of parameter ``index`` has max |value| ``value`` (folded outside,
+        by FSDP's reduce-scatter): see ``_note``."""
+        assert self.current is not None, "the step protocol names the microbatch before its backward"
+        return self._note(index, self.current, value)
+
+    def accumulate(self, index: int, values: torch.Tensor) -> None:
+        """Add ``values`` (int64, parameter ``index``'s local shard) into the local contribution."""
+        assert self.accumulator is not None
+        view = self._view(self.accumulator, index)
+        if self._written[index]:
+            view.add_(values)
+        else:
+            view.copy_(values)
+            self._written[index] = True
 
     def fold(self, microbatch: int) -> None:
         """Exact mode: move the gradient of microbatch ``microbatch``, just back-propagated, into the local
-        contribution (the armed backward takes its own gradients as they come)."""
+        contribution (the armed backward takes its own gradients as they come; FSDP's reduce-scatter folds
+        sharded parameters itself)."""
         assert self.accumulator is not None
+        if self.sharded:
+            return
         for index in range(len(self.params)):
             self._take(index, microbatch, fold_now=True)
 
@@ -519,7 +671,7 @@ class GradientReducer:
         """fp32 mode: note whether this worker's local gradient (its microbatches ``microbatch_ids``) holds a
         NaN or an infinity (one fused pass; called only on the path that diagnoses a skipped step)."""
         assert not self.exact
-        grads = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [(i, local_tensor(p.grad)) for i, p in enumerate(self.params) if p.grad is not None]
         if not grads:
             return
         peaks = torch._foreach_norm([g for _, g in grads], float("inf"))
@@ -589,7 +741,7 @@ class GradientReducer:
             elif self.params[index].grad is None:
                 view.zero_()
             else:
-                grad = self.params[index].grad
+                grad = local_tensor(self.params[index].grad)
                 assert grad.data_ptr() != view.data_ptr(), "reset_local() must drop the last step's reduced views"
                 view.copy_(grad.reshape(-1))
 
@@ -649,12 +801,18 @@ class GradientReducer:
         is exact)."""
         for index, p in enumerate(self.params):
             view = self._view(self.flat, index)
+            shard = local_tensor(p)
             if self.exact:
-                p.grad = dequantise(view, self.exponents[index], p.dtype).view_as(p)
+                grad = dequantise(view, self.exponents[index], p.dtype).view_as(shard)
             else:
-                p.grad = view.view_as(p)
+                grad = view.view_as(shard)
             if scale != 1.0:
-                p.grad.mul_(scale)
+                grad.mul_(scale)
+            if is_dtensor(p):
+                from torch.distributed.tensor import DTensor
+
+                grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            p.grad = grad
 
     def close(self) -> None:
         self._unhook()

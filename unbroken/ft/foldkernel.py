@@ -2,7 +2,9 @@
 
 ``quantise_sum(grads, base, out, e, limit)`` writes ``base + sum_j round(grads[j] x 2**e)`` (round half to
 even) to ``out`` and returns each gradient's max |value|; ``dequantise(acc, e)`` returns ``acc x 2**-e``
-(int64 to float32 rounds once, the power-of-two scale is exact); ``peak(t)`` is max |t|.
+(int64 to float32 rounds once, the power-of-two scale is exact); ``peak(t)`` is max |t|;
+``square_sum(t, e)`` is ``sum_i round(t_i**2 x 2**e)`` as an integer (a float32's square is exact in float64),
+which does not depend on how ``t`` is split: the exact gradient norm's part.
 
 On the CPU, for float32, each is one numba loop. The fold is bound by memory traffic, writes above all:
 torch's ops (extremes, multiply, round, convert, add) make six passes per microbatch and cost about 15% of a
@@ -28,8 +30,11 @@ KERNEL_ARITY = 4  # gradients summed in one pass (more are summed four at a time
 _NO_BASE = np.zeros(1, dtype=np.int64)
 
 
+_Kernels = tuple[Callable[..., tuple[int, ...]], Callable[..., int], Callable[..., None], Callable[..., int]]
+
+
 @functools.cache
-def _kernels() -> tuple[Callable[..., tuple[int, ...]], Callable[..., int], Callable[..., None]] | None:
+def _kernels() -> _Kernels | None:
     """The compiled CPU kernels (cached on disk by numba), or None when numba is not installed."""
     try:
         import numba
@@ -83,7 +88,15 @@ def _kernels() -> tuple[Callable[..., tuple[int, ...]], Callable[..., int], Call
         for i in range(acc.size):
             out[i] = np.float32(acc[i]) * scale
 
-    return quantise_sum4, peak_bits, dequantise
+    @numba.njit(cache=True, nogil=True)
+    def square_sum(values: Any, scale: float) -> int:
+        total = np.int64(0)
+        for i in range(values.size):
+            v = np.float64(values[i])
+            total += np.int64(np.rint(v * v * scale))
+        return total
+
+    return quantise_sum4, peak_bits, dequantise, square_sum
 
 
 def _float_of(bits: int) -> float:
@@ -163,3 +176,14 @@ def dequantise(acc: torch.Tensor, exponent: int, dtype: torch.dtype = torch.floa
         kernels[2](acc.numpy(), out.numpy(), np.float32(2.0**-exponent))
         return out
     return acc.to(dtype).mul_(2.0**-exponent)
+
+
+def square_sum(tensor: torch.Tensor, exponent: int) -> int:
+    """``sum_i round(tensor_i**2 x 2**exponent)`` (round half to even) for a float32 ``tensor``: each square is
+    exact in float64 and so is its scaling (the caller keeps the sum below 2**63), so the result is the same
+    integer however the tensor is split and summed."""
+    flat = tensor.detach().reshape(-1)
+    kernels = _kernels()
+    if kernels is not None and _on_cpu(flat, torch.float32):
+        return int(kernels[3](flat.numpy(), 2.0**exponent))
+    return int(flat.double().square().mul_(2.0**exponent).round_().to(torch.int64).sum())

@@ -269,6 +269,10 @@ class Job:
             self._probe = _reach(addresses_of(self.address), self.token)
         return self._probe
 
+    def connect(self) -> Any:
+        """A new authenticated store connection to the job's coordinator (for a rendezvous of its own)."""
+        return _reach(addresses_of(self.address), self.token)
+
     def leave(self, code: int) -> None:
         """End this worker with ``code``: the process (flushing logs first), or the thread in tests."""
         if not self.exit_process:
@@ -311,6 +315,9 @@ def stop_without_coordinator(proto: StepProtocol | None, run_dir: Path) -> str:
     saved = ckpt.list_checkpoints(run_dir)
     if saved and saved[0] >= step:
         path = ckpt.checkpoint_path(run_dir, saved[0])
+    elif proto.replica is not None:  # the ranks of the leading replica, together
+        proto.write_checkpoint()
+        path = ckpt.sharded_path(run_dir, step)
     else:
         path = ckpt.save_checkpoint(run_dir, step, proto.state.snapshot(), proto.cfg.checkpoint_keep)
     proto.append_undrained({"type": "coordinator_lost", "step": step, "path": str(path), "time": time.time()})

@@ -12,6 +12,12 @@ It knows the registered state (``state.TrainingState``), the collectives (``comm
 (``sidevec``), the coordinator (through ``control.client``) and the fault injector (``inject``); it knows
 nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object, not a
 process: unit tests drive several of them from threads of one process on real gloo groups.
+
+With replicas of several ranks (``replica``: FSDP shards or pipeline stages, docs/parallel.md) the member
+that plans, counts and commits is the replica; each rank runs the protocol on the group of its rank index
+across the live replicas (its shard of the gradient and of the state), and the ranks of a replica agree on
+every decision one of them could take differently (``Replica.agree``), so a replica commits, recovers or
+leaves as one: every wait on a collective ends in such an agreement.
 """
 
 from __future__ import annotations
@@ -22,33 +28,40 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control.client import CoordinatorClient
+from unbroken.control.client import CoordinatorClient, Epoch
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
 from unbroken.core.failures import Phase
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.core.records import RecordKind, append_records, make
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.comm import (
     GradientReducer,
     Group,
+    GroupFormer,
     Pending,
     WaitStatus,
     abort_group,
     allreduce_async,
     broadcast_async,
     form_group,
+    local_tensor,
     retire_group,
     wait_all,
 )
 from unbroken.ft.exact import FixedPointScale
-from unbroken.ft.foldkernel import extremes, peak
+from unbroken.ft.foldkernel import extremes
+from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.sidevec import Reduced, SideVector
 from unbroken.ft.state import StepOutcome, TrainingState
+
+if TYPE_CHECKING:
+    from unbroken.ft.replica import Replica
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +146,11 @@ class StepProtocol:
         device: torch.device,
         ring: tuple[int, ...],
         total: int,
+        replica: Replica | None = None,
     ) -> None:
         assert state.model is not None
+        self.replica = replica
+        self.layout = replica.layout if replica is not None else ReplicaLayout()
         self.cfg = cfg
         self.total = total  # the run's steps: the state after the last one is the final checkpoint
         self.M = cfg.microbatches
@@ -147,9 +163,12 @@ class StepProtocol:
         self.ring = ring  # the configured workers in ring order (MeCeFO's neighbours)
         self.params = list(state.model.parameters())
         self.names = [n for n, _ in state.model.named_parameters()]
+        # This rank's tensors among the whole model's (a pipeline stage holds some of them): their positions,
+        # and every tensor's size and name, in the model's order.
+        self.index, self.numels, self.all_names = self._model_tensors()
         self.exact = cfg.reduction is Reduction.EXACT
         if self.exact:
-            state.scale = FixedPointScale(len(self.params), self.M)
+            state.scale = FixedPointScale(len(self.numels), self.M)
         self.side = SideVector(self.M)
         self.reducer = GradientReducer(
             self.params,
@@ -158,7 +177,21 @@ class StepProtocol:
             exact=self.exact,
             first_bucket_bytes=cfg.first_bucket_bytes,
         )
+        if replica is not None:
+            from unbroken.ft.fsdp import prepare_fsdp
+
+            prepare_fsdp(state.model, self.reducer)
         self.group: Group | None = None
+        self.former = GroupFormer(
+            client.new_connection,
+            client.worker_id,
+            backend,
+            cfg.op_timeout_s,
+            device,
+            lambda epoch: client.latest_epoch > epoch or client.stopped is not None,
+            self.coordinate,
+        )
+        client.on_epoch = self._epoch_published
         self.resume_pending = False
         self.recovering = False
         # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
@@ -186,9 +219,52 @@ class StepProtocol:
         return self.client.worker_id
 
     @property
+    def unit(self) -> int:
+        """What the planner plans for and the side vector counts: this worker, or its replica."""
+        return self.layout.replica_of(self.wid)
+
+    @property
+    def coordinate(self) -> int | None:
+        """This rank's index in its replica (its group's), or None for a replica of one rank."""
+        return self.replica.rank if self.replica is not None else None
+
+    def units(self) -> tuple[int, ...]:
+        """The members of the current group as the planner sees them (workers, or their replicas)."""
+        assert self.group is not None
+        return tuple(self.layout.replica_of(w) for w in self.group.members)
+
+    @property
     def leader(self) -> bool:
+        """This worker is (a rank of) the group's first member: it writes checkpoints."""
         assert self.group is not None
         return self.group.rank == 0
+
+    @property
+    def publisher(self) -> bool:
+        """This worker publishes the group's records (the leader; of a replica, its first rank)."""
+        return self.group is not None and self.leader and (self.replica is None or self.replica.rank == 0)
+
+    def _model_tensors(self) -> tuple[list[int], list[int], list[str]]:
+        n = len(self.params)
+        mine = [(name, p.numel()) for name, p in zip(self.names, self.params, strict=True)]
+        if self.replica is None or self.layout.pipeline == 1:
+            return list(range(n)), [numel for _, numel in mine], list(self.names)
+        stages = self.replica.gather(mine)  # in stage order: the model's order
+        start = sum(len(stages[r]) for r in range(self.replica.rank))
+        every = [entry for stage in stages for entry in stage]
+        return list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every]
+
+    def _combine_max(self, tensor: torch.Tensor) -> None:
+        if self.replica is not None:
+            self.replica.all_reduce(tensor, torch.distributed.ReduceOp.MAX)
+
+    def _combine_sum(self, tensor: torch.Tensor) -> None:
+        if self.replica is not None:
+            self.replica.all_reduce(tensor)
+
+    def _agreed(self, ok: bool) -> bool:
+        """``ok`` agreed over the ranks of this worker's replica (itself for a replica of one rank)."""
+        return ok if self.replica is None else self.replica.agree(ok)
 
     def interrupted(self) -> bool:
         """True when a member of the current group was removed or its group must be re-formed (a newer epoch
@@ -207,10 +283,11 @@ class StepProtocol:
         return self.recovering or client.left_for_newer(group.epoch, group.members)
 
     def _wait(self, pending: list[Pending]) -> None:
+        """Wait for ``pending``; Interrupted unless it completed (on every rank of the replica)."""
         status = wait_all(pending, self.cfg.op_timeout_s, self.interrupted)
         if status is WaitStatus.TIMED_OUT:
             self._report_timeout()
-        if not status:
+        if not self._agreed(bool(status)):
             raise Interrupted
 
     def _report_timeout(self) -> None:
@@ -219,43 +296,70 @@ class StepProtocol:
         assert self.group is not None
         self.client.report_timeout(self.group.epoch)
 
+    def _epoch_published(self, epoch: int, members: tuple[int, ...]) -> None:
+        """The watcher read a newer epoch: form its group ahead if this worker will need it. A rank of a
+        replica that the epoch removes leaves at once (its replica-mate died: FSDP's or the pipeline's
+        collectives may be blocked on it, and only ending the process bounds them)."""
+        if self.replica is not None and self.group is not None and self.wid not in members:
+            self.replica.down(f"epoch {epoch} does not include it")
+        if self.group is None or epoch > self.group.epoch:
+            self.former.offer(epoch, self.layout.coordinate(members, self.layout.rank_of(self.wid)))
+
     def form_next_group(self) -> None:
-        """Wait for an epoch newer than the current group's that includes this worker and build its group;
-        if that epoch is superseded while its group forms (another member died), move on to the newest."""
+        """Wait for an epoch newer than the current group's that includes this worker and build its group
+        (with replicas: the group of this rank's index, and every rank of the replica in the same epoch); if
+        that epoch is superseded while its group forms (another member died), move on to the newest."""
         client = self.client
         after = self.group.epoch if self.group is not None else 0
         # No collective of the current group runs again: a NCCL one may be spinning on a dead peer's GPU.
         abort_group(self.group)
         while True:
-            epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
-            if epoch is None:
-                reason = client.stop_reason()
-                if reason is None and client.current_epoch() > after:
-                    raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
-                raise StopRun(reason or "no new membership epoch was published in time")
+            epoch = self._next_epoch(after)
             client.announce_forming(epoch.epoch)
-            group, status = form_group(
+            members = self.layout.coordinate(epoch.members, self.layout.rank_of(self.wid))
+            group, status = self.former.take(epoch.epoch) or form_group(
                 client.new_connection(),  # its own: an abandoned rendezvous may block in a store wait
                 epoch.epoch,
-                epoch.members,
+                members,
                 self.wid,
                 self.backend,
                 self.cfg.op_timeout_s,
                 self.device,
                 lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
+                self.coordinate,
             )
             if group is not None:
                 # The old group's destructor may block until its abandoned collectives time out: not here.
                 retire_group(self.group, self.cfg.op_timeout_s + 1.0)
                 self.group = group
-                return
             if status is WaitStatus.TIMED_OUT:
                 client.report_timeout(epoch.epoch)  # the rendezvous timed out: a live member never came
+            if self._agreed(group is not None):
+                return
             after = epoch.epoch
+
+    def _next_epoch(self, after: int) -> Epoch:
+        """The newest epoch after ``after`` that includes this worker; the ranks of a replica take the newest
+        any of them has seen. StopRun if there is none (the run stops, or this worker was excluded)."""
+        client = self.client
+        epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
+        if self.replica is not None:
+            number = torch.tensor([float(epoch.epoch) if epoch is not None else 0.0], dtype=torch.float64)
+            self.replica.all_reduce(number, torch.distributed.ReduceOp.MAX)
+            agreed = int(number.item())
+            if agreed > 0 and (epoch is None or epoch.epoch != agreed):
+                record = client.epoch_record(agreed)
+                epoch = record if self.wid in record.members else None
+        if epoch is None:
+            reason = client.stop_reason()
+            if reason is None and client.current_epoch() > after:
+                raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
+            raise StopRun(reason or "no new membership epoch was published in time")
+        return epoch
 
     def publish(self, kind: RecordKind, **fields: Any) -> None:
         """Publish a metrics record (the group's leader only, so each is written once)."""
-        if self.group is not None and self.leader:
+        if self.publisher:
             record = make(kind, time.time(), **fields)
             self.recent.append(record)
             self.client.publish_metrics(record)
@@ -271,7 +375,8 @@ class StepProtocol:
     def sync_state(self) -> bool:
         """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was cut
         short while others committed) receives the state of the lowest-ranked member that is ahead, as the
-        checkpoint schema's bytes. True if this worker was behind."""
+        checkpoint schema's bytes (a rank of a replica: its shard of the state, from the rank of the same
+        index). True if this worker was behind."""
         assert self.group is not None
         steps = torch.zeros(self.group.size, dtype=torch.float64)
         steps[self.group.rank] = self.state.step
@@ -281,7 +386,8 @@ class StepProtocol:
             return False
         src = int((steps == ahead).nonzero()[0])
         behind = self.state.step < ahead
-        payload = ckpt.encode(self.state.snapshot()) if self.group.rank == src else b""
+        local = self.replica is not None
+        payload = ckpt.encode(self.state.snapshot(local=local)) if self.group.rank == src else b""
         checksum = self.state.checksum() if self.group.rank == src else ""
         header = torch.zeros(2 + 64, dtype=torch.float64)
         if self.group.rank == src:
@@ -296,7 +402,7 @@ class StepProtocol:
         self._wait([broadcast_async(self.group, data, src)])
         if behind:
             state = ckpt.decode(data.numpy().tobytes())
-            self.state.restore(state)
+            self.state.restore(state, local=local)
             expected = bytes(int(x) for x in header[2:34].tolist()).hex()
             if self.state.checksum() != expected:
                 raise InvariantViolation(
@@ -308,14 +414,29 @@ class StepProtocol:
         return behind
 
     def load_checkpoint(self) -> None:
-        """Load the newest good checkpoint (``--resume``, on the leader)."""
-        loaded = ckpt.load_latest(self.run_dir)
+        """Load the newest good checkpoint (``--resume``, on the leader: every rank of the leading replica)."""
+        sharded = self.replica is not None
+        loaded = ckpt.load_latest(self.run_dir, read_sharded=not sharded)
         if loaded is None:
             raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
         for line in loaded.skipped:
             self.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
         try:
-            self.state.restore(loaded.state)
+            if loaded.sharded and self.replica is not None:
+                assert self.state.model is not None
+                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, self.replica)
+                self.state.restore(rest, tensors=False)
+            elif self.replica is not None:
+                raise ValueError(
+                    "is the checkpoint of replicas of one rank (one file); replicas of several ranks resume from a "
+                    "sharded one (resume with parallel.shard = parallel.pipeline = 1)"
+                )
+            elif loaded.sharded:
+                assert self.state.model is not None
+                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, None)
+                self.state.restore(rest, tensors=False)
+            else:
+                self.state.restore(loaded.state)
         except ValueError as e:
             raise StopRun(f"checkpoint {loaded.path.name}: {e}") from None
         self.publish(RecordKind.RESUME, step=loaded.step, path=str(loaded.path))
@@ -346,19 +467,21 @@ class StepProtocol:
         self._begin_local()
         self.reducer.reset_local()
         if self.state.scale is not None:
-            self.reducer.set_exponents(self.state.scale.exponents(), self.state.scale.limit)
+            exponents = self.state.scale.exponents()
+            self.reducer.set_exponents([exponents[i] for i in self.index], self.state.scale.limit)
 
     def plan(self, todo: list[int] | None = None) -> Assignment:
         """The assignment of ``todo`` (default: all M ids) of the current step over the group's members;
         every member computes the same one. Sets the ids this worker runs in efficient mode (MeCeFO)."""
         assert self.group is not None
+        members = self.units()
         if self.cfg.policy.mecefo:
-            ring = sorted(set(self.ring) | set(self.group.members))
+            ring = sorted(set(self.ring) | set(members))
             spread = self.cfg.policy is RecoveryPolicy.MECEFO_SPREAD
-            plan = mecefo_plan(self.state.step, ring, self.group.members, self.M, todo, spread=spread)
+            plan = mecefo_plan(self.state.step, ring, members, self.M, todo, spread=spread)
         else:
             ids = range(self.M) if todo is None else todo
-            plan = plan_ids(self.state.step, self.group.members, ids, self.M, self.cfg.workload, self.state.speeds)
+            plan = plan_ids(self.state.step, members, ids, self.M, self.cfg.workload, self.state.speeds)
         self.efficient_ids = plan.efficient
         eb = self.state.efficient
         if eb is not None:
@@ -376,7 +499,10 @@ class StepProtocol:
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
             return todo
-        if self.client.removed_since(self.group.epoch, self.group.members) or self.switch_epoch > self.group.epoch:
+        due = self.client.removed_since(self.group.epoch, self.group.members) or self.switch_epoch > self.group.epoch
+        if self.replica is not None:
+            due = self.replica.any(due)  # the ranks of a replica saw the news at different moments
+        if due:
             # A death between steps, or a join the group agreed on in the last reduction.
             self.recoveries += 1
             if self.cfg.policy is RecoveryPolicy.DROP:
@@ -388,15 +514,23 @@ class StepProtocol:
         plan = self.plan()
         self._note_owners(plan)
         self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
-        return list(plan.ids_for(self.wid))
+        return list(plan.ids_for(self.unit))
 
     def is_efficient(self, microbatch: int) -> bool:
         return microbatch in self.efficient_ids
 
     def before_last_microbatch(self, microbatch: int) -> None:
-        """Overlap the reduction with the last local backward of the step."""
+        """Overlap the reduction with the last local backward of the step (a replica of one rank: FSDP's own
+        reduce-scatter already overlaps inside a replica of several)."""
         assert self.group is not None
-        self.reducer.arm(self.group, microbatch)
+        if self.replica is None:
+            self.reducer.arm(self.group, microbatch)
+
+    def before_backward(self, microbatch: int, padding: bool = False) -> None:
+        """The backward of ``microbatch`` comes next (``padding``: a rank of a replica with nothing left in a
+        round, whose gradient must count for nothing)."""
+        self.reducer.current = microbatch
+        self.reducer.padding = padding
 
     def after_backward(self, microbatch: int, loss: float, tokens: int, seconds: float) -> None:
         """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
@@ -404,10 +538,23 @@ class StepProtocol:
             self.reducer.fold(microbatch)
         self.local_losses[microbatch] = loss
         self.local_tokens[microbatch] = tokens
-        self.done.append(microbatch)
+        if self.replica is None:
+            self.done.append(microbatch)
         if microbatch in self.efficient_ids:
             self.done_efficient.append(microbatch)
         self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
+
+    def round_done(self, microbatches: list[int], seconds: float = 0.0) -> None:
+        """A replica of several ranks: ``microbatches`` are in every rank's accumulator now (an FSDP round's
+        reduce-scatter ended, or a pipelined batch went through every stage); ``seconds`` per microbatch."""
+        self.done.extend(microbatches)
+        if seconds > 0:
+            self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
+
+    def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
+        """A pipeline's last stage: the losses (and tokens) of the microbatches it ran."""
+        self.local_losses.update(losses)
+        self.local_tokens.update(tokens)
 
     def reduce(self) -> Reduced:
         """Reduce the local contribution and the side vector over the group; raises Interrupted."""
@@ -419,19 +566,24 @@ class StepProtocol:
         done = list(self.done)
         if self.injector.duplicates(self.state.step) and done:
             done.append(done[0])  # an injected accounting fault: one id reported twice
+        # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw;
+        # its first rank alone counts its ids and speaks for it (one member of the group).
+        first = self.replica is None or self.replica.rank == 0
         extras = self.side.encode(
-            worker=self.wid,
+            worker=self.unit,
             losses=self.local_losses,
             tokens=self.local_tokens,
-            done=done,
+            done=done if first else [],
             efficient=self.done_efficient,
             nonfinite=flags.nonfinite_ids,
             overflow=flags.overflow,
-            seconds=self.my_speed,
-            bad_param=flags.first_bad_param,
-            epoch=self.group.epoch,
-            newest_epoch=self.client.latest_epoch if self.leader else 0,
+            seconds=self.my_speed if first else 0.0,
+            bad_param=flags.first_bad_param if first else None,
+            epoch=self.group.epoch if first else 0,
+            newest_epoch=self.client.latest_epoch if self.leader and first else 0,
+            member=first,
         )
+        self._combine_sum(extras)
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
         # after the survivors had already finished and committed the step).
@@ -441,9 +593,10 @@ class StepProtocol:
         status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.interrupted)
         if status is WaitStatus.TIMED_OUT:
             self._report_timeout()
-        if reduced is None:
+        if not self._agreed(reduced is not None):  # a replica commits only if every rank index was reduced
             self.reducer.disarm()
             raise Interrupted
+        assert reduced is not None
         return self.side.decode(reduced)
 
     def reduce_step(self) -> list[int] | None:
@@ -478,37 +631,43 @@ class StepProtocol:
         """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
         microbatches (MAX-reduced), grow the bounds above it, and redo the step."""
         assert self.group is not None and self.state.scale is not None
-        observed = torch.tensor(self.reducer.observed, dtype=torch.float64)
+        observed = torch.zeros(len(self.numels), dtype=torch.float64)
+        observed[self.index] = torch.tensor(self.reducer.observed, dtype=torch.float64)
         pending = allreduce_async(self.group, observed, max_op=True)
         self._wait([pending])
+        self._combine_max(observed)  # a pipeline stage saw its own tensors only
         grown = self.state.scale.grow(observed.tolist())
         self.redos += 1
         log.warning(
             "step %d: fixed-point overflow in %d tensors (first: %s); redoing the step with larger bounds",
             self.state.step,
             len(grown),
-            self.names[grown[0]] if grown else "-",
+            self.all_names[grown[0]] if grown else "-",
         )
         self.begin_step()
         plan = self.plan()
         self._note_owners(plan)
-        return list(plan.ids_for(self.wid))
+        return list(plan.ids_for(self.unit))
 
     def _reduced_nonfinite(self, reduced: Reduced) -> bool:
         """fp32 mode: whether the reduced gradient (the same bits on every member) holds a NaN or an infinity;
         if so, find out from every member's local gradient who and what (one more small reduction)."""
         # A NaN or an infinity makes the sum non-finite, and a sum is one pass (a tenth of vector_norm(inf)'s
         # time here); only a non-finite sum (which finite values too large to add up also give) needs a closer look.
-        if math.isfinite(float(self.reducer.flat.sum())):
-            return False
-        low, high = extremes(self.reducer.flat)
-        if math.isfinite(low) and math.isfinite(high):
+        found = not math.isfinite(float(self.reducer.flat.sum()))
+        if found:
+            low, high = extremes(self.reducer.flat)
+            found = not (math.isfinite(low) and math.isfinite(high))
+        if self.replica is not None:
+            found = self.replica.any(found)  # each rank reduced its own shard
+        if not found:
             return False
         assert self.group is not None
-        self.reducer.check_nonfinite(self.done)
+        self.reducer.check_nonfinite(list(self.local_losses))
         flags = self.reducer.flags
+        first = self.replica is None or self.replica.rank == 0
         diagnosis = self.side.encode(
-            worker=self.wid,
+            worker=self.unit,
             losses={},
             tokens={},
             done=[],
@@ -516,9 +675,11 @@ class StepProtocol:
             nonfinite=flags.nonfinite_ids,
             overflow=0,
             seconds=0.0,
-            bad_param=flags.first_bad_param,
-            epoch=self.group.epoch,
+            bad_param=flags.first_bad_param if first else None,
+            epoch=self.group.epoch if first else 0,
+            member=first,
         )
+        self._combine_sum(diagnosis)
         self._wait([allreduce_async(self.group, diagnosis)])
         self._diagnosis = self.side.decode(diagnosis)
         return True
@@ -577,24 +738,19 @@ class StepProtocol:
             "efficient": sum(reduced.efficient),
             "overflow_redos": self.redos,
         }
-        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.group.members}
+        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.units()}
         self.switch_epoch = reduced.newest_epoch
         if self._nonfinite:
             outcome = self._skip(step, reduced, loss, lr, common)
         else:
             self.injector.inject(Phase.OPTIMIZER)
-            if clip_grad_norm > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip_grad_norm, foreach=True))
-            else:
-                grad_norm = float(
-                    torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
-                )
+            grad_norm = self._clip(clip_grad_norm)
             if self.state.efficient is not None:
                 self.state.efficient.wait()  # the bases have read the weights (torch optimizers also do this)
             if optimizer is not None:
                 optimizer.step()
             if self.state.scale is not None:
-                self.state.scale.track([0.0 if p.grad is None else peak(p.grad) for p in self.params])
+                self.state.scale.track(peaks(self._local_grads(), self.index, self.numels, self._combine_max))
             self.state.nonfinite_streak = 0
             outcome = StepOutcome(loss, grad_norm, lr, **common)
         self.state.last = outcome
@@ -605,12 +761,30 @@ class StepProtocol:
         self.begin_step()
         return outcome
 
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's part of every gradient (an empty tensor for a parameter without one)."""
+        empty = torch.zeros(0)
+        return [empty if p.grad is None else local_tensor(p.grad) for p in self.params]
+
+    def _clip(self, max_norm: float) -> float:
+        """The gradient's global norm, clipped to ``max_norm`` (0: not clipped). Exact mode: the same bits
+        however the model is split (``gradnorm.exact_clip``); fp32: torch's for a whole model."""
+        if self.exact:
+            return exact_clip(
+                self._local_grads(), self.index, self.numels, max_norm, self._combine_max, self._combine_sum
+            )
+        if self.replica is not None:
+            return float_clip(self._local_grads(), max_norm, self._combine_sum)
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True))
+
     def _skip(self, step: int, reduced: Reduced, loss: float, lr: float, common: dict[str, int]) -> StepOutcome:
         found = reduced if self.exact else self._diagnosis
         assert found is not None
         ids = [j for j, n in enumerate(found.nonfinite) if n]
         workers = sorted(found.bad_param)
-        param = self.names[min(found.bad_param.values())] if found.bad_param else "?"
+        param = self.all_names[min(found.bad_param.values())] if found.bad_param else "?"
         what = (
             f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
             f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
@@ -695,23 +869,34 @@ class StepProtocol:
         writer died half-way), write it now, replacing the dead writer's temporary files."""
         assert self.group is not None
         if self.leader and self.state.step > 0 and self.checkpoint_due(self.state.step):
+            whole = True
             try:
-                ckpt.verify(self.run_dir, self.state.step)
+                ckpt.check(self.run_dir, self.state.step)
             except ValueError:
+                whole = False
+            if not self._agreed(whole):  # a replica's ranks write it together
                 log.warning("the checkpoint of step %d is missing or damaged: writing it", self.state.step)
                 self.write_checkpoint()
 
     def write_checkpoint(self) -> None:
         step = self.state.step
         t0 = time.perf_counter()
-        ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
-        path = ckpt.save_checkpoint(
-            self.run_dir,
-            step,
-            self.state.snapshot(),
-            self.cfg.checkpoint_keep,
-            midway=lambda: self.injector.inject(Phase.CHECKPOINT, step=step),
-        )
+        midway = lambda: self.injector.inject(Phase.CHECKPOINT, step=step)  # noqa: E731
+        if self.replica is not None:  # sharded, by the ranks of the leading replica together
+            assert self.state.model is not None
+            path = ckpt.save_sharded(
+                self.run_dir,
+                step,
+                self.state.model,
+                self.state.optimizer,
+                self.state.snapshot(local=True),
+                self.replica,
+                self.cfg.checkpoint_keep,
+                midway,
+            )
+        else:
+            ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
+            path = ckpt.save_checkpoint(self.run_dir, step, self.state.snapshot(), self.cfg.checkpoint_keep, midway)
         self.publish(RecordKind.CHECKPOINT, step=step, path=str(path), seconds=time.perf_counter() - t0)
 
     # -- recovery -----------------------------------------------------------------------------------
@@ -737,7 +922,9 @@ class StepProtocol:
                     reason = "membership changed; the restart policy restarts from the last checkpoint"
                     raise StopRun(reason, fatal=False)
                 self.form_next_group()
-                formed = time.monotonic()
+                assert self.group is not None
+                # Formed ahead (GroupFormer), the group may be older than this recovery.
+                formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
                 if self.resume_pending:
                     self.resume_pending = False
                     if self.leader:
@@ -769,19 +956,20 @@ class StepProtocol:
                     alive=self.group.size,
                     reform_s=formed - t0,
                     missing=missing,
-                    time_reformed=time.time(),
+                    time_reformed=self.group.formed_at,
+                    time_recovered=time.time(),
                 )
             died = not set(old_members) <= set(self.group.members)
             if self.cfg.policy is RecoveryPolicy.DROP and old_epoch > 0 and died and len(missing) < self.M:
                 # Someone died mid-step: their microbatches are lost; a live member that had not computed its
                 # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
                 # and a step nobody had started yet is planned as usual.)
-                return [j for j in missing if self.step_owners.get(j) == self.wid]
+                return [j for j in missing if self.step_owners.get(j) == self.unit]
             plan = self.plan(missing)
             if len(missing) == self.M:
                 self._note_owners(plan)
                 self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
-            return list(plan.ids_for(self.wid))
+            return list(plan.ids_for(self.unit))
 
     def join(self, resume: bool, late: bool) -> None:
         """The first recovery of this worker: form the first group (or join a running one), agree on the state
@@ -826,16 +1014,25 @@ class StepProtocol:
         assert self.group is not None
         if self.leader:
             self.ensure_checkpoint()
-            ckpt.clean_partial(self.run_dir)
             checksums = {
                 str(w): bytes(int(x) for x in digests[rank].tolist()).hex() for rank, w in enumerate(self.group.members)
             }
+            # Replicas of several ranks: every rank index's checksums (equal across replicas, not across indices).
+            parts = self.replica.gather(checksums) if self.replica is not None else [checksums]
+            identical = all(len(set(part.values())) == 1 for part in parts)
+            if not self.publisher:
+                return
+            ckpt.clean_partial(self.run_dir)
+            step = self.state.step
+            sharded = self.replica is not None
             self.publish(
                 RecordKind.FINAL,
-                step=self.state.step,
-                checksums=checksums,
-                identical=len(set(checksums.values())) == 1,
-                checkpoint=str(ckpt.checkpoint_path(self.run_dir, self.state.step)),
+                step=step,
+                checksums={w: digest for part in parts for w, digest in part.items()},
+                identical=identical,
+                checkpoint=str(
+                    ckpt.sharded_path(self.run_dir, step) if sharded else ckpt.checkpoint_path(self.run_dir, step)
+                ),
             )
             self.client.flush_metrics()  # the coordinator drains the records once more on "done", then ends
             self.client.mark_done()

@@ -83,15 +83,19 @@ class SideVector:
         bad_param: int | None,
         epoch: int,
         newest_epoch: int = 0,
+        member: bool = True,
     ) -> torch.Tensor:
-        """One member's contribution: ``losses`` of the ids it computed (``done``), which of them ran in efficient
-        mode and which had a non-finite gradient, its overflowed microbatches, its seconds per microbatch, the
-        index of its first non-finite parameter, its group's epoch, and (leader only) the newest epoch."""
+        """One member's contribution: ``losses`` (and ``tokens``) of the ids it computed, the ids it counts
+        (``done``), which ran in efficient mode and which had a non-finite gradient, its overflowed microbatches,
+        its seconds per microbatch, the index of its first non-finite parameter, its group's epoch, and (leader
+        only) the newest epoch. The ranks of a replica of several ranks each encode their own part and sum them:
+        one of them counts the replica's ids and is the ``member`` (the others pass no ids, no epoch)."""
         out = torch.zeros(self.size, dtype=torch.float64)
         f = self.fields
-        for j in done:
-            out[f["loss"].start + j] = losses[j]
+        for j, value in losses.items():
+            out[f["loss"].start + j] = value
             out[f["tokens"].start + j] = tokens.get(j, 0)
+        for j in done:
             out[f["counted"].start + j] += 1
         for j in efficient:
             out[f["efficient"].start + j] += 1
@@ -103,7 +107,7 @@ class SideVector:
             if bad_param is not None:
                 out[f["bad_param"].start + worker] = bad_param + 1
         out[f["epoch_sum"].start] = epoch
-        out[f["members"].start] = 1
+        out[f["members"].start] = 1 if member else 0
         out[f["newest_epoch"].start] = newest_epoch
         return out
 

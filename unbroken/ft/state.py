@@ -5,6 +5,11 @@ replicated state (the next step, the exact mode's scale, the agreed per-worker s
 consecutive non-finite skips, the last step's outcome, MeCeFO's bases). ``snapshot()`` is the state in
 the checkpoint schema (``checkpoint.build_state``), used both for checkpoints and for the bytes a live
 member sends a rejoining one; ``restore()`` is its inverse; ``checksum()`` fingerprints the parameters.
+
+A rank of a replica of several ranks holds its part of the model and optimizer (FSDP shards as ``DTensor``s,
+or a pipeline stage): its snapshot holds the local tensors, and restoring one writes them back into the local
+shards, so a rejoining rank receives its shard of the state from the rank of the same index in a live
+replica, never the whole model.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.comm import is_dtensor, local_tensor
 from unbroken.ft.efficient import EfficientBackward
 from unbroken.ft.exact import FixedPointScale
 
@@ -41,8 +47,43 @@ def param_checksum(model: nn.Module) -> str:
     """sha256 over the bytes of every parameter, in order: equal iff the parameters are bitwise equal."""
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(local_tensor(p.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def local_state(state: Any) -> Any:
+    """``state`` (a state dict, nested) with every ``DTensor`` replaced by its local shard."""
+    if is_dtensor(state):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: local_state(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(local_state(v) for v in state)
+    return state
+
+
+@torch.no_grad()
+def _restore_local_model(model: nn.Module, theirs: dict[str, Any]) -> None:
+    for name, tensor in model.state_dict().items():
+        local_tensor(tensor).copy_(theirs[name])
+
+
+def _restore_local_optimizer(optimizer: torch.optim.Optimizer, theirs: dict[str, Any]) -> None:
+    """Load an optimizer state whose tensors are local shards, then give sharded parameters' state back its
+    ``DTensor`` form (as the optimizer created it)."""
+    optimizer.load_state_dict(theirs)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not is_dtensor(p) or p not in optimizer.state:
+                continue
+            from torch.distributed.tensor import DTensor
+
+            shard = p.to_local()
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == shard.shape:
+                    optimizer.state[p][key] = DTensor.from_local(
+                        value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
 
 
 def _state_of(obj: Any) -> Any:
@@ -74,8 +115,10 @@ class TrainingState:
         self.scale: FixedPointScale | None = None  # exact mode only
         self.efficient: EfficientBackward | None = None  # MeCeFO policies only
 
-    def snapshot(self) -> dict[str, Any]:
-        """The state in the checkpoint schema (tensors are the live ones: encode it before changing them)."""
+    def snapshot(self, local: bool = False) -> dict[str, Any]:
+        """The state in the checkpoint schema (tensors are the live ones: encode it before changing them);
+        ``local``: sharded tensors as this rank's shards (what a rank of the same index in another replica
+        restores with ``restore(..., local=True)``)."""
         assert self.model is not None, "register_state(model=...) first"
         ft = {
             "scale": self.scale.state_dict() if self.scale is not None else None,
@@ -85,7 +128,7 @@ class TrainingState:
             "mecefo_bases": self.efficient.bases() if self.efficient is not None else None,
             "mecefo_bases_step": self.efficient.bases_step if self.efficient is not None else None,
         }
-        return ckpt.build_state(
+        state = ckpt.build_state(
             self.step,
             self.model.state_dict(),
             self.optimizer.state_dict() if self.optimizer is not None else None,
@@ -93,8 +136,9 @@ class TrainingState:
             ft,
             dict(self.metadata),
         )
+        return local_state(state) if local else state
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], local: bool = False, tensors: bool = True) -> None:
         """Load ``state`` (the checkpoint schema, validated) into the registered objects and the library's part.
 
         Raises:
@@ -102,7 +146,10 @@ class TrainingState:
         """
         assert self.model is not None
         ckpt.validate_state(state)
-        own = self.model.state_dict()
+        if not tensors:  # the model and optimizer were loaded already (a sharded checkpoint's, through DCP)
+            self._restore_rest(state)
+            return
+        own = local_state(self.model.state_dict()) if local else self.model.state_dict()
         theirs = state["model"]
         mismatch = sorted(k for k in own.keys() | theirs.keys() if k not in own or k not in theirs)
         mismatch += sorted(k for k in own.keys() & theirs.keys() if tuple(own[k].shape) != tuple(theirs[k].shape))
@@ -113,9 +160,22 @@ class TrainingState:
         ft = state["ft"]
         if self.efficient is not None:  # first: drops a basis computation that would read the weights loaded below
             self.efficient.load_bases(ft.get("mecefo_bases") or [], ft.get("mecefo_bases_step"))
-        self.model.load_state_dict(theirs)
+        if local:
+            _restore_local_model(self.model, theirs)
+        else:
+            self.model.load_state_dict(theirs)
         if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if local:
+                _restore_local_optimizer(self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_rest(state)
+
+    def _restore_rest(self, state: dict[str, Any]) -> None:
+        """Everything but the model and the optimizer: extra objects and the library's replicated state."""
+        if set(state["extra"]) != set(self.extra):
+            raise ValueError(f"the state holds {sorted(state['extra'])}, this worker registered {sorted(self.extra)}")
+        ft = state["ft"]
         for name, obj in self.extra.items():
             _load_into(name, obj, state["extra"][name])
         if self.scale is not None:

@@ -34,7 +34,7 @@ __all__ = ["apply_activation_checkpointing", "apply_compile", "check_compiler", 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of ``model``: the members of every ``nn.ModuleList`` named ``layers`` (ours,
-    torchtitan's and Hugging Face's LLaMA-family models).
+    torchtitan's and Hugging Face's LLaMA-family models), or ``nn.ModuleDict`` (a pipeline stage's).
 
     Raises:
         ValueError: the model has none.
@@ -42,8 +42,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     blocks = [
         block
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"
-        for block in module
+        if isinstance(module, nn.ModuleList | nn.ModuleDict) and name.rsplit(".", 1)[-1] == "layers"
+        for block in (module.values() if isinstance(module, nn.ModuleDict) else module)
     ]
     if not blocks:
         raise ValueError(

@@ -22,6 +22,10 @@ Invariants checked after every run (a violation names the trial's seed):
   reference     the final parameters and every step's loss equal the failure-free run's, bit for bit
   checkpoints   every checkpoint with a manifest verifies (size, sha256, loads); partial files are ignored
 
+With replicas of several ranks (``--parallel.shard`` / ``--parallel.pipeline`` among the overrides) the faults
+hit ranks, the last replica is never touched, a double kill may take a whole replica, and each worker's
+final checksum is compared with the reference's rank of the same index (a rank holds its shard).
+
 The churn run (``unbroken chaos --churn 50``) makes workers die and rejoin until the membership changed
 that many times and samples, from /proc, the memory (RSS), threads, open file descriptors and sockets of
 the coordinator and of a worker that lives through all of it; it stops the run once every worker is back.
@@ -43,7 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.config import load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 
@@ -78,14 +84,16 @@ class Trial:
         return "; ".join(self.events)
 
 
-def make_trial(seed: int, workers: int, steps: int) -> Trial:
+def make_trial(seed: int, workers: int, steps: int, layout: ReplicaLayout | None = None) -> Trial:
     """The faults of trial ``seed``: its primary kind is ``KINDS[seed % len(KINDS)]``, plus 0-2 random
-    others. The last worker is never touched, so someone always holds the state; every fault rejoins."""
-    assert workers >= 3 and steps >= 12
+    others. The last worker (the last replica) is never touched, so someone always holds the state; every fault
+    rejoins."""
+    layout = layout or ReplicaLayout()
+    assert steps >= 12 and (workers >= 3 if layout.size == 1 else layout.replicas_in(workers) >= 2)
     rng = random.Random(seed)
     primary = KINDS[seed % len(KINDS)]
     kinds = [primary] + [rng.choice(KINDS) for _ in range(rng.randint(0, 2))]
-    victims = list(range(workers - 1))
+    victims = list(range(workers - layout.size))
     busy: dict[int, list[int]] = {}  # worker -> steps it has faults at (kept apart so each can fire)
     events: list[str] = []
     labels: dict[str, str] = {}
@@ -146,9 +154,10 @@ def make_trial(seed: int, workers: int, steps: int) -> Trial:
 @dataclass
 class Reference:
     losses: dict[int, float]
-    checksum: str
+    checksums: dict[int, str]  # rank index in a replica -> its final checksum (index 0 only for one-rank replicas)
     wall_s: float
     run_dir: Path
+    layout: ReplicaLayout = field(default_factory=ReplicaLayout)
 
 
 @dataclass
@@ -202,7 +211,9 @@ def reference_run(config: str, out: Path, workers: int, steps: int, overrides: l
     if code != 0 or not final:
         raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
     losses = {r["step"]: r["loss"] for r in read_records(out, "step")}
-    return Reference(losses, next(iter(final[-1]["checksums"].values())), wall, out)
+    layout = _layout(config, overrides)
+    checksums = {layout.rank_of(int(w)): digest for w, digest in final[-1]["checksums"].items()}
+    return Reference(losses, checksums, wall, out, layout)
 
 
 def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, microbatches: int) -> None:
@@ -231,7 +242,7 @@ def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, micro
         checksums = final[-1]["checksums"]
         if not final[-1]["identical"]:
             v.append(f"live workers hold different parameters: {checksums}")
-        if set(checksums.values()) != {ref.checksum}:
+        if any(digest != ref.checksums.get(ref.layout.rank_of(int(w))) for w, digest in checksums.items()):
             v.append("final parameters differ from the failure-free reference")
     bound = HEARTBEAT_TIMEOUT_S + DETECTION_SLACK_S
     for f in by_type.get("failure", []):
@@ -269,22 +280,39 @@ def _final_checkpoint_differences(run_dir: Path, reference: Path, steps: int) ->
         return [f"final checkpoint: {e}"]
     differ = [k for k in theirs["model"] if not torch.equal(mine["model"][k], theirs["model"][k])]
     moments = [
-        (i, name)
-        for i, state in theirs["optimizer"]["state"].items()
-        for name, tensor in state.items()
-        if not torch.equal(mine["optimizer"]["state"][i][name], tensor)
+        k for k, tensor in _tensors_of(theirs["optimizer"]) if not _same(_tensors_of(mine["optimizer"]), k, tensor)
     ]
     out = [f"final checkpoint: parameter {k} differs from the failure-free run's" for k in differ[:3]]
-    out += [f"final checkpoint: optimizer state {i}/{n} differs" for i, n in moments[:3]]
+    out += [f"final checkpoint: optimizer state {k} differs" for k in moments[:3]]
     if mine["ft"]["scale"] != theirs["ft"]["scale"]:
         out.append("final checkpoint: the exact mode's fixed-point scale differs")
     return out
 
 
+def _tensors_of(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every tensor in a nested state (an optimizer's, by index or flattened by name), with its path."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [(prefix, state)]
+    if isinstance(state, dict):
+        return [item for k, v in state.items() for item in _tensors_of(v, f"{prefix}/{k}")]
+    if isinstance(state, list | tuple):
+        return [item for i, v in enumerate(state) for item in _tensors_of(v, f"{prefix}/{i}")]
+    return []
+
+
+def _same(tensors: list[tuple[str, Any]], key: str, tensor: Any) -> bool:
+    import torch
+
+    found = dict(tensors).get(key)
+    return found is not None and torch.equal(found, tensor)
+
+
 def run_trial(
     config: str, out: Path, seed: int, workers: int, steps: int, overrides: list[str], ref: Reference
 ) -> Outcome:
-    trial = make_trial(seed, workers, steps)
+    trial = make_trial(seed, workers, steps, ref.layout)
     run_dir = out / f"trial-{seed}"
     timeout = 3 * ref.wall_s + 90
     code, wall = _run(_train_cmd(config, run_dir, workers, steps, overrides, trial.schedule), timeout)
@@ -359,9 +387,12 @@ def run_random_trial(
 
 
 def _microbatches(config: str, overrides: list[str]) -> int:
-    from unbroken.core.config import load_config
-
     return load_config(config, overrides).train.microbatches
+
+
+def _layout(config: str, overrides: list[str]) -> ReplicaLayout:
+    parallel = load_config(config, overrides).parallel
+    return ReplicaLayout(parallel.shard, parallel.pipeline)
 
 
 def print_table(outcomes: list[Outcome], header: str) -> None:
@@ -438,6 +469,9 @@ def run_campaign(
         raise ValueError(
             f"chaos needs --trials >= 1, --workers >= 3 and --steps >= 12 (got {trials}, {workers}, {steps})"
         )
+    layout = _layout(config, overrides)
+    if layout.size > 1 and layout.replicas_in(workers) < 2:
+        raise ValueError(f"chaos with replicas of {layout.size} ranks needs --workers >= {2 * layout.size}")
     base = Path(tempfile.mkdtemp(prefix="unbroken-chaos-")) if out is None else out
     base.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -6,8 +6,9 @@ random worker (worker 0, the usual leader, included), sometimes to two at once. 
 run's code: it finds the worker processes among the launcher's children (their environment names their
 worker id) and reads the memberships and commits from the run's metrics, only to spare one running worker that
 holds the training state (a cluster never loses every copy of the training state at once); a fault due before
-the first epoch is delivered as soon as there is one. Every fault delivered is appended to a JSON-lines log
-the campaign counts.
+the first epoch is delivered as soon as there is one. With replicas of several ranks (the run's config.toml,
+``[parallel]``) a whole replica is spared: a replica holds the state only while every one of its ranks runs.
+Every fault delivered is appended to a JSON-lines log the campaign counts.
 
     python -m unbroken.lab.faultdriver --launcher-pid PID --run-dir DIR --seed S --duration 40 --faults 5 --log F
 """
@@ -23,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from unbroken.core.config import load_config
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, read_records
 
 WORKER_ID_ENV = b"UNBROKEN_WORKER_ID="
@@ -107,12 +110,27 @@ def state_holders(run_dir: Path) -> list[int]:
     return sorted(holders) if newest is not None else []
 
 
-def choose_victims(rng: random.Random, running: dict[int, int], keepers: list[int], wanted: int) -> list[int]:
-    """Up to ``wanted`` running workers, leaving one of ``keepers`` (running members holding the state) untouched."""
-    if not keepers:
+def run_layout(run_dir: Path) -> ReplicaLayout:
+    """The run's replicas (its resolved config.toml's ``[parallel]``)."""
+    cfg = load_config(run_dir / "config.toml")
+    return ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+
+
+def choose_victims(
+    rng: random.Random,
+    running: dict[int, int],
+    keepers: list[int],
+    wanted: int,
+    layout: ReplicaLayout | None = None,
+) -> list[int]:
+    """Up to ``wanted`` running workers, leaving one of ``keepers`` (running members holding the state) untouched,
+    and with replicas of several ranks every rank of its replica (only a whole replica holds the state)."""
+    layout = layout or ReplicaLayout()
+    whole = [w for w in keepers if all(m in keepers for m in layout.workers_of(layout.replica_of(w)))]
+    if not whole:
         return []  # nobody holding the state is running right now: wait for the next fault
-    spared = rng.choice(keepers)
-    candidates = [w for w in running if w != spared]
+    spared = layout.replica_of(rng.choice(whole))
+    candidates = [w for w in running if layout.replica_of(w) != spared]
     rng.shuffle(candidates)
     return sorted(candidates[:wanted])
 
@@ -159,6 +177,7 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
     """Deliver the planned faults while the launcher lives; returns how many workers were hit."""
     rng = random.Random(seed + 1_000_003)
     faults = plan_faults(seed, duration_s, count)
+    layout: ReplicaLayout | None = None  # read once the run has a membership (its config.toml is written)
     victims = Victims()
     t0 = time.monotonic()
     delivered = 0
@@ -176,8 +195,9 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 holders = state_holders(run_dir)
             if _state(launcher_pid) in ("", "Z"):
                 break
+            layout = layout or run_layout(run_dir)
             running = victims.running(worker_processes(launcher_pid))
-            for w in choose_victims(rng, running, victims.holding_state(holders, running), fault.victims):
+            for w in choose_victims(rng, running, victims.holding_state(holders, running), fault.victims, layout):
                 pid = running[w]
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
                 victims.hit(pid, fault.kind, fault.stop_s, time.monotonic())

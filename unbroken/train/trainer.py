@@ -32,6 +32,7 @@ from unbroken.train.data import (
     train_sampler,
 )
 from unbroken.train.model import ModelArgs, Transformer, model_args
+from unbroken.train.stages import pipeline_stage, stage_layers
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -97,7 +98,14 @@ def main() -> int:
     cfg = ctx.config
     corpus = open_corpus(cfg.data)
     device = ctx.device
-    model = build_model(cfg, corpus.vocab_size).to(device)  # built on the CPU: the same weights on every worker
+    model = build_model(cfg, corpus.vocab_size)  # built on the CPU: the same weights on every worker
+    if ctx.stages > 1:
+        model = pipeline_stage(model, ctx.stage, ctx.stages)  # this rank's part of the model
+    model = model.to(device)
+    if cfg.parallel.shard > 1:
+        from unbroken.ft.fsdp import apply_fsdp  # FSDP's modules cost a worker about a second to import
+
+        apply_fsdp(model, ctx.mesh)  # sharded over the replica's ranks (HSDP: replicated across replicas)
     optimizer = build_optimizer(model, cfg.train)
     ctx.register_state(
         model,
@@ -113,6 +121,9 @@ def main() -> int:
     train = train_sampler(corpus, d, tc.microbatches, tc.seed)
     val = eval_sampler(corpus, d, tc.eval_microbatches)
 
+    def val_batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return val.microbatch(k)
+
     @torch.no_grad()
     def val_loss(k: int) -> float:
         inputs, targets = (t.to(device) for t in val.microbatch(k))
@@ -125,14 +136,20 @@ def main() -> int:
     for step in ctx.steps(tc.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step.index, tc)
-        for mb in step.microbatches():
-            inputs, targets = (t.to(device) for t in train.microbatch(step.index, mb))
-            with ctx.autocast():
-                loss = cross_entropy(logits_of(model, inputs), targets)
-            step.backward(loss, tokens=inputs.numel())
+        if ctx.stages > 1:
+            step.pipeline(lambda j, s=step.index: train.microbatch(s, j), cross_entropy)
+        else:
+            for mb in step.microbatches():
+                inputs, targets = (t.to(device) for t in train.microbatch(step.index, mb))
+                with ctx.autocast():
+                    loss = cross_entropy(logits_of(model, inputs), targets)
+                step.backward(loss, tokens=inputs.numel())
         step.commit(optimizer, clip_grad_norm=tc.grad_clip)
         if due(tc.eval_every, step.index, tc.steps):
-            loss = ctx.evaluate(tc.eval_microbatches, val_loss)
+            if ctx.stages > 1:
+                loss = ctx.evaluate_pipeline(tc.eval_microbatches, val_batch, cross_entropy)
+            else:
+                loss = ctx.evaluate(tc.eval_microbatches, val_loss)
             if loss is not None:
                 ctx.log("eval", step=step.index, val_loss=loss, val_ppl=math.exp(min(loss, 50.0)))
     return 0
@@ -164,6 +181,10 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
         )
     corpus = open_corpus(cfg.data, verify=cfg.data.verify)
     check_vocab(corpus, cfg.model.vocab_size)
+    if cfg.parallel.pipeline > 1:
+        if cfg.model.hf_config:
+            raise ValueError("parallel.pipeline > 1 cuts the built-in LLaMA into stages; model.hf_config is not one")
+        stage_layers(model_args_of(cfg, corpus.vocab_size).n_layers, 0, cfg.parallel.pipeline)
     if resume:
         check_resumable(cfg, run_dir, corpus)
 

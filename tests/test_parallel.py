@@ -1,0 +1,136 @@
+"""Replicas of several ranks (issue 19): FSDP2 shards and pipeline stages under the fault-tolerant reduction.
+
+The oracle is the unsharded model: with exact reduction a run's trajectory depends neither on the number of
+replicas nor on how each replica splits the model (FSDP shards, pipeline stages), nor on failures, so every
+run here must end with the parameters of the one-worker failure-free run (``recovery_runs["exact_ref"]``,
+tests/conftest.py), bit for bit, and record the same loss at every step.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runner import EXACT, ONE_THREAD, RECOVERY_STEPS, train
+
+from unbroken.core.records import read_records
+from unbroken.ft import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(600)
+
+COMMON = ["--checkpoint.every=0", ONE_THREAD, EXACT, f"--train.steps={RECOVERY_STEPS}"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_records(run, "step") if not r.get("republished")}
+
+
+def assert_like_the_unsharded_run(run: Path, reference: Path) -> dict[str, object]:
+    """``run`` ended like the one-worker failure-free run: every step's loss and the final parameters, bitwise;
+    every replica's ranks ended with the same shards (the final record). Returns the final checkpoint."""
+    assert losses(run) == losses(reference)
+    final = read_records(run, "final")[-1]
+    assert final["identical"], final["checksums"]
+    mine, theirs = ckpt.verify(run, RECOVERY_STEPS), ckpt.verify(reference, RECOVERY_STEPS)
+    assert sorted(mine["model"]) == sorted(theirs["model"])
+    different = [k for k in theirs["model"] if not torch.equal(mine["model"][k], theirs["model"][k])]
+    assert not different, different[:3]
+    assert mine["ft"]["scale"] == theirs["ft"]["scale"]
+    return mine
+
+
+def optimizer_tensors(state: dict[str, object]) -> dict[str, torch.Tensor]:
+    optimizer = state["optimizer"]
+    assert isinstance(optimizer, dict)
+    return {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}
+
+
+def test_sharded_replicas_of_any_count_are_bitwise_the_unsharded_model(
+    recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """2 replicas x 2 FSDP shards and 1 replica x 2 shards, exact reduction, no failure: the unsharded model's
+    parameters and losses; their sharded checkpoints hold the same optimizer state too."""
+    reference = recovery_runs["exact_ref"]
+    states = []
+    for workers in (4, 2):
+        run = tmp_path / f"shard-{workers}"
+        result = train(run, data_cache_dir, *COMMON, "--parallel.shard=2", workers=workers)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert all(r["alive"] == workers // 2 for r in read_records(run, "step"))  # replicas, not ranks
+        states.append(assert_like_the_unsharded_run(run, reference))
+    both = [optimizer_tensors(s) for s in states]
+    assert both[0].keys() == both[1].keys() and both[0]
+    assert all(torch.equal(both[0][k], both[1][k]) for k in both[0])
+
+
+def test_kills_in_sharded_replicas_leave_the_run_bitwise_the_failure_free_one(
+    recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """3 replicas x 2 shards: a shard rank killed mid-backward (replica 0), one mid-reduction (replica 1), and a
+    whole replica (both ranks of replica 2). Each death takes its replica down in one epoch, the survivors
+    recompute its microbatches in-step, the first two replicas come back (each rank receives its shard of the
+    state from the same rank of a live replica), and the run ends as the failure-free one."""
+    run = tmp_path / "kills"
+    # A restarted replica takes seconds to come back (two processes import torch and build the model): the steps
+    # after each kill are made slow (replica 2 computes 10x slower, so the others wait for it), so that a replica
+    # is back before the next kill needs it alive. Timing only: who computes what changes no bit in exact mode.
+    schedule = (
+        "kill:worker=1,step=5,phase=backward,rejoin=0.5; slow:worker=4,factor=10,steps=6-14; "
+        "kill:worker=2,step=15,phase=reduction,rejoin=0.5; slow:worker=4,factor=10,steps=16-26; "
+        "kill:worker=4,step=30,phase=forward; kill:worker=5,step=30,phase=forward"
+    )
+    result = train(run, data_cache_dir, *COMMON, "--parallel.shard=2", f"--failures.schedule={schedule}", workers=6)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(r["worker"] for r in read_records(run, "injected")) == [1, 2, 4, 5]
+    epochs = [(r["members"], r["reason"]) for r in read_records(run, "membership")]
+    removed = [set(before) - set(after) for (before, _), (after, _) in zip(epochs, epochs[1:], strict=False)]
+    assert {0, 1} in removed and {2, 3} in removed and {4, 5} in removed  # whole replicas, each in one epoch
+    assert any(reason.startswith("joined") and {0, 1} <= set(m) for m, reason in epochs)
+    assert any(reason.startswith("joined") and {2, 3} <= set(m) for m, reason in epochs)
+    assert sum(r["recomputed"] for r in read_records(run, "step")) > 0
+    assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
+
+
+def test_a_kill_in_a_pipelined_replica_leaves_the_run_bitwise_the_failure_free_one(
+    recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """2 replicas x 2 pipeline stages (1F1B; GPipe where a replica runs fewer microbatches than stages): the
+    last stage of replica 1 killed mid-backward, then the first stage of the leading replica mid-reduction; both
+    come back, and the run ends as the failure-free one."""
+    run = tmp_path / "pipeline"
+    # Steps 6-20 slow (as in the test above): replica 1 is back before the leading replica's kill needs it alive.
+    schedule = (
+        "kill:worker=3,step=5,phase=backward,rejoin=0.5; slow:worker=0,factor=10,steps=6-20; "
+        "kill:worker=0,step=25,phase=reduction,rejoin=0.5"
+    )
+    result = train(run, data_cache_dir, *COMMON, "--parallel.pipeline=2", f"--failures.schedule={schedule}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(r["worker"] for r in read_records(run, "injected")) == [0, 3]
+    assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "3", "--parallel.shard=2"], "--workers = 3 is not a whole number of replicas of 2 ranks"),
+        (["--workers", "4", "--parallel.shard=2", "--parallel.pipeline=2"], "parallel.shard = 2 with parallel."),
+        (["--workers", "4", "--parallel.shard=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with"),
+        (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),
+        (["--workers", "2", "--parallel.shard=0"], "parallel.shard = 0 must be >= 1"),
+    ],
+)
+def test_a_layout_that_cannot_run_is_one_line_and_exit_2(
+    tmp_path: Path, data_cache_dir: Path, args: list[str], message: str
+) -> None:
+    from runner import TINY
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--out", str(out), f"--data.cache_dir={data_cache_dir}"]
+    result = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not out.exists()
