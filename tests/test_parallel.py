@@ -8,13 +8,15 @@ tests/conftest.py), bit for bit, and record the same loss at every step.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, RECOVERY_STEPS, train
+from runner import EXACT, ONE_THREAD, RECOVERY_STEPS, TINY, train, train_cmd
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
@@ -112,12 +114,59 @@ def test_a_kill_in_a_pipelined_replica_leaves_the_run_bitwise_the_failure_free_o
     assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
 
 
+def test_mecefo_on_sharded_replicas_is_bitwise_mecefo_on_whole_ones(tmp_path: Path, data_cache_dir: Path) -> None:
+    """MeCeFO with 2 replicas x 2 shards: replica 0 dies (its rank 1 killed mid-backward) and replica 1 takes its
+    microbatches over in efficient mode on FSDP-wrapped blocks, its projection bases computed from the FFN
+    weights gathered per block. In exact mode that is bitwise MeCeFO on 2 replicas of one rank losing replica 0:
+    the efficient backward on FSDP's unsharded weights is the same arithmetic, and so are the bases."""
+    common = [ONE_THREAD, EXACT, "--recovery.policy=mecefo", "--mecefo.rank=16", "--train.steps=10"]
+    common += ["--checkpoint.every=0"]
+    runs = {}
+    for name, workers, extra, victim in (("sharded", 4, ["--parallel.shard=2"], 1), ("whole", 2, [], 0)):
+        runs[name] = tmp_path / name
+        schedule = f"--failures.schedule=kill:worker={victim},step=3,phase=backward"
+        result = train(runs[name], data_cache_dir, *common, *extra, schedule, workers=workers)
+        assert result.returncode == 0, result.stderr[-3000:]
+    steps = {
+        name: {r["step"]: (r["loss"], r["efficient"]) for r in read_records(run, "step")} for name, run in runs.items()
+    }
+    assert steps["sharded"] == steps["whole"]
+    assert sum(efficient for _, efficient in steps["sharded"].values()) > 0  # the neighbour ran efficient microbatches
+    mine, theirs = ckpt.verify(runs["sharded"], 10), ckpt.verify(runs["whole"], 10)
+    assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
+
+
+def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
+    recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """2 replicas x 2 shards stopped (Ctrl-C) after the sharded checkpoint of step 20, then resumed by 3 replicas
+    of one rank each: DCP loads the shards into whole tensors, and the run ends as the failure-free one."""
+    run = tmp_path / "resumed"
+    common = [*COMMON, "--checkpoint.every=10", "--checkpoint.keep=10"]
+    cmd = train_cmd(data_cache_dir, TINY, "--out", str(run), *common, "--parallel.shard=2", workers=4)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 200
+    while not any(r["step"] >= 20 for r in read_records(run, "checkpoint")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert not read_records(run, "final"), "stopped too late to test --resume"
+    assert ckpt.load_latest(run, read_sharded=False).sharded  # type: ignore[union-attr]
+    resume = train_cmd(data_cache_dir, "--resume", str(run), "--parallel.shard=1", workers=3)
+    result = subprocess.run(resume, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = read_records(run, "resume")[-1]
+    assert resumed["step"] >= 20 and resumed["path"].endswith(".dcp")
+    assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--workers", "3", "--parallel.shard=2"], "--workers = 3 is not a whole number of replicas of 2 ranks"),
         (["--workers", "4", "--parallel.shard=2", "--parallel.pipeline=2"], "parallel.shard = 2 with parallel."),
-        (["--workers", "4", "--parallel.shard=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with"),
+        (["--workers", "4", "--parallel.pipeline=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with"),
         (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),
         (["--workers", "2", "--parallel.shard=0"], "parallel.shard = 0 must be >= 1"),
     ],
@@ -125,8 +174,6 @@ def test_a_kill_in_a_pipelined_replica_leaves_the_run_bitwise_the_failure_free_o
 def test_a_layout_that_cannot_run_is_one_line_and_exit_2(
     tmp_path: Path, data_cache_dir: Path, args: list[str], message: str
 ) -> None:
-    from runner import TINY
-
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--out", str(out), f"--data.cache_dir={data_cache_dir}"]
     result = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)

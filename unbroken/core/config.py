@@ -379,11 +379,10 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        if self.parallel.shard * self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
+        if self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
             raise ValueError(
-                f"recovery.policy = {self.recovery.policy} with replicas of several ranks (parallel.shard = "
-                f"{self.parallel.shard}, parallel.pipeline = {self.parallel.pipeline}) is not supported; allowed "
-                "there: recover, drop, restart"
+                f"recovery.policy = {self.recovery.policy} with pipelined replicas (parallel.pipeline = "
+                f"{self.parallel.pipeline}) is not supported; allowed there: recover, drop, restart"
             )
 
 

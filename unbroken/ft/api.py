@@ -273,7 +273,7 @@ class Context:
             injector,
             job.backend,
             device,
-            tuple(range(job.expected_workers())),
+            self.layout.replicas(range(job.expected_workers())),  # MeCeFO's ring: the configured replicas
             total,
             self._replica,
         )

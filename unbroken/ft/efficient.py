@@ -346,10 +346,18 @@ class EfficientBackward:
         return at is not None and at <= step and at // tau == step // tau
 
     def _weights(self) -> list[torch.Tensor]:
-        return [linear.weight for b in self._blocks for linear in b.linears]
+        """The FFN weights as this process holds them (an FSDP rank: its shards)."""
+        return [_local(linear.weight) for b in self._blocks for linear in b.linears]
+
+    def _full_weights(self) -> list[list[torch.Tensor]]:
+        """Per block, its (gate, up, down) weights whole. Weights sharded by FSDP are gathered here, on the
+        calling thread (every rank of the replica calls ``refresh`` at the same point of the step protocol, and
+        a collective must not run on the background thread beside FSDP's own), once per tau-window."""
+        return [[_full(linear.weight) for linear in b.linears] for b in self._blocks]
 
     def _start(self, step: int) -> None:
         weights = self._weights()
+        full = self._full_weights()
         num_blocks = len(self._blocks)
         device = weights[0].device
         pending = _Refresh(
@@ -375,13 +383,13 @@ class EfficientBackward:
                     for b in reversed(blocks):
                         pending.bases[b.index] = tuple(
                             randomized_basis(
-                                linear.weight,
+                                weight,
                                 config.rank,
                                 config.oversample,
                                 config.power_iters,
                                 basis_seed(step, b.index, k),
                             )
-                            for k, linear in enumerate(b.linears)
+                            for k, weight in enumerate(full[b.index])
                         )
                         event = pending.events[b.index]
                         if event is not None:
@@ -538,6 +546,16 @@ def _block(index: int, name: str, module: nn.Module, layout: BlockLayout, names:
         act=F.silu if layout.act is None else getattr(mlp, layout.act),
         weight_names=tuple(names[id(linear.weight)] for linear in linears),
     )
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``weight`` (the local shard of an FSDP ``DTensor``)."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def _full(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` whole (an FSDP ``DTensor`` gathered from the ranks of its replica)."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def _ffn_norm_forward(block: _Block, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -534,6 +534,7 @@ class Bench(StrEnum):
     CONVERGENCE = "convergence"
     SIMULATOR = "simulator"
     DATA = "data"
+    PARALLEL = "parallel"
 
 
 BENCHES = tuple(b.value for b in Bench)
@@ -630,6 +631,10 @@ def run_one(
 
         corpus_gb, reader_gb = data_gb
         return run_bench_data(corpus_gb=corpus_gb, repeats=repeats, reader_gb=reader_gb, train_steps=steps or 100)[1]
+    if what == "parallel":
+        from unbroken.lab.bench_parallel import bench_parallel
+
+        return bench_parallel(config, max(worker_counts), repeats, overrides)
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 

@@ -2,7 +2,10 @@
 
 - **worker**: two agents of 2 workers each (two "hosts" on this machine) and a coordinator started by hand,
   as on a cluster; a worker is killed at a random moment: ``kill -9`` -> the group re-formed without it
-  (the recovery record's ``time_reformed``). Its agent restarts it, it rejoins, the next kill follows.
+  (the recovery record's ``time_reformed``; the survivors form it on a thread of their own while their
+  training threads finish the microbatches they were computing), -> the survivors recovered (the lost ids
+  re-planned: ``time_recovered``), -> the interrupted step committed. Its agent restarts it, it rejoins,
+  the next kill follows.
 - **host**: then one whole agent is killed with its workers (``kill -9`` of its process group): -> the
   group re-formed without them; the coordinator sees the loss only by the heartbeats stopping, so the
   bound is the heartbeat timeout.
@@ -91,12 +94,26 @@ def _reformed(run: Path, victims: set[int], t_kill: float) -> bool:
     return any(r["epoch"] == epoch for r in read_records(run, "recovery"))
 
 
-def _reformed_after(run: Path, victims: set[int], t_kill: float) -> float:
-    """Seconds from ``t_kill`` to the re-formation of the first epoch that removed all of ``victims``."""
+def _interrupted_step_committed(run: Path, victims: set[int], t_kill: float) -> bool:
+    """Whether the step that the re-formation without ``victims`` recovered has been committed."""
     failures = [f for f in read_records(run, "failure") if f["worker"] in victims and f["time"] >= t_kill]
     epoch = max(f["epoch"] for f in failures)
     recovery = next(r for r in read_records(run, "recovery") if r["epoch"] == epoch)
-    return float(recovery["time_reformed"]) - t_kill
+    return any(r["step"] == recovery["step"] and r["time"] > t_kill for r in read_records(run, "step"))
+
+
+def _reformed_after(run: Path, victims: set[int], t_kill: float) -> dict[str, float]:
+    """Seconds from ``t_kill`` to the re-formation of the first epoch that removed all of ``victims``, to the
+    survivors' recovery in it, and to the commit of the step it interrupted."""
+    failures = [f for f in read_records(run, "failure") if f["worker"] in victims and f["time"] >= t_kill]
+    epoch = max(f["epoch"] for f in failures)
+    recovery = next(r for r in read_records(run, "recovery") if r["epoch"] == epoch)
+    commits = [r["time"] for r in read_records(run, "step") if r["step"] == recovery["step"] and r["time"] > t_kill]
+    return {
+        "reformed": float(recovery["time_reformed"]) - t_kill,
+        "recovered": float(recovery["time_recovered"]) - t_kill,
+        "committed": min(commits, default=float("nan")) - t_kill,  # nan: not waited for (the host kill)
+    }
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -127,7 +144,8 @@ def agents_round(config: str, work: Path, rng: random.Random, kills: int, overri
                 work / f"agent-{rank}.log",
             )
         )
-    worker_s, host_s = [], []
+    worker_s: list[dict[str, float]] = []
+    host_s: list[float] = []
     try:
         _wait(lambda: _committed(run) >= 2, 180, "the first steps")
         for _ in range(kills):
@@ -137,6 +155,7 @@ def agents_round(config: str, work: Path, rng: random.Random, kills: int, overri
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
             _wait(lambda v=victim, t=t_kill: _reformed(run, {v}, t), 60, "the re-formation")
+            _wait(lambda v=victim, t=t_kill: _interrupted_step_committed(run, {v}, t), 60, "the interrupted step")
             worker_s.append(_reformed_after(run, {victim}, t_kill))
             _wait(lambda: _members(run) == (0, 1, 2, 3), 60, "the victim's rejoin")
             start = _committed(run)
@@ -145,7 +164,7 @@ def agents_round(config: str, work: Path, rng: random.Random, kills: int, overri
         t_kill = time.time()
         os.killpg(procs[2].pid, signal.SIGKILL)  # agent 1 and its workers 2, 3: a host that dies
         _wait(lambda: _reformed(run, {2, 3}, t_kill), 60, "the re-formation without host 1")
-        host_s.append(_reformed_after(run, {2, 3}, t_kill))
+        host_s.append(_reformed_after(run, {2, 3}, t_kill)["reformed"])
     finally:
         _stop(procs)
     return {"worker": worker_s, "host": host_s}
@@ -218,7 +237,7 @@ def bench_control(config: str, repeats: int, overrides: list[str], seed: int = 0
     hb = load_config(config, overrides).comm.heartbeat_timeout_s
     root = Path(tempfile.mkdtemp(prefix="unbroken-bench-control-"))
     try:
-        worker_s: list[float] = []
+        worker_s: list[dict[str, float]] = []
         host_s: list[float] = []
         for i in range(repeats):
             got = agents_round(config, root / f"agents-{i}", rng, 3, overrides)
@@ -240,9 +259,14 @@ def bench_control(config: str, repeats: int, overrides: list[str], seed: int = 0
         shutil.rmtree(root, ignore_errors=True)
     head = "| kill -9 of | to | median | q1 | q3 | min | max | n |\n|---|---|---|---|---|---|---|---|"
     rows = [
-        f"| one worker (2 agents x 2 workers) | group re-formed without it | {_stats(worker_s)} |",
-        f"| one agent with its 2 workers | group re-formed without them | {_stats(host_s)} |",
+        f"| one worker (2 agents x 2 workers) | {what} | {_stats([k[key] for k in worker_s])} |"
+        for key, what in (
+            ("reformed", "group re-formed without it"),
+            ("recovered", "survivors recovered (lost ids re-planned)"),
+            ("committed", "the interrupted step committed"),
+        )
     ]
+    rows.append(f"| one agent with its 2 workers | group re-formed without them | {_stats(host_s)} |")
     for name, runs in (("journal", journal), ("etcd", etcd)):
         if not runs:
             continue

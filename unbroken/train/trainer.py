@@ -213,6 +213,12 @@ def check_resumable(cfg: RunConfig, run_dir: Path, corpus: TokenizedCorpus | Pre
             f"--resume {run_dir}: checkpoint step {loaded.step} is for a different model shape "
             f"({first}: checkpoint {found.get(first)}, config {expected.get(first)}); resume with the run's own config"
         )
+    if cfg.parallel.shard * cfg.parallel.pipeline > 1 and not loaded.sharded:
+        raise ValueError(
+            f"--resume {run_dir}: checkpoint step {loaded.step} was written by replicas of one rank (one file); "
+            "replicas of several ranks resume from a sharded checkpoint only; resume with parallel.shard = "
+            "parallel.pipeline = 1"
+        )
     saved_sha = loaded.state["metadata"].get("tokenizer_sha256")
     if saved_sha is not None and saved_sha != tokenizer_sha256(corpus):
         raise ValueError(

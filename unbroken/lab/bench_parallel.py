@@ -1,0 +1,360 @@
+"""``unbroken bench parallel``: replicas of several ranks (FSDP2 shards) against plain FSDP2 HSDP, and what the
+death of one rank costs.
+
+1. **Step time.** ``unbroken train --workers R*k --parallel.shard=k`` (fp32, and exact, reduction) against the
+   same model, data, M, optimizer and clipping under plain FSDP2 HSDP: ``fully_shard`` on a 2-D mesh
+   (replicate R, shard k), where torch reduce-scatters inside a replica at every microbatch and all-reduces
+   across replicas at the last one (``set_requires_all_reduce``), as unbroken's replicas do through its own
+   reduction. The systems alternate round by round, so drift in the machine's load hits each alike; step times
+   are commit to commit for unbroken (everything a worker does per step counts) and the loop body for HSDP.
+2. **Peak memory per rank.** Each rank's resident high-water mark (``VmHWM``, read from /proc while it runs),
+   in the same rounds.
+3. **A rank killed.** A job of 3 replicas x k under ``kill:worker=...,phase=backward`` events: from the kill
+   to the failure seen, the epoch without its replica, that epoch's group formed, the survivors recovered (the
+   lost microbatches re-planned), and the interrupted step committed; and the peak memory of each replacement
+   rank, which receives only its shard of the state from the rank of the same index in a live replica,
+   against the rank it replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
+from unbroken.core.records import committed_steps, read_records
+from unbroken.lab.figures import free_port, stats
+
+WARMUP_STEPS = 2
+MEASURED_STEPS = 8
+KILL_STEPS = (5, 30, 55)  # the killed workers' steps: far enough apart for each replica to come back
+POLL_S = 0.05
+
+
+# -- memory of child processes --------------------------------------------------------------------------
+class PeakMemory:
+    """Samples the resident high-water mark (VmHWM, KiB) of every descendant of this process whose command
+    line contains ``marker``, until ``stop``; the last value read of each is its peak (VmHWM only grows)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.peaks: dict[int, int] = {}  # pid -> KiB
+        self.workers: dict[int, int | None] = {}  # pid -> its UNBROKEN_WORKER_ID (None for HSDP ranks)
+        self.started: dict[int, float] = {}  # pid -> when first seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            for pid in _descendants(os.getpid()):
+                try:
+                    if self.marker not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                        continue
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    hwm = int(status.split("VmHWM:")[1].split()[0])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if pid not in self.peaks:
+                    self.started[pid] = time.time()
+                    self.workers[pid] = _worker_id(pid)
+                self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
+
+    def mib(self) -> list[float]:
+        return [kib / 1024 for kib in self.peaks.values()]
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return out
+    for child in children:
+        out += [child, *_descendants(child)]
+    return out
+
+
+def _worker_id(pid: int) -> int | None:
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"UNBROKEN_WORKER_ID="):
+                return int(item.split(b"=", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# -- the two systems ------------------------------------------------------------------------------------
+def _config(config: str | None, overrides: list[str], steps: int) -> RunConfig:
+    base = [
+        f"--train.steps={steps}",
+        "--train.eval_every=0",
+        "--checkpoint.every=0",
+        "--train.eval_microbatches=1",
+        "--failures.schedule=",
+    ]
+    return load_config(config or str(preset_path("default")), base + overrides)
+
+
+def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> tuple[list[float], PeakMemory, Path]:
+    """Commit-to-commit step times after warm-up, the workers' peak memory, and the run's directory (kept under
+    ``keep`` if given, else removed)."""
+    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.train.trainer import validate_launch
+
+    tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-parallel-", dir=keep))
+    run_dir = tmp / "run"
+    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
+    with PeakMemory("unbroken.train") as memory:
+        code = Launcher(plan, show_progress=False, show_summary=False).run()
+    if code != 0:
+        raise RuntimeError(f"unbroken run failed (exit {code}); logs in {run_dir}/logs")
+    commits = [r["time"] for r in committed_steps(read_records(run_dir)).values()]
+    times = [b - a for a, b in zip(commits[WARMUP_STEPS - 1 : -1], commits[WARMUP_STEPS:], strict=True)]
+    if keep is None:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return times, memory, run_dir
+
+
+def run_hsdp(cfg: RunConfig, workers: int) -> tuple[list[float], PeakMemory]:
+    """Step times after warm-up (rank 0's) and the ranks' peak memory of plain FSDP2 HSDP."""
+    with tempfile.TemporaryDirectory(prefix="hsdp-bench-") as tmp:
+        config_path = Path(tmp) / "config.toml"
+        config_path.write_text(to_toml(cfg))
+        out = Path(tmp) / "times.json"
+        port = free_port()
+        env = {**os.environ, "UNBROKEN_LOCAL_WORKERS": str(workers)}
+        with PeakMemory("unbroken.lab.bench_parallel") as memory:
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "unbroken.lab.bench_parallel",
+                        "--hsdp-rank",
+                        str(rank),
+                        "--world",
+                        str(workers),
+                        "--port",
+                        str(port),
+                        "--config",
+                        str(config_path),
+                        "--out",
+                        str(out),
+                    ],
+                    env=env,
+                )  # fmt: skip
+                for rank in range(workers)
+            ]
+            codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"HSDP baseline failed: exit codes {codes}")
+        return json.loads(out.read_text())[WARMUP_STEPS:], memory
+
+
+def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
+    """One rank of plain FSDP2 HSDP: the trainer's model, data, M, optimizer, clipping and schedule."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from unbroken.core.plan import plan_step
+    from unbroken.ft.fsdp import apply_fsdp
+    from unbroken.ft.hostmem import retain_freed_memory
+    from unbroken.train.data import open_corpus, train_sampler
+    from unbroken.train.trainer import build_model, build_optimizer, lr_at
+
+    cfg = load_config(config_path)
+    tc, shard = cfg.train, cfg.parallel.shard
+    if tc.retain_host_memory:  # the same allocator setting as unbroken's workers
+        retain_freed_memory()
+    torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    corpus = open_corpus(cfg.data)
+    model = build_model(cfg, corpus.vocab_size)
+    apply_fsdp(model, mesh)  # a 2-D mesh: replicated over its first dimension, sharded over its second (HSDP)
+    optimizer = build_optimizer(model, tc)
+    sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
+    times = []
+    for step in range(tc.steps):
+        t0 = time.perf_counter()
+        ids = plan_step(step, range(world), tc.microbatches).ids_for(rank)
+        optimizer.zero_grad(set_to_none=True)
+        for k, j in enumerate(ids):
+            model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
+            inputs, targets = sampler.microbatch(step, j)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            (loss * world / tc.microbatches).backward()  # FSDP averages over the ranks: SUM/M as unbroken
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip, foreach=True)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+# -- the benchmark --------------------------------------------------------------------------------------
+def bench_step_time(config: str | None, workers: int, shard: int, repeats: int, overrides: list[str]) -> dict[str, Any]:
+    """Step times and peak memory of HSDP, unbroken fp32 and unbroken exact, ``repeats`` alternating rounds."""
+    cfg = _config(config, [f"--parallel.shard={shard}", *overrides], WARMUP_STEPS + MEASURED_STEPS)
+    exact = replace(cfg, recovery=replace(cfg.recovery, reduction="exact"))
+    times: dict[str, list[float]] = {"hsdp": [], "fp32": [], "exact": []}
+    memory: dict[str, list[float]] = {"hsdp": [], "fp32": [], "exact": []}
+    paired = []
+    for _ in range(repeats):
+        hsdp, hsdp_mem = run_hsdp(cfg, workers)
+        fp32, fp32_mem, _ = run_unbroken(cfg, workers)
+        ex, ex_mem, _ = run_unbroken(exact, workers)
+        paired.append(statistics.median(fp32) / statistics.median(hsdp))
+        for name, t, m in (("hsdp", hsdp, hsdp_mem), ("fp32", fp32, fp32_mem), ("exact", ex, ex_mem)):
+            times[name] += t
+            memory[name] += m.mib()
+    return {"cfg": cfg, "workers": workers, "times": times, "memory": memory, "paired": paired}
+
+
+def bench_kills(config: str | None, shard: int, overrides: list[str]) -> dict[str, Any]:
+    """A job of 3 replicas x ``shard`` ranks with a rank killed in its backward at each of ``KILL_STEPS``."""
+    workers = 3 * shard
+    steps = KILL_STEPS[-1] + 15
+    events = []
+    for n, step in enumerate(KILL_STEPS):
+        victim = (n % 3) * shard + (shard - 1 if n % 2 else 0)  # another replica each time, either rank
+        events.append(f"kill:worker={victim},step={step},phase=backward,rejoin=0.5")
+        # A replacement takes seconds to start; slow steps (the last replica 10x slower) leave it that time.
+        slow = 2 * shard if n % 3 != 2 else 0
+        events.append(f"slow:worker={slow},factor=10,steps={step + 1}-{step + 15}")
+    cfg = _config(config, [f"--parallel.shard={shard}", f"--failures.schedule={'; '.join(events)}", *overrides], steps)
+    with tempfile.TemporaryDirectory(prefix="unbroken-bench-kills-") as keep:
+        _, memory, run = run_unbroken(cfg, workers, keep=Path(keep))
+        records = read_records(run)
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_type.setdefault(r["type"], []).append(r)
+    rows = []
+    for injected in by_type.get("injected", []):
+        t = injected["time"]
+        failure = next(f for f in by_type["failure"] if f["time"] >= t and f["worker"] == injected["worker"])
+        epoch = next(m for m in by_type["membership"] if m["epoch"] == failure["epoch"])
+        recovery = next(r for r in by_type["recovery"] if r["epoch"] == failure["epoch"])
+        commit = min(s["time"] for s in by_type["step"] if s["step"] == recovery["step"] and s["time"] > t)
+        rows.append(
+            {
+                "detected": failure["time"] - t,
+                "epoch": epoch["time"] - t,
+                "reformed": recovery["time_reformed"] - t,
+                "recovered": recovery["time_recovered"] - t,
+                "committed": commit - t,
+                "removed": sorted(set(range(workers)) - set(epoch["members"])),
+            }
+        )
+    first: dict[int, tuple[float, float]] = {}  # worker -> (start time, peak MiB) of its first process
+    replaced: list[tuple[int, float, float]] = []
+    for pid in sorted(memory.peaks, key=lambda p: memory.started[p]):
+        worker = memory.workers[pid]
+        if worker is None:
+            continue
+        peak = memory.peaks[pid] / 1024
+        if worker in first:
+            replaced.append((worker, first[worker][1], peak))
+        else:
+            first[worker] = (memory.started[pid], peak)
+    return {"workers": workers, "rows": rows, "replaced": replaced, "cfg": cfg}
+
+
+def _cell(values: list[float], scale: float = 1.0, unit: str = "") -> str:
+    s = stats([v * scale for v in values])
+    return f"{s['median']:.0f}{unit} [{s['q1']:.0f}, {s['q3']:.0f}] (n={s['n']})"
+
+
+def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
+    cfg: RunConfig = step["cfg"]
+    t, m, paired = step["times"], step["memory"], step["paired"]
+    tokens = cfg.train.microbatches * cfg.data.microbatch_size * cfg.data.seq_len
+    k = cfg.parallel.shard
+    med = {name: statistics.median(v) for name, v in t.items()}
+    mem = {name: statistics.median(v) for name, v in m.items()}
+    lines = [
+        f"model {cfg.model.flavour}, {step['workers'] // k} replicas x {k} shards, M = {cfg.train.microbatches}, "
+        f"{tokens} tokens/step, {MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round, "
+        f"{len(paired)} rounds; median [q1, q3] (n)",
+        "",
+        "| system | step time (ms) | vs HSDP | peak RSS per rank (MiB) | vs HSDP |",
+        "|---|---|---|---|---|",
+    ]
+    for name, label in (("hsdp", "FSDP2 HSDP (2-D mesh)"), ("fp32", "unbroken fp32"), ("exact", "unbroken exact")):
+        lines.append(
+            f"| {label} | {_cell(t[name], 1000)} | {med[name] / med['hsdp']:.3f} | {_cell(m[name])} "
+            f"| {mem[name] / mem['hsdp']:.3f} |"
+        )
+    p = stats(paired)
+    lines += [
+        "",
+        f"unbroken fp32 / HSDP per round (the two ran back to back): median {p['median']:.3f} "
+        f"[{p['min']:.3f}, {p['max']:.3f}]",
+        "",
+        f"A rank killed in its backward ({kills['workers'] // k} replicas x {k}, {kills['cfg'].model.flavour}); "
+        "seconds from the kill:",
+        "",
+        "| kill | replica removed | failure seen | epoch published | group formed | recovered | step committed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, r in enumerate(kills["rows"], 1):
+        lines.append(
+            f"| {n} | workers {r['removed']} | {r['detected']:.3f} | {r['epoch']:.3f} | {r['reformed']:.3f} "
+            f"| {r['recovered']:.3f} | {r['committed']:.3f} |"
+        )
+    lines += ["", "| replaced worker | peak RSS of its first process (MiB) | of its replacement | ratio |"]
+    lines.append("|---|---|---|---|")
+    for worker, before, after in kills["replaced"]:
+        lines.append(f"| {worker} | {before:.0f} | {after:.0f} | {after / before:.3f} |")
+    return "\n".join(lines)
+
+
+def bench_parallel(config: str | None, workers: int, repeats: int, overrides: list[str]) -> str:
+    """``unbroken bench parallel``: ``workers`` = R x 2 ranks (2 shards per replica)."""
+    shard = 2
+    if workers % shard or workers < 2 * shard:
+        raise ValueError(f"bench parallel: --workers {workers} must be a multiple of {shard}, at least {2 * shard}")
+    step = bench_step_time(config, workers, shard, repeats, overrides)
+    kills = bench_kills(config, shard, overrides)
+    return format_parallel(step, kills)
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hsdp-rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    a = parser.parse_args()
+    hsdp_worker(a.hsdp_rank, a.world, a.port, a.config, a.out)
+
+
+if __name__ == "__main__":
+    _main()
