@@ -93,6 +93,11 @@ def test_kills_in_sharded_replicas_leave_the_run_bitwise_the_failure_free_one(
     assert any(reason.startswith("joined") and {0, 1} <= set(m) for m, reason in epochs)
     assert any(reason.startswith("joined") and {2, 3} <= set(m) for m, reason in epochs)
     assert sum(r["recomputed"] for r in read_records(run, "step")) > 0
+    # Each rank of a rejoining replica received its shard of the state, about half of what a rejoining worker of
+    # an unsharded run receives (recovery_runs' failure run: worker 2 rejoins), never the whole.
+    sharded = [r["state_bytes"] for r in read_records(run, "recovery") if r["state_bytes"]]
+    whole = [r["state_bytes"] for r in read_records(recovery_runs["exact_failures"], "recovery") if r["state_bytes"]]
+    assert sharded and whole and max(sharded) < 0.6 * min(whole)
     assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
 
 

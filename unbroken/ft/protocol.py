@@ -182,6 +182,7 @@ class StepProtocol:
 
             prepare_fsdp(state.model, self.reducer)
         self.group: Group | None = None
+        self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
         self.former = GroupFormer(
             client.new_connection,
             client.worker_id,
@@ -380,6 +381,7 @@ class StepProtocol:
         assert self.group is not None
         steps = torch.zeros(self.group.size, dtype=torch.float64)
         steps[self.group.rank] = self.state.step
+        self.state_bytes = 0
         self._wait([allreduce_async(self.group, steps)])
         ahead = float(steps.max())
         if float(steps.min()) == ahead:
@@ -394,6 +396,7 @@ class StepProtocol:
             header[0], header[1] = len(payload), ahead
             header[2:] = torch.tensor(list(bytes.fromhex(checksum)) + [0] * 32, dtype=torch.float64)
         self._wait([broadcast_async(self.group, header, src)])
+        self.state_bytes = int(header[0])  # what one member sent to those behind (a rank: its shard)
         if self.group.rank != src:
             self.injector.inject(Phase.RECEIVE, step=int(header[1]))
         data = torch.zeros(int(header[0]), dtype=torch.uint8)
@@ -958,6 +961,7 @@ class StepProtocol:
                     missing=missing,
                     time_reformed=self.group.formed_at,
                     time_recovered=time.time(),
+                    state_bytes=self.state_bytes,
                 )
             died = not set(old_members) <= set(self.group.members)
             if self.cfg.policy is RecoveryPolicy.DROP and old_epoch > 0 and died and len(missing) < self.M:

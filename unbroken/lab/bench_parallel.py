@@ -9,11 +9,11 @@ death of one rank costs.
    are commit to commit for unbroken (everything a worker does per step counts) and the loop body for HSDP.
 2. **Peak memory per rank.** Each rank's resident high-water mark (``VmHWM``, read from /proc while it runs),
    in the same rounds.
-3. **A rank killed.** A job of 3 replicas x k under ``kill:worker=...,phase=backward`` events: from the kill
-   to the failure seen, the epoch without its replica, that epoch's group formed, the survivors recovered (the
-   lost microbatches re-planned), and the interrupted step committed; and the peak memory of each replacement
-   rank, which receives only its shard of the state from the rank of the same index in a live replica,
-   against the rank it replaced.
+3. **A rank killed.** A job of 3 replicas x k (the ``tiny`` model) under ``kill:worker=...,phase=backward``
+   events: from the kill to the failure seen, the epoch without its replica, that epoch's group formed, the
+   survivors recovered (the lost microbatches re-planned), and the interrupted step committed; and the peak
+   memory of each replacement rank, which receives only its shard of the state from the rank of the same index
+   in a live replica, against the rank it replaced.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def bench_kills(config: str | None, shard: int, overrides: list[str]) -> dict[st
         events.append(f"kill:worker={victim},step={step},phase=backward,rejoin=0.5")
         # A replacement takes seconds to start; slow steps (the last replica 10x slower) leave it that time.
         slow = 2 * shard if n % 3 != 2 else 0
-        events.append(f"slow:worker={slow},factor=10,steps={step + 1}-{step + 15}")
+        events.append(f"slow:worker={slow},factor=10,steps={step + 1}-{min(step + 15, steps - 1)}")
     cfg = _config(config, [f"--parallel.shard={shard}", f"--failures.schedule={'; '.join(events)}", *overrides], steps)
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-kills-") as keep:
         _, memory, run = run_unbroken(cfg, workers, keep=Path(keep))
@@ -272,6 +272,8 @@ def bench_kills(config: str | None, shard: int, overrides: list[str]) -> dict[st
                 "removed": sorted(set(range(workers)) - set(epoch["members"])),
             }
         )
+    joins = [m["epoch"] for m in by_type["membership"] if m["reason"].startswith("joined")]
+    sent = [r["state_bytes"] for r in by_type["recovery"] if r["epoch"] in joins and r.get("state_bytes")]
     first: dict[int, tuple[float, float]] = {}  # worker -> (start time, peak MiB) of its first process
     replaced: list[tuple[int, float, float]] = []
     for pid in sorted(memory.peaks, key=lambda p: memory.started[p]):
@@ -283,7 +285,15 @@ def bench_kills(config: str | None, shard: int, overrides: list[str]) -> dict[st
             replaced.append((worker, first[worker][1], peak))
         else:
             first[worker] = (memory.started[pid], peak)
-    return {"workers": workers, "rows": rows, "replaced": replaced, "cfg": cfg}
+    return {"workers": workers, "rows": rows, "replaced": replaced, "cfg": cfg, "sent": sent, "params": _params(cfg)}
+
+
+def _params(cfg: RunConfig) -> int:
+    """The model's parameter count (the tokenizer's vocabulary unless model.vocab_size says more)."""
+    from unbroken.core.flavours import model_args, num_params
+
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size
+    return num_params(model_args(cfg.model.flavour, vocab_size=vocab, n_kv_heads=cfg.model.n_kv_heads))
 
 
 def _cell(values: list[float], scale: float = 1.0, unit: str = "") -> str:
@@ -332,6 +342,13 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
     lines.append("|---|---|---|---|")
     for worker, before, after in kills["replaced"]:
         lines.append(f"| {worker} | {before:.0f} | {after:.0f} | {after / before:.3f} |")
+    whole = 12 * kills["params"] / 2**20  # float32 parameters and AdamW's two moments
+    sent = ", ".join(f"{b / 2**20:.2f}" for b in kills["sent"])
+    lines += [
+        "",
+        f"State sent to each rank of a rejoining replica (MiB): {sent}; the whole state (float32 parameters and "
+        f"AdamW moments, {kills['params']:,} parameters) is {whole:.2f} MiB.",
+    ]
     return "\n".join(lines)
 
 
@@ -341,7 +358,7 @@ def bench_parallel(config: str | None, workers: int, repeats: int, overrides: li
     if workers % shard or workers < 2 * shard:
         raise ValueError(f"bench parallel: --workers {workers} must be a multiple of {shard}, at least {2 * shard}")
     step = bench_step_time(config, workers, shard, repeats, overrides)
-    kills = bench_kills(config, shard, overrides)
+    kills = bench_kills(str(preset_path("tiny")), shard, overrides)  # tiny: the slow windows stay short
     return format_parallel(step, kills)
 
 
