@@ -90,3 +90,45 @@ def test_the_state_schema_round_trips_and_refuses_what_is_not_it() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             ckpt.decode(ckpt.encode(broken))
+
+
+def _sharded(run: Path, step: int, keep: int = 3) -> Path:
+    """A sealed sharded checkpoint of ``step`` as its writers leave it: DCP's files (stand-ins: their content does
+    not matter to sealing and verifying) and ``ft.pt``, the replicated rest of the state."""
+    from unbroken.core import ckptfiles
+
+    temp = ckptfiles.sharded_temp(run, step, "0-abc")
+    temp.mkdir(parents=True)
+    for name, data in ((".metadata", b"meta"), ("__0_0.distcp", b"rank 0" * 100), ("__1_0.distcp", b"rank 1" * 100)):
+        (temp / name).write_bytes(data)
+    rest = ckpt.build_state(step, {}, None, {}, {"scale": None}, {"config": "x"})
+    (temp / ckpt.REST_FILE).write_bytes(ckpt.encode(rest))
+    return ckptfiles.seal_directory(run, step, temp, keep)
+
+
+def test_a_sharded_checkpoint_is_sealed_verified_pruned_and_its_leftovers_cleaned(tmp_path: Path) -> None:
+    for step in (5, 10, 15):
+        sealed = _sharded(tmp_path, step, keep=2)
+        assert sealed == ckpt.sharded_path(tmp_path, step) and sealed.is_dir()
+    assert ckpt.list_checkpoints(tmp_path) == [15, 10]
+    assert not ckpt.sharded_path(tmp_path, 5).exists()  # pruned with its manifest
+    loaded = ckpt.load_latest(tmp_path, read_sharded=False)
+    assert loaded is not None and loaded.sharded and loaded.step == 15 and loaded.path.name == "step_00000015.dcp"
+    ckpt.check(tmp_path, 15)
+    # A flipped byte, a missing file: the newest is rejected and the previous one used.
+    shard = ckpt.sharded_path(tmp_path, 15) / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    loaded = ckpt.load_latest(tmp_path, read_sharded=False)
+    assert loaded is not None and loaded.step == 10 and "fails its checksum" in loaded.skipped[0]
+    (ckpt.sharded_path(tmp_path, 10) / "__0_0.distcp").unlink()
+    assert ckpt.load_latest(tmp_path, read_sharded=False) is None
+    # A writer killed before the seal, or after the rename but before the manifest: ignored, then removed.
+    from unbroken.core import ckptfiles
+
+    ckptfiles.sharded_temp(tmp_path, 20, "1-def").mkdir()
+    ckpt.sharded_path(tmp_path, 25).mkdir()
+    assert ckpt.list_checkpoints(tmp_path) == [15, 10]
+    removed = {p.name for p in ckpt.clean_partial(tmp_path)}
+    assert removed == {"step_00000020.dcp.1-def.tmp", "step_00000025.dcp"}

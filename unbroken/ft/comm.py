@@ -517,6 +517,7 @@ class GradientReducer:
         num_extras: int,
         exact: bool = False,
         first_bucket_bytes: int | None = None,
+        buckets: list[list[int]] | None = None,
     ) -> None:
         self.params = list(params)
         self.num_extras = num_extras
@@ -539,6 +540,9 @@ class GradientReducer:
                 current, current_bytes = [], 0
         if current:
             self.buckets.append(current)
+        if buckets is not None:  # the order gradients become final in: FSDP's units (``fsdp.fsdp_buckets``)
+            assert sorted(i for b in buckets for i in b) == list(range(len(self.params))), "every parameter once"
+            self.buckets = [list(b) for b in buckets]
         self.offsets: list[int] = [0] * len(self.params)
         self.bucket_ranges: list[tuple[int, int]] = []
         offset = 0
@@ -685,7 +689,7 @@ class GradientReducer:
         def hook(_param: torch.Tensor) -> None:
             if self._group is None:
                 return
-            if self.exact:
+            if self.exact and not self.sharded:  # (FSDP's reduce-scatter has folded a sharded one already)
                 assert self._armed_microbatch is not None
                 self._take(index, self._armed_microbatch, fold_now=False)  # folded as its bucket is filled
             self._ready[self.bucket_of[index]] += 1
@@ -760,7 +764,7 @@ class GradientReducer:
         """Start every bucket that has not started yet (from the intact local contribution)."""
         self._unhook()
         if self._armed_microbatch is not None:
-            if self.exact:  # gradients the hooks never saw (no hook fires for a parameter without a gradient)
+            if self.exact and not self.sharded:  # gradients the hooks never saw (none fires without a gradient)
                 for index in range(len(self.params)):
                     self._take(index, self._armed_microbatch, fold_now=False)
             self._armed_microbatch = None

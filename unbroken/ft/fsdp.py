@@ -105,6 +105,22 @@ class ExactReduceScatter(ReduceScatter):
         return None
 
 
+def fsdp_buckets(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]] | None:
+    """The reduction's buckets for an FSDP model: one per unit, in the order the backward reduce-scatters them
+    (the blocks from the last, then the root, which holds the embedding, final norm and output). FSDP calls the
+    sharded parameters' post-accumulate-grad hooks once a unit's reduce-scatter has accumulated, so in a step's
+    last round each bucket's cross-replica all-reduce starts while the blocks before it are still in their
+    backward. None if the model has no FSDP unit."""
+    units = fsdp_units(model)
+    if not units:
+        return None
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    per_unit = [[index[id(fp.sharded_param)] for fp in g.fsdp_params] for g in groups if g is not None]
+    root, blocks = per_unit[0], per_unit[1:]  # model.modules() lists the root first, then the blocks in order
+    return [*reversed(blocks), root]
+
+
 def prepare_fsdp(model: nn.Module, reducer: GradientReducer) -> bool:
     """Set every FSDP unit of ``model`` up for the fault-tolerant reduction (module docstring); False if the
     model has no FSDP unit. ``reducer`` must hold ``model.parameters()`` in order."""

@@ -170,14 +170,20 @@ class StepProtocol:
         if self.exact:
             state.scale = FixedPointScale(len(self.numels), self.M)
         self.side = SideVector(self.M)
+        buckets = None
+        if replica is not None:
+            from unbroken.ft.fsdp import fsdp_buckets
+
+            buckets = fsdp_buckets(state.model, self.params)
         self.reducer = GradientReducer(
             self.params,
             cfg.bucket_bytes,
             self.side.size,
             exact=self.exact,
             first_bucket_bytes=cfg.first_bucket_bytes,
+            buckets=buckets,
         )
-        if replica is not None:
+        if buckets is not None:
             from unbroken.ft.fsdp import prepare_fsdp
 
             prepare_fsdp(state.model, self.reducer)
@@ -523,11 +529,10 @@ class StepProtocol:
         return microbatch in self.efficient_ids
 
     def before_last_microbatch(self, microbatch: int) -> None:
-        """Overlap the reduction with the last local backward of the step (a replica of one rank: FSDP's own
-        reduce-scatter already overlaps inside a replica of several)."""
+        """Overlap the reduction with the last local backward of the step (under FSDP: of its last round, each
+        unit's bucket starting once FSDP has reduce-scattered it)."""
         assert self.group is not None
-        if self.replica is None:
-            self.reducer.arm(self.group, microbatch)
+        self.reducer.arm(self.group, microbatch)
 
     def before_backward(self, microbatch: int, padding: bool = False) -> None:
         """The backward of ``microbatch`` comes next (``padding``: a rank of a replica with nothing left in a
