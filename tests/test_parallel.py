@@ -141,6 +141,20 @@ def test_mecefo_on_sharded_replicas_is_bitwise_mecefo_on_whole_ones(tmp_path: Pa
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
 
 
+def test_a_non_finite_gradient_on_one_shard_skips_the_step_on_every_rank(tmp_path: Path, data_cache_dir: Path) -> None:
+    """A NaN in the gradient of a microbatch one rank of replica 1 computes (fp32: each rank sees only its reduced
+    shard): the ranks tell each other with the side vector's reduction, so every rank of every replica skips the
+    same step and they end with the same shards."""
+    run = tmp_path / "nan"
+    overrides = [ONE_THREAD, "--train.steps=8", "--checkpoint.every=0", "--parallel.shard=2"]
+    result = train(run, data_cache_dir, *overrides, "--failures.schedule=nan:worker=3,step=3", workers=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    skips = read_records(run, "nonfinite_skip")
+    assert [s["step"] for s in skips] == [3] and skips[0]["workers"] == [1]  # replica 1
+    assert [r["step"] for r in read_records(run, "step") if r["skipped"]] == [3]
+    assert read_records(run, "final")[-1]["identical"]
+
+
 def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
     recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
 ) -> None:

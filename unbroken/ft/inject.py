@@ -110,8 +110,9 @@ class FaultInjector:
         event = self.schedule.poison(self.worker, self.step) if first_of_step else None
         if event is None:
             return []
-        params = list(model.parameters())
-        target = params[len(params) // 2]
+        names = [name for name, _ in model.named_parameters()]
+        path, _, attr = names[len(names) // 2].rpartition(".")
+        owner = model.get_submodule(path)
         value = float("nan") if event.kind is FailureKind.NAN else float("inf")
         log.warning("poisoning this microbatch's gradient: %s", event.describe())
 
@@ -120,7 +121,16 @@ class FaultInjector:
             out.view(-1)[0] = value
             return out
 
-        return [target.register_hook(poison)]
+        handles: list[Any] = []
+
+        def on_forward(module: nn.Module, _args: Any) -> None:
+            # The parameter the forward computes with: under FSDP the unsharded one (the hook on the sharded
+            # parameter would never see a gradient), else the parameter itself.
+            if len(handles) == 1:
+                handles.append(getattr(module, attr).register_hook(poison))
+
+        handles.append(owner.register_forward_pre_hook(on_forward))
+        return [_Handles(handles)]
 
     def stall(self, step: int) -> None:
         """``stall`` events: block inside the reduction (the heartbeat thread goes on)."""
@@ -134,6 +144,18 @@ class FaultInjector:
     def duplicates(self, step: int) -> bool:
         """``dup`` events: report one microbatch twice in this step's counts."""
         return self.schedule.duplicate(self.worker, step)
+
+
+class _Handles:
+    """Several hook handles removed as one (some registered later, by a hook)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
 
 def remove(handles: list[Any]) -> None:

@@ -189,6 +189,7 @@ class StepProtocol:
             prepare_fsdp(state.model, self.reducer)
         self.group: Group | None = None
         self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
+        self._any_nonfinite = False  # a replica of several ranks, fp32: some rank's reduced shard is not finite
         self.former = GroupFormer(
             client.new_connection,
             client.worker_id,
@@ -508,10 +509,11 @@ class StepProtocol:
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
             return todo
-        due = self.client.removed_since(self.group.epoch, self.group.members) or self.switch_epoch > self.group.epoch
-        if self.replica is not None:
-            due = self.replica.any(due)  # the ranks of a replica saw the news at different moments
-        if due:
+        # A join agreed in the last reduction (the same value on every rank), or a death between steps. The ranks of
+        # a replica may see a death at different moments, so they do not act on it here: they start the step, and
+        # its reduction (interrupted on every rank index) recovers.
+        removed = self.replica is None and self.client.removed_since(self.group.epoch, self.group.members)
+        if removed or self.switch_epoch > self.group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
             self.recoveries += 1
             if self.cfg.policy is RecoveryPolicy.DROP:
@@ -591,7 +593,6 @@ class StepProtocol:
             newest_epoch=self.client.latest_epoch if self.leader and first else 0,
             member=first,
         )
-        self._combine_sum(extras)
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
         # after the survivors had already finished and committed the step).
@@ -601,11 +602,39 @@ class StepProtocol:
         status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.interrupted)
         if status is WaitStatus.TIMED_OUT:
             self._report_timeout()
-        if not self._agreed(reduced is not None):  # a replica commits only if every rank index was reduced
+        if self.replica is not None:
+            reduced = self._replica_outcome(reduced)
+        if reduced is None:
             self.reducer.disarm()
             raise Interrupted
-        assert reduced is not None
         return self.side.decode(reduced)
+
+    def _replica_outcome(self, reduced: torch.Tensor | None) -> torch.Tensor | None:
+        """A rank of a replica of several ranks: the sum over its replica-mates of the side vectors each rank
+        index reduced across the replicas (each carried its own rank's part), and whether every rank index was
+        reduced (None unless it was: the replica commits only then) and, in fp32, whether any reduced shard is
+        not finite; one collective inside the replica for all three."""
+        assert self.replica is not None
+        done = reduced is not None
+        vector = torch.zeros(self.side.size + 2, dtype=torch.float64)
+        if reduced is not None:
+            vector[: self.side.size] = reduced
+            vector[-1] = 1.0 if not self.exact and self._shard_not_finite() else 0.0
+        vector[-2] = 1.0 if done else 0.0
+        self.replica.all_reduce(vector)
+        if int(vector[-2]) != self.replica.size:
+            return None
+        self._any_nonfinite = bool(vector[-1] > 0)
+        return vector[: self.side.size]
+
+    def _shard_not_finite(self) -> bool:
+        """fp32 mode: whether the reduced gradient this worker holds (the same bits on every member) has a NaN or
+        an infinity. A sum is one pass (a tenth of vector_norm(inf)'s time here); only a non-finite sum (which
+        finite values too large to add up also give) needs a closer look."""
+        if math.isfinite(float(self.reducer.flat.sum())):
+            return False
+        low, high = extremes(self.reducer.flat)
+        return not (math.isfinite(low) and math.isfinite(high))
 
     def reduce_step(self) -> list[int] | None:
         """After this worker's microbatches: reduce. None when the step's gradient is reduced (and, unless it
@@ -660,14 +689,8 @@ class StepProtocol:
     def _reduced_nonfinite(self, reduced: Reduced) -> bool:
         """fp32 mode: whether the reduced gradient (the same bits on every member) holds a NaN or an infinity;
         if so, find out from every member's local gradient who and what (one more small reduction)."""
-        # A NaN or an infinity makes the sum non-finite, and a sum is one pass (a tenth of vector_norm(inf)'s
-        # time here); only a non-finite sum (which finite values too large to add up also give) needs a closer look.
-        found = not math.isfinite(float(self.reducer.flat.sum()))
-        if found:
-            low, high = extremes(self.reducer.flat)
-            found = not (math.isfinite(low) and math.isfinite(high))
-        if self.replica is not None:
-            found = self.replica.any(found)  # each rank reduced its own shard
+        # A replica's ranks each reduced their own shard: they told each other with the side vector's reduction.
+        found = self._any_nonfinite if self.replica is not None else self._shard_not_finite()
         if not found:
             return False
         assert self.group is not None
@@ -795,7 +818,8 @@ class StepProtocol:
         param = self.all_names[min(found.bad_param.values())] if found.bad_param else "?"
         what = (
             f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
-            f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
+            f"{', '.join(map(str, ids)) or '?'} ({'replica' if self.replica is not None else 'worker'}"
+            f"{'s' if len(workers) != 1 else ''} "
             f"{', '.join(map(str, workers)) or '?'}), first in parameter {param}"
         )
         if self.cfg.nonfinite is NonfinitePolicy.STOP:
