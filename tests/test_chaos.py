@@ -97,9 +97,11 @@ def test_small_campaign_keeps_every_invariant(tmp_path: Path, data_cache_dir: Pa
     # Seed 105 with 3 workers: a kill in the optimizer step, then another while that worker receives the
     # state to rejoin, the leader's connections cut, and two workers (the leader one of them) killed at once.
     # (Kills while the leader writes a checkpoint or in the optimizer step alone: tests/test_faults.py and
-    # tests/test_recovery.py; every kind at length: docs/reliability.md.)
+    # tests/test_recovery.py; every kind at length: docs/reliability.md.) 8 microbatches a step: after the cut
+    # one worker trains alone, and with 4 it could finish the run before a restarted worker (seconds to start)
+    # is back for the kill while receiving.
     cmd = [sys.executable, "-m", "unbroken", "chaos", TINY, "--trials", "1", "--seed", "105", "--steps", "30"]
-    cmd += ["--workers", "3"]
+    cmd += ["--workers", "3", "--train.microbatches=8"]
     cmd += ["--out", str(tmp_path / "chaos"), f"--data.cache_dir={data_cache_dir}"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=380)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -588,7 +588,8 @@ class StepProtocol:
             nonfinite=flags.nonfinite_ids,
             overflow=flags.overflow,
             seconds=self.my_speed if first else 0.0,
-            bad_param=flags.first_bad_param if first else None,
+            bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
+            bad_worker=self.wid,
             epoch=self.group.epoch if first else 0,
             newest_epoch=self.client.latest_epoch if self.leader and first else 0,
             member=first,
@@ -661,7 +662,6 @@ class StepProtocol:
             return None
         todo = self.recover()
         self.recoveries += 1
-        self.recomputed += len(todo)
         return todo
 
     def _grow_scale(self) -> list[int]:
@@ -706,7 +706,8 @@ class StepProtocol:
             nonfinite=flags.nonfinite_ids,
             overflow=0,
             seconds=0.0,
-            bad_param=flags.first_bad_param if first else None,
+            bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
+            bad_worker=self.wid,
             epoch=self.group.epoch if first else 0,
             member=first,
         )
@@ -818,8 +819,7 @@ class StepProtocol:
         param = self.all_names[min(found.bad_param.values())] if found.bad_param else "?"
         what = (
             f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
-            f"{', '.join(map(str, ids)) or '?'} ({'replica' if self.replica is not None else 'worker'}"
-            f"{'s' if len(workers) != 1 else ''} "
+            f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
             f"{', '.join(map(str, workers)) or '?'}), first in parameter {param}"
         )
         if self.cfg.nonfinite is NonfinitePolicy.STOP:
@@ -993,6 +993,10 @@ class StepProtocol:
                     state_bytes=self.state_bytes,
                 )
             died = not set(old_members) <= set(self.group.members)
+            if old_epoch > 0 and died and len(missing) < self.M and self.cfg.policy is not RecoveryPolicy.DROP:
+                # The step's ids computed again because a member died (the same count on every member: the step's
+                # record says it whichever member publishes it).
+                self.recomputed += len(missing)
             if self.cfg.policy is RecoveryPolicy.DROP and old_epoch > 0 and died and len(missing) < self.M:
                 # Someone died mid-step: their microbatches are lost; a live member that had not computed its
                 # own yet (it met the death before starting the step) still does. (A join alone loses nothing,

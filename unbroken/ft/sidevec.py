@@ -10,7 +10,8 @@ What each member contributes, and what the sum means:
   nonfinite[M]     per id: 1 if its gradient held a NaN or an infinity
   overflow         microbatches whose gradient did not fit the exact mode's fixed point
   seconds[W]       per worker slot: that worker's seconds per microbatch (the throughput workload)
-  bad_param[W]     per worker slot: 1 + the index of the first parameter whose gradient is not finite
+  bad_param[W]     per worker slot: 1 + the index of the first parameter whose gradient is not finite (a rank of
+                   a replica of several ranks: in its own worker's slot, the model's index of the parameter)
   epoch_sum        every member adds its group's epoch: equals epoch x members when they agree
   members          every member adds one: equals the group's size
   newest_epoch     the leader's newest known epoch: every member takes joiners in at the same boundary
@@ -84,6 +85,7 @@ class SideVector:
         epoch: int,
         newest_epoch: int = 0,
         member: bool = True,
+        bad_worker: int | None = None,
     ) -> torch.Tensor:
         """One member's contribution: ``losses`` (and ``tokens``) of the ids it computed, the ids it counts
         (``done``), which ran in efficient mode and which had a non-finite gradient, its overflowed microbatches,
@@ -104,8 +106,9 @@ class SideVector:
         out[f["overflow"].start] = overflow
         if worker < WORKER_SLOTS:
             out[f["seconds"].start + worker] = seconds
-            if bad_param is not None:
-                out[f["bad_param"].start + worker] = bad_param + 1
+        slot = worker if bad_worker is None else bad_worker  # the worker that saw it (a rank: its own slot)
+        if bad_param is not None and slot < WORKER_SLOTS:
+            out[f["bad_param"].start + slot] = bad_param + 1
         out[f["epoch_sum"].start] = epoch
         out[f["members"].start] = 1 if member else 0
         out[f["newest_epoch"].start] = newest_epoch
