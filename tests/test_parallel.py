@@ -81,10 +81,12 @@ def test_sharded_replicas_of_any_count_are_bitwise_equal_and_skip_a_non_finite_s
 def test_kills_in_sharded_replicas_leave_the_run_bitwise_the_failure_free_one(
     recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
 ) -> None:
-    """3 replicas x 2 shards: a shard rank killed mid-backward (replica 0), one mid-reduction (replica 1), and a
-    whole replica (both ranks of replica 2). Each death takes its replica down in one epoch, the survivors
+    """3 replicas x 2 shards: a shard rank killed mid-backward (replica 0), one mid-reduction (replica 1), a
+    whole replica (both ranks of replica 2), then the leading replica's first rank while it writes the final
+    checkpoint (after the last evaluation). Each death takes its replica down in one epoch, the survivors
     recompute its microbatches in-step, the first two replicas come back (each rank receives its shard of the
-    state from the same rank of a live replica), and the run ends as the failure-free one."""
+    state from the same rank of a live replica), the last one writes the final checkpoint again, and the run
+    ends as the failure-free one, every replica holding the same shards."""
     run = tmp_path / "kills"
     # A restarted replica takes seconds to come back (two processes import torch and build the model): the steps
     # after each kill are made slow (replica 2 computes 10x slower, so the others wait for it), so that a replica
@@ -92,11 +94,12 @@ def test_kills_in_sharded_replicas_leave_the_run_bitwise_the_failure_free_one(
     schedule = (
         "kill:worker=1,step=5,phase=backward,rejoin=0.5; slow:worker=4,factor=10,steps=6-14; "
         "kill:worker=2,step=15,phase=reduction,rejoin=0.5; slow:worker=4,factor=10,steps=16-26; "
-        "kill:worker=4,step=30,phase=forward; kill:worker=5,step=30,phase=forward"
+        "kill:worker=4,step=30,phase=forward; kill:worker=5,step=30,phase=forward; "
+        "kill:worker=0,step=40,phase=checkpoint"  # the leading replica killed writing the final checkpoint
     )
     result = train(run, data_cache_dir, *COMMON, "--parallel.shard=2", f"--failures.schedule={schedule}", workers=6)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(r["worker"] for r in read_records(run, "injected")) == [1, 2, 4, 5]
+    assert sorted(r["worker"] for r in read_records(run, "injected")) == [0, 1, 2, 4, 5]
     epochs = [(r["members"], r["reason"]) for r in read_records(run, "membership")]
     removed = [set(before) - set(after) for (before, _), (after, _) in zip(epochs, epochs[1:], strict=False)]
     assert {0, 1} in removed and {2, 3} in removed and {4, 5} in removed  # whole replicas, each in one epoch

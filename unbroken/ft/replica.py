@@ -21,7 +21,6 @@ import datetime
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn
@@ -145,16 +144,6 @@ class Replica:
         died. That is not a bug of the loop but the replica going down: leave with one line."""
         self.collective_failed(value)
         self._previous_hook(kind, value, traceback)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.01) -> bool:
-    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
 
 
 def _first_line(e: BaseException) -> str:

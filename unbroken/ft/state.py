@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,11 +45,25 @@ class StepOutcome:
 
 
 def param_checksum(model: nn.Module) -> str:
-    """sha256 over the bytes of every parameter, in order: equal iff the parameters are bitwise equal."""
+    """sha256 over the bytes of every parameter, in order: equal iff the parameters are bitwise equal (under
+    FSDP: this rank's shards, the same however its replica last ran a forward)."""
+    reshard(model)
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(local_tensor(p.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def reshard(model: nn.Module) -> None:
+    """Give every FSDP unit of ``model`` its sharded parameters back. FSDP2 leaves the root unit's parameters
+    unsharded after a forward without backward (an evaluation), so ``model.parameters()`` would then list whole
+    tensors on one replica and shards on another."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: no FSDP unit can exist
+    if fsdp is None:
+        return
+    for module in model.modules():
+        if isinstance(module, fsdp.FSDPModule):
+            module.reshard()
 
 
 def local_state(state: Any) -> Any:
