@@ -53,7 +53,7 @@ from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
 from unbroken.core.records import RecordKind
-from unbroken.ft import process
+from unbroken.ft import comm, process
 from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.inject import FaultInjector, remove
 from unbroken.ft.protocol import (
@@ -415,6 +415,11 @@ class Context:
         self._closed = True
         if self._client is not None:
             self._client.close()
+        # Helper threads that may be inside C++ (a group of an epoch published as the run ended, forming ahead;
+        # MeCeFO's bases) must end before the interpreter finalizes, or the process can die of SIGABRT.
+        comm.settle(self.config.comm.op_timeout_s + 1.0)
+        if self.state.efficient is not None:
+            self.state.efficient.settle(self.config.comm.op_timeout_s)
         self._job.close()
 
 

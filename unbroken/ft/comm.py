@@ -134,6 +134,42 @@ class _Reaper:
 
 _reaper = _Reaper()
 
+# Threads that may be inside a C++ rendezvous (a gloo group being built). One that returns into Python while
+# the interpreter finalizes is ended by pthread_exit (CPython 3.11), whose unwinding through the C++ frames
+# calls std::terminate: a worker that finished its run would die of SIGABRT. ``settle`` waits for them at exit.
+_rendezvous_threads: set[threading.Thread] = set()
+_rendezvous_lock = threading.Lock()
+
+
+def _start_rendezvous_thread(target: Callable[[], None], name: str) -> None:
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _rendezvous_lock:
+                _rendezvous_threads.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _rendezvous_lock:
+        _rendezvous_threads.add(thread)
+    thread.start()
+
+
+def settle(timeout_s: float) -> bool:
+    """Wait, at most ``timeout_s``, for the group rendezvous still running on helper threads (one abandoned
+    or formed ahead ends at its own timeout, or at once when the coordinator's store closes). Call before the
+    interpreter exits; returns whether none is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _rendezvous_lock:
+            alive = [t for t in _rendezvous_threads if t.is_alive()]
+        if not alive:
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        alive[0].join(remaining)
+
 
 def retire_group(group: Group | None, hold_s: float) -> None:
     """Hand over a group that is being replaced: it is destroyed off this thread once it is idle (or after
@@ -231,7 +267,7 @@ def form_group(
         finally:
             finished.set()
 
-    threading.Thread(target=build, name=f"rendezvous-{epoch}", daemon=True).start()
+    _start_rendezvous_thread(build, f"rendezvous-{epoch}")
     deadline = time.monotonic() + timeout_s
     while not finished.wait(CHECK_INTERVAL_S):
         if interrupted():
@@ -291,9 +327,7 @@ class GroupFormer:
                 return
             attempt = _Attempt()
             self._attempts[epoch] = attempt
-        threading.Thread(
-            target=self._form, args=(epoch, tuple(members), attempt), name=f"pre-form-{epoch}", daemon=True
-        ).start()
+        _start_rendezvous_thread(lambda: self._form(epoch, tuple(members), attempt), f"pre-form-{epoch}")
 
     def _form(self, epoch: int, members: tuple[int, ...], attempt: _Attempt) -> None:
         try:

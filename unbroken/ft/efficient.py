@@ -307,6 +307,13 @@ class EfficientBackward:
             if v is not None
         }
 
+    def settle(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, for a computation of bases in flight: a thread still inside torch's
+        kernels when the interpreter finalizes can abort the process (call before it exits)."""
+        pending = self._pending
+        if pending is not None and pending.thread is not None:
+            pending.thread.join(timeout_s)
+
     def load_bases(self, bases: list[torch.Tensor], step: int | None = None) -> None:
         """Replace the bases with copies of ``bases`` (as returned by ``bases()``, e.g. from a checkpoint or a
         live worker) taken from the weights of ``step`` (their ``bases_step``). A computation in flight is
