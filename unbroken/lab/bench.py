@@ -25,7 +25,7 @@ and what reading prepared data costs a training step and a worker's memory (``be
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,7 +40,7 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps
-from unbroken.lab.figures import free_port, stats
+from unbroken.lab.figures import rank_main, run_ranks, stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
@@ -82,37 +82,7 @@ def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
 
 def run_ddp(cfg: RunConfig, workers: int) -> list[float]:
     """Step times (s) of the DDP baseline after warm-up (rank 0's measurement)."""
-    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
-        config_path = Path(tmp) / "config.toml"
-        config_path.write_text(to_toml(cfg))
-        out = Path(tmp) / "times.json"
-        port = free_port()
-        env = {**os.environ, "UNBROKEN_LOCAL_WORKERS": str(workers)}
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "unbroken.lab.bench",
-                    "--ddp-rank",
-                    str(rank),
-                    "--world",
-                    str(workers),
-                    "--port",
-                    str(port),
-                    "--config",
-                    str(config_path),
-                    "--out",
-                    str(out),
-                ],
-                env=env,
-            )
-            for rank in range(workers)
-        ]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"DDP baseline failed: exit codes {codes}")
-        return json.loads(out.read_text())[WARMUP_STEPS:]
+    return run_ranks("unbroken.lab.bench", "--ddp-rank", to_toml(cfg), workers, contextlib.nullcontext())[WARMUP_STEPS:]
 
 
 def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
@@ -677,14 +647,7 @@ def run_bench(
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ddp-rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    a = parser.parse_args()
-    ddp_worker(a.ddp_rank, a.world, a.port, a.config, a.out)
+    rank_main("--ddp-rank", ddp_worker)
 
 
 if __name__ == "__main__":

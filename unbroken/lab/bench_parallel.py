@@ -18,12 +18,9 @@ death of one rank costs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,7 +29,7 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps, read_records
-from unbroken.lab.figures import free_port, stats
+from unbroken.lab.figures import rank_main, run_ranks, stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 8
@@ -137,38 +134,9 @@ def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> tupl
 
 def run_hsdp(cfg: RunConfig, workers: int) -> tuple[list[float], PeakMemory]:
     """Step times after warm-up (rank 0's) and the ranks' peak memory of plain FSDP2 HSDP."""
-    with tempfile.TemporaryDirectory(prefix="hsdp-bench-") as tmp:
-        config_path = Path(tmp) / "config.toml"
-        config_path.write_text(to_toml(cfg))
-        out = Path(tmp) / "times.json"
-        port = free_port()
-        env = {**os.environ, "UNBROKEN_LOCAL_WORKERS": str(workers)}
-        with PeakMemory("unbroken.lab.bench_parallel") as memory:
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "unbroken.lab.bench_parallel",
-                        "--hsdp-rank",
-                        str(rank),
-                        "--world",
-                        str(workers),
-                        "--port",
-                        str(port),
-                        "--config",
-                        str(config_path),
-                        "--out",
-                        str(out),
-                    ],
-                    env=env,
-                )  # fmt: skip
-                for rank in range(workers)
-            ]
-            codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"HSDP baseline failed: exit codes {codes}")
-        return json.loads(out.read_text())[WARMUP_STEPS:], memory
+    memory = PeakMemory("unbroken.lab.bench_parallel")
+    times = run_ranks("unbroken.lab.bench_parallel", "--hsdp-rank", to_toml(cfg), workers, memory)
+    return times[WARMUP_STEPS:], memory
 
 
 def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
@@ -363,14 +331,7 @@ def bench_parallel(config: str | None, workers: int, repeats: int, overrides: li
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hsdp-rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    a = parser.parse_args()
-    hsdp_worker(a.hsdp_rank, a.world, a.port, a.config, a.out)
+    rank_main("--hsdp-rank", hsdp_worker)
 
 
 if __name__ == "__main__":
