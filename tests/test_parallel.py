@@ -118,13 +118,14 @@ def test_a_kill_in_a_pipelined_replica_leaves_the_run_bitwise_the_failure_free_o
     recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
 ) -> None:
     """2 replicas x 2 pipeline stages (1F1B; GPipe where a replica runs fewer microbatches than stages): the
-    last stage of replica 1 killed mid-backward, then the first stage of the leading replica mid-reduction; both
-    come back, and the run ends as the failure-free one."""
+    last stage of replica 1 killed mid-backward at an evaluation step (the survivor recomputes 2 microbatches,
+    then evaluates 4 alone: a pipelined batch of another size, forward only), then the first stage of the
+    leading replica mid-reduction; both come back, and the run ends as the failure-free one."""
     run = tmp_path / "pipeline"
-    # Steps 6-20 slow (as in the test above): replica 1 is back before the leading replica's kill needs it alive.
+    # Steps 8-22 slow (as in the test above): replica 1 is back before the leading replica's kill needs it alive.
     schedule = (
-        "kill:worker=3,step=5,phase=backward,rejoin=0.5; slow:worker=0,factor=10,steps=6-20; "
-        "kill:worker=0,step=25,phase=reduction,rejoin=0.5"
+        "kill:worker=3,step=7,phase=backward,rejoin=0.5; slow:worker=0,factor=10,steps=8-22; "
+        "kill:worker=0,step=27,phase=reduction,rejoin=0.5"
     )
     result = train(run, data_cache_dir, *COMMON, "--parallel.pipeline=2", f"--failures.schedule={schedule}")
     assert result.returncode == 0, result.stderr[-3000:]

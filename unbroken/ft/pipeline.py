@@ -41,7 +41,9 @@ class _FoldingStage(PipelineStage):
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        self._on_backward(bwd_chunk_id)
+        # A schedule's eval() goes through the same calls with the backward switched off: nothing to fold then.
+        if self.has_backward:
+            self._on_backward(bwd_chunk_id)
 
 
 class Pipeline:
