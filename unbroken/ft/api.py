@@ -94,7 +94,7 @@ class Context:
         self.layout = ReplicaLayout(self.config.parallel.shard, self.config.parallel.pipeline)
         self._replica = self._join_replica() if self.layout.size > 1 else None
         self._pipeline: Pipeline | None = None
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     # -- a replica of several ranks -------------------------------------------------------------------
     def _join_replica(self) -> Replica:
@@ -415,12 +415,16 @@ class Context:
         self._closed = True
         if self._client is not None:
             self._client.close()
-        # Helper threads that may be inside C++ (a group of an epoch published as the run ended, forming ahead;
-        # MeCeFO's bases) must end before the interpreter finalizes, or the process can die of SIGABRT.
+        self._job.close()
+
+    def _at_exit(self) -> None:
+        """The interpreter is exiting (a worker that leaves ends with ``os._exit`` and never comes here): helper
+        threads that may be inside C++ (a group of an epoch published as the run ended, being formed ahead;
+        MeCeFO's bases) must end first, or a thread returning into the finalizing interpreter aborts the process."""
+        self.close()
         comm.settle(self.config.comm.op_timeout_s + 1.0)
         if self.state.efficient is not None:
             self.state.efficient.settle(self.config.comm.op_timeout_s)
-        self._job.close()
 
 
 class _Status:
