@@ -423,7 +423,10 @@ def test_open_state_store(tmp_path: Path) -> None:
 
 # -- the child processes --------------------------------------------------------------------------------
 def _say(*words: Any) -> None:
-    print(*words, flush=True)
+    # One write per line: print(*words) writes each word and separator separately when stdout is unbuffered
+    # (PYTHONUNBUFFERED), so a kill between two of them left a torn line ("saved " without its number).
+    sys.stdout.write(" ".join(str(w) for w in words) + "\n")
+    sys.stdout.flush()
 
 
 def _crash_at(run_dir: Path, point: str) -> None:
