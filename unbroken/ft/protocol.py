@@ -993,15 +993,16 @@ class StepProtocol:
                     state_bytes=self.state_bytes,
                 )
             died = not set(old_members) <= set(self.group.members)
-            if old_epoch > 0 and died and len(missing) < self.M and self.cfg.policy is not RecoveryPolicy.DROP:
-                # The step's ids computed again because a member died (the same count on every member: the step's
-                # record says it whichever member publishes it).
-                self.recomputed += len(missing)
-            if self.cfg.policy is RecoveryPolicy.DROP and old_epoch > 0 and died and len(missing) < self.M:
+            lost_mid_step = old_epoch > 0 and died and len(missing) < self.M
+            if lost_mid_step and self.cfg.policy is RecoveryPolicy.DROP:
                 # Someone died mid-step: their microbatches are lost; a live member that had not computed its
                 # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
                 # and a step nobody had started yet is planned as usual.)
                 return [j for j in missing if self.step_owners.get(j) == self.unit]
+            if lost_mid_step:
+                # The step's ids computed again because a member died (the same count on every member: the step's
+                # record says it whichever member publishes it).
+                self.recomputed += len(missing)
             plan = self.plan(missing)
             if len(missing) == self.M:
                 self._note_owners(plan)
