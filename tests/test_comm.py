@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
+from unbroken.ft import foldkernel
 from unbroken.ft.comm import (
     PENDING_FOLDS,
     GradientReducer,
@@ -223,11 +224,15 @@ def quantised_sum(grads: list[torch.Tensor], exponent: int) -> torch.Tensor:
     return total
 
 
-def test_deferred_folds_sum_flag_and_restart_as_immediate_ones() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_deferred_folds_sum_flag_and_restart_as_immediate_ones(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seven microbatches through a reducer (more than PENDING_FOLDS wait at once, so some are folded into the
     accumulator and some straight into the reduced buffer): the reduced integers are the sum of every
     microbatch's own quantised gradient; a NaN and an overflow are named by microbatch; a reduction abandoned
-    and launched again on a new group reduces the same integers."""
+    and launched again on a new group reduces the same integers. Without the CPU kernels (the path a GPU
+    takes: torch's ops, every fold's peaks left on the device and read back together) the same holds."""
+    if not kernels:
+        monkeypatch.setattr(foldkernel, "_kernels", lambda: None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
     params = list(model.parameters())

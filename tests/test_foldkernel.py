@@ -74,3 +74,20 @@ def test_peak_names_nan_and_infinity() -> None:
     values[500] = float("nan")
     assert math.isnan(foldkernel.peak(values))
     assert foldkernel.peak(torch.tensor([-2.5, 1.0])) == 2.5
+
+
+def test_batched_peaks_and_square_sums_are_the_kernels_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``peaks_of`` and ``square_sums`` (a GPU's path: computed on the device, read back once) give the values the
+    CPU kernels give one tensor at a time, NaN and infinity included."""
+    tensors = [awkward_values(5_003 + k, seed=10 + k) for k in range(3)]
+    tensors[1][7] = -float("inf")
+    exponents = [-30, 0, 12]
+    finite = [tensors[0], tensors[2]]
+    kernel_peaks = [foldkernel.peak(t) for t in tensors]
+    kernel_sums = [foldkernel.square_sum(t, e) for t, e in zip(finite, exponents, strict=False)]
+    assert foldkernel.peaks_of(tensors) == kernel_peaks
+    monkeypatch.setattr(foldkernel, "_kernels", lambda: None)
+    assert foldkernel.peaks_of(tensors) == kernel_peaks
+    assert foldkernel.square_sums(finite, exponents[:2]) == kernel_sums
+    tensors[2][3] = float("nan")
+    assert math.isnan(foldkernel.peaks_of(tensors)[2])

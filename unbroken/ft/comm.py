@@ -598,8 +598,11 @@ class GradientReducer:
         self._overflowed: set[int] = set()  # microbatches with a gradient that did not fit
         self.exponents = [0] * len(self.params)
         self.limit = math.inf
-        self.flags = LocalFlags()
-        self.observed = [0.0] * len(self.params)  # exact mode: max |microbatch gradient| seen, per tensor
+        self._flags = LocalFlags()
+        self._observed = [0.0] * len(self.params)  # exact mode: max |microbatch gradient| seen, per tensor
+        # Exact mode on a GPU: folded gradients' peaks still on the device, as (parameter index, microbatch ids,
+        # peaks): read back all at once when the flags are needed (one wait for the device per reduction).
+        self._unread: list[tuple[int, list[int], torch.Tensor]] = []
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._group: Group | None = None
         self._ready: list[int] = [0] * len(self.buckets)
@@ -627,10 +630,35 @@ class GradientReducer:
         self._written = [False] * len(self.params)
         self._unfolded = [[] for _ in self.params]
         self._overflowed = set()
-        self.flags = LocalFlags()
-        self.observed = [0.0] * len(self.params)
+        self._flags = LocalFlags()
+        self._observed = [0.0] * len(self.params)
+        self._unread = []
         for p in self.params:
             p.grad = None
+
+    @property
+    def flags(self) -> LocalFlags:
+        """What the exact fold saw in this step's local microbatches so far."""
+        self._read_peaks()
+        return self._flags
+
+    @property
+    def observed(self) -> list[float]:
+        """Exact mode: the largest |microbatch gradient| folded so far, per tensor."""
+        self._read_peaks()
+        return self._observed
+
+    def _read_peaks(self) -> None:
+        """Note the peaks still on the device (one transfer for all of them)."""
+        if not self._unread:
+            return
+        unread, self._unread = self._unread, []
+        values = torch.cat([peaks for _, _, peaks in unread]).tolist()
+        at = 0
+        for index, microbatches, _ in unread:
+            for microbatch in microbatches:
+                self._note(index, microbatch, values[at])
+                at += 1
 
     def _take(self, index: int, microbatch: int, fold_now: bool) -> None:
         """Take parameter ``index``'s gradient of ``microbatch`` out of ``param.grad`` into the local contribution;
@@ -658,7 +686,10 @@ class GradientReducer:
         exponent = self.exponents[index]
         # The accumulator is written before the checks: a microbatch that fails them makes the step skipped
         # (not finite) or redone from an empty accumulator (did not fit), never committed.
-        peaks = quantise_sum([g for _, g in unfolded], accumulated, out, exponent, self.limit)
+        peaks = quantise_sum([g for _, g in unfolded], accumulated, out, exponent, self.limit, lazy=True)
+        if isinstance(peaks, torch.Tensor):
+            self._unread.append((index, [microbatch for microbatch, _ in unfolded], peaks))
+            return
         for (microbatch, _), value in zip(unfolded, peaks, strict=True):
             self._note(index, microbatch, value)
 
@@ -666,17 +697,17 @@ class GradientReducer:
         """What microbatch ``microbatch``'s gradient of parameter ``index`` showed (its max |value|): True if it
         is finite and fits the fixed point; else the flags say so (the step is then skipped or redone)."""
         if not math.isfinite(value):
-            if microbatch not in self.flags.nonfinite_ids:
-                self.flags.nonfinite_ids.append(microbatch)
-            if self.flags.first_bad_param is None or index < self.flags.first_bad_param:
-                self.flags.first_bad_param = index
+            if microbatch not in self._flags.nonfinite_ids:
+                self._flags.nonfinite_ids.append(microbatch)
+            if self._flags.first_bad_param is None or index < self._flags.first_bad_param:
+                self._flags.first_bad_param = index
             fits = False
         else:
-            self.observed[index] = max(self.observed[index], value)
+            self._observed[index] = max(self._observed[index], value)
             fits = value * 2.0 ** self.exponents[index] < self.limit
             if not fits:
                 self._overflowed.add(microbatch)
-        self.flags.overflow = len(self._overflowed - set(self.flags.nonfinite_ids))
+        self._flags.overflow = len(self._overflowed - set(self._flags.nonfinite_ids))
         return fits
 
     def note(self, index: int, value: float) -> bool:
@@ -715,8 +746,8 @@ class GradientReducer:
         peaks = torch._foreach_norm([g for _, g in grads], float("inf"))
         bad = [i for (i, _), peak in zip(grads, peaks, strict=True) if not math.isfinite(float(peak))]
         if bad:
-            self.flags.first_bad_param = bad[0]
-            self.flags.nonfinite_ids = list(microbatch_ids)
+            self._flags.first_bad_param = bad[0]
+            self._flags.nonfinite_ids = list(microbatch_ids)
 
     # -- overlapped launch --------------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:

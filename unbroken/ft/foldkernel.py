@@ -128,13 +128,32 @@ def peak(tensor: torch.Tensor) -> float:
     return max(-low, high)
 
 
+def peaks_of(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """``peak`` of each of ``tensors`` (on one device): off the CPU kernels computed on the device and read back
+    at once, so a GPU is waited for once, not once per tensor."""
+    kernels = _kernels()
+    if not tensors:
+        return []
+    if kernels is not None and all(_on_cpu(t, torch.float32) for t in tensors):
+        return [peak(t) for t in tensors]
+    return torch.stack([torch.linalg.vector_norm(t.detach().reshape(-1), math.inf).double() for t in tensors]).tolist()
+
+
 def quantise_sum(
-    grads: Sequence[torch.Tensor], base: torch.Tensor | None, out: torch.Tensor, exponent: int, limit: float
-) -> list[float]:
+    grads: Sequence[torch.Tensor],
+    base: torch.Tensor | None,
+    out: torch.Tensor,
+    exponent: int,
+    limit: float,
+    lazy: bool = False,
+) -> list[float] | torch.Tensor:
     """``out = base + sum_j round(grads[j] x 2**exponent)`` elementwise (``base`` None: zero; ``out`` and ``base``
     flat int64 of the gradients' size, ``out`` may be ``base``); returns each gradient's max |value| (NaN if it
     holds a NaN). Where one is not finite, or times ``2**exponent`` is not below ``limit``, ``out`` is left
-    unspecified: the caller discards it (the step is skipped or redone)."""
+    unspecified: the caller discards it (the step is skipped or redone).
+
+    ``lazy``: off the CPU kernels (a GPU), return the peaks as a float64 tensor on the gradients' device instead
+    of a list, so that nothing waits for the device: the caller reads many of them back at once."""
     kernels = _kernels()
     flat = [g.detach().reshape(-1) for g in grads]
     if (
@@ -157,11 +176,17 @@ def quantise_sum(
             bits = kernels[0](*padded, len(chunk), source if start == 0 else target, target, scale, has_base)
             peaks += [_float_of(int(b)) for b in bits[: len(chunk)]]
         return peaks
-    peaks = [peak(g) for g in flat]
     if base is None:
         out.zero_()
     elif base.data_ptr() != out.data_ptr():
         out.copy_(base)
+    if lazy:
+        # Every gradient is added: one that does not fit converts to an unspecified integer, and the caller
+        # discards ``out`` once it reads the peaks (the step is then skipped or redone).
+        for g in flat:
+            out.add_(g.mul(2.0**exponent).round_().to(torch.int64))
+        return torch.stack([torch.linalg.vector_norm(g, math.inf) for g in flat]).double()
+    peaks = [peak(g) for g in flat]
     for g, value in zip(flat, peaks, strict=True):
         if math.isfinite(value) and value * 2.0**exponent < limit:
             out.add_(g.mul(2.0**exponent).round_().to(torch.int64))
@@ -176,6 +201,21 @@ def dequantise(acc: torch.Tensor, exponent: int, dtype: torch.dtype = torch.floa
         kernels[2](acc.numpy(), out.numpy(), np.float32(2.0**-exponent))
         return out
     return acc.to(dtype).mul_(2.0**-exponent)
+
+
+def square_sums(tensors: Sequence[torch.Tensor], exponents: Sequence[int]) -> list[int]:
+    """``square_sum`` of each of ``tensors`` (on one device) with its exponent; off the CPU kernels computed on
+    the device and read back at once."""
+    kernels = _kernels()
+    if not tensors:
+        return []
+    if kernels is not None and all(_on_cpu(t, torch.float32) for t in tensors):
+        return [square_sum(t, e) for t, e in zip(tensors, exponents, strict=True)]
+    sums = [
+        t.detach().reshape(-1).double().square().mul_(2.0**e).round_().to(torch.int64).sum()
+        for t, e in zip(tensors, exponents, strict=True)
+    ]
+    return [int(v) for v in torch.stack(sums).tolist()]
 
 
 def square_sum(tensor: torch.Tensor, exponent: int) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from unbroken.ft.foldkernel import peak, square_sum
+from unbroken.ft.foldkernel import peaks_of, square_sums
 
 Combine = Callable[[torch.Tensor], None]
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
@@ -37,9 +37,9 @@ def peaks(
 ) -> list[float]:
     """max |value| of each of the model's tensors (0 for one without gradient), over the whole replica."""
     out = torch.zeros(len(numels), dtype=torch.float64)
-    for g, i in zip(grads, index, strict=True):
-        if g.numel():
-            out[i] = peak(g)
+    present = [(g, i) for g, i in zip(grads, index, strict=True) if g.numel()]
+    for (_, i), value in zip(present, peaks_of([g for g, _ in present]), strict=True):
+        out[i] = value
     reduce_max(out)
     return out.tolist()
 
@@ -59,9 +59,10 @@ def exact_clip(
         return math.nan
     exponents = [_square_exponent(v, n) if v > 0 else 0 for v, n in zip(top, numels, strict=True)]
     sums = torch.zeros(len(numels), dtype=torch.int64)
-    for g, i in zip(grads, index, strict=True):
-        if top[i] > 0 and g.numel():
-            sums[i] = square_sum(g, exponents[i])
+    nonzero = [(g, i) for g, i in zip(grads, index, strict=True) if top[i] > 0 and g.numel()]
+    values = square_sums([g for g, _ in nonzero], [exponents[i] for _, i in nonzero])
+    for (_, i), value in zip(nonzero, values, strict=True):
+        sums[i] = value
     reduce_sum(sums)
     total = 0.0
     for s, e in zip(sums.tolist(), exponents, strict=True):
@@ -76,8 +77,8 @@ def float_clip(grads: Sequence[torch.Tensor], max_norm: float, reduce_sum: Combi
     local = torch.zeros(1, dtype=torch.float64)
     present = [g for g in grads if g.numel()]
     if present:
-        norms = torch._foreach_norm(present, 2.0)
-        local[0] = sum(float(n) ** 2 for n in norms)
+        norms = torch.stack(torch._foreach_norm(present, 2.0)).tolist()  # one wait for a GPU, not one per tensor
+        local[0] = sum(n**2 for n in norms)
     reduce_sum(local)
     norm = math.sqrt(float(local[0]))
     _clip(grads, norm, max_norm)
