@@ -91,10 +91,12 @@ def _run_dir(args: argparse.Namespace, cfg: RunConfig, name: str) -> Path:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.ft.process import check_host_devices
     from unbroken.train.trainer import validate_launch
 
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, name)
+    check_host_devices(cfg, args.workers)
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch
     )
@@ -111,8 +113,11 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
+    from unbroken.ft.process import check_host_devices
+
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
+    check_host_devices(cfg, args.workers)
     command = (sys.executable, str(script.resolve()), *args.args)
     plan = plan_launch(cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command)
     if args.resume is not None and extra:
@@ -226,6 +231,8 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         args.record,
         " ".join(["unbroken", *sys.argv[1:]]) if args.record or args.what == "all" else "",
         data_gb=(args.corpus_gb, args.reader_gb),
+        out=args.out,
+        parts=args.parts,
     )
 
 
@@ -377,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--record", action="store_true", help="also write the figures into docs/benchmarks.md")
     bench.add_argument("--corpus-gb", type=float, default=1.0, help="data: the throughput corpus (default 1)")
     bench.add_argument("--reader-gb", type=float, default=10.0, help="data: the reader-memory corpus (default 10)")
+    bench.add_argument("--out", help="gpu: where gpu.md, gpu.json and its runs go (default runs/bench-gpu-<time>)")
+    bench.add_argument(
+        "--parts", default="", help="gpu: some of determinism,exact,kills,throughput,mecefo,nccl (default: all)"
+    )
     bench.set_defaults(func=cmd_bench)
 
     report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")

@@ -36,10 +36,11 @@ from unbroken.control import keys
 from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
 from unbroken.control.store import connect_store, publish_record, ring
-from unbroken.core.config import config_from_toml_text
+from unbroken.core.config import RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
+from unbroken.core.numerics import DETERMINISTIC_ENV
 from unbroken.core.records import RecordKind, make
 
 log = logging.getLogger(__name__)
@@ -311,6 +312,16 @@ class Agent:
                 p.wait()
 
 
+def worker_defaults(cfg: RunConfig) -> dict[str, str]:
+    """The environment a worker starts with unless the user's environment says otherwise: c10d's errors only
+    (it logs a C++ stack trace for every bounded store wait that times out), and under deterministic kernels
+    (``train.deterministic``) what cuBLAS must read before it starts (``core.numerics``)."""
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+    if deterministic_kernels(cfg):
+        env.update(DETERMINISTIC_ENV)
+    return env
+
+
 def wait_for_exit(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
     """Sleep up to ``timeout_s``, waking as soon as one of ``procs`` exits (Linux pidfds; elsewhere a plain
     sleep). The workers share the host's cores: a busy agent would slow them down."""
@@ -365,7 +376,7 @@ def run_agent(args: argparse.Namespace) -> int:
     cfg = config_from_toml_text(store.get(keys.CONFIG).decode())
     log_dir = Path(args.log_dir or Path(store.get(keys.RUN_DIR).decode()) / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
+    env = {**worker_defaults(cfg), **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
     env[COORDINATOR_ENV] = ",".join(addresses)
     layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
     if args.workers % layout.size:

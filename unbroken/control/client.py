@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 NEWS_WAIT_S = 60.0
 RECENT_RECORDS = 256  # records kept to send again to a coordinator that replaced a dead one
 RECONNECT_POLL_S = 0.1
+REFUSAL_CHECK_S = 0.1  # how often a worker waiting for its first epoch looks whether it was refused
 LEFT_CHECK_S = 0.05  # how often a member blocked in a superseded group's collective looks for members that left
 
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
@@ -59,6 +60,10 @@ COORDINATOR_ENV = "UNBROKEN_COORDINATOR"  # HOST:PORT of the coordinator (a comm
 WORKER_ID_ENV = "UNBROKEN_WORKER_ID"  # this worker's id (else RANK or SLURM_PROCID; else the coordinator picks)
 LOCAL_WORKERS_ENV = "UNBROKEN_LOCAL_WORKERS"  # workers on this host (to size each one's threads)
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # where this worker writes checkpoints (default: the coordinator's run dir)
+
+
+class Refused(Exception):
+    """The coordinator keeps this worker out of the membership; the message is the one line saying why."""
 
 
 @dataclass
@@ -115,8 +120,10 @@ class CoordinatorClient:
         heartbeat_timeout_s: float = 2.0,
         token: str | None = None,
         hold_s: float = 60.0,
+        fingerprint: dict[str, str] | None = None,
     ) -> None:
         self.addresses = addresses_of(address)
+        self.fingerprint = dict(fingerprint or {})  # what decides this worker's bits (core.numerics)
         self.token = token or require_token()
         self.hold_s = hold_s
         self.lost: str | None = None
@@ -179,11 +186,15 @@ class CoordinatorClient:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "returning": returning,  # a member of the job whose coordinator was replaced: it holds the state
+            "fingerprint": self.fingerprint,
         }
         store.set(keys.register(seq), json.dumps(request))
         ring(store)
         store.wait([keys.register_id(seq)], datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        return int(store.get(keys.register_id(seq))), store.get(keys.register_late(seq)) == b"1"
+        worker_id = int(store.get(keys.register_id(seq)))
+        if store.check([keys.refused(worker_id)]):
+            raise Refused(store.get(keys.refused(worker_id)).decode())
+        return worker_id, store.get(keys.register_late(seq)) == b"1"
 
     def _start_watchers(self) -> None:
         """Two watcher threads, each on its own connection (a TCPStore client is one socket, one call at a
@@ -422,6 +433,11 @@ class CoordinatorClient:
             return self.store.get(keys.STOP).decode()
         return None
 
+    def refusal(self) -> str | None:
+        """Why the coordinator keeps this worker out of the membership (``Refused``), or None."""
+        key = keys.refused(self.worker_id)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
     def done(self) -> bool:
         """Whether the run has finished (its leader said so)."""
         try:
@@ -505,9 +521,14 @@ class CoordinatorClient:
         excludes it: it was declared dead and must not rejoin under its old state.
         """
         deadline = time.monotonic() + timeout_s
+        refusal_checked = 0.0
         while time.monotonic() < deadline:
             if self.stop_reason() is not None:
                 return None
+            if time.monotonic() - refusal_checked > REFUSAL_CHECK_S:
+                refusal_checked = time.monotonic()
+                if self.refusal() is not None:
+                    return None
             epoch = self.current_epoch()
             if epoch > after:
                 self.latest_epoch = max(self.latest_epoch, epoch)  # the watcher may not have seen it yet

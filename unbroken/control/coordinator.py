@@ -61,8 +61,9 @@ from unbroken.control.runview import MetricsTee, RunView
 from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
 from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
-from unbroken.core.config import RunConfig, to_toml
+from unbroken.core.config import Reduction, RunConfig, to_toml
 from unbroken.core.layout import ReplicaLayout
+from unbroken.core.numerics import group_fingerprint, refusal
 from unbroken.core.records import METRICS_FILE, MetricsFile, RecordKind, decode, make, read_records
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,11 @@ class Coordinator:
         self.next_registration = 1
         self.next_worker_id = 0
         self.admitted: dict[int, dict[str, Any]] = {}
+        # Exact mode: the fingerprint every member shares (core.numerics), fixed when the first epoch forms (after
+        # a restart: the first member that comes back); a joiner that differs is refused.
+        self.exact = cfg.recovery.reduction is Reduction.EXACT
+        self.fingerprint: dict[str, str] | None = None
+        self.refused: set[int] = set()
         self.members: tuple[int, ...] = ()
         self.epoch = 0
         self.committed_step = -1
@@ -235,14 +241,47 @@ class Coordinator:
             self.admitted[wid] = request
             self.heartbeats[wid] = (get_int(self.store, keys.heartbeat(wid)), time.monotonic())
             self.store.delete_key(keys.dead(wid))
+            self.store.delete_key(keys.refused(wid))
+            fingerprint = request.get("fingerprint") or {}
+            self.emit(RecordKind.ADMITTED, worker=wid, host=str(request.get("host", "")), fingerprint=fingerprint)
+            if self.exact and self.fingerprint is None and (returning or self.epoch > 0):
+                self.fingerprint = fingerprint  # a restarted coordinator: the state's holders define the group
+            line = refusal(wid, fingerprint, self.fingerprint) if self.exact and self.fingerprint else None
+            if line is not None and not returning:
+                self._refuse(wid, line)  # before its id is answered, so it learns at registration
             self.store.set(keys.register_late(n), "1" if self.epoch > 0 and not returning else "0")
             self.store.set(keys.register_id(n), str(wid))
             if returning:
                 self.returned.add(wid)  # a member that kept the state through the coordinator's restart
-            else:
+            elif line is None:
                 joined.append(wid)
             self.next_registration += 1
         return joined
+
+    def _refuse(self, wid: int, line: str) -> None:
+        """Keep ``wid`` out of the membership (exact mode, another fingerprint): it reads why and leaves."""
+        self.refused.add(wid)
+        self.store.set(keys.refused(wid), line)
+        self.emit(RecordKind.REFUSED, worker=wid, reason=line)
+        log.warning("%s", line)
+        ring(self.store, keys.NEWS)
+
+    def _start_members(self) -> tuple[int, ...]:
+        """The first epoch's members: every admitted worker; under exact mode only those whose fingerprint is
+        the one most of them share (the others are refused)."""
+        admitted = [w for w in self.admitted if w not in self.refused]
+        if not self.exact or not admitted:
+            return tuple(admitted)
+        fingerprints = {w: self.admitted[w].get("fingerprint") or {} for w in admitted}
+        self.fingerprint = dict(group_fingerprint(fingerprints))
+        members = []
+        for wid in admitted:
+            line = refusal(wid, fingerprints[wid], self.fingerprint)
+            if line is None:
+                members.append(wid)
+            else:
+                self._refuse(wid, line)
+        return tuple(members)
 
     def _read_counters(self) -> tuple[list[int], int]:
         """Every member's heartbeat counter and the metrics sequence, in one round trip (every one of those
@@ -447,7 +486,7 @@ class Coordinator:
                 counts, metrics_seq = self._read_counters()
                 if self.epoch == 0:
                     if len(self.admitted) >= self.expected:
-                        self.publish(tuple(self.admitted), "start")
+                        self.publish(self._start_members(), "start")
                     elif time.monotonic() > start_deadline:
                         self.stop(
                             f"only {len(self.admitted)} of {self.expected} workers joined "

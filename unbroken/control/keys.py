@@ -11,6 +11,8 @@
     register/<n>              a registering worker         coordinator: {worker_id, host, pid}
     register/<n>/id           coordinator                  that worker: its admitted id
     register/<n>/late         coordinator                  that worker: "1" if it joins a running job
+    refused/<id>              coordinator                  that worker: why it may not join (exact mode: its
+                                                           fingerprint differs from the group's)
     hb/<id>                   worker (add, heartbeats)     coordinator: a counter that must keep moving
     dead/<id>                 launcher / agent             coordinator: the worker's process exited (why)
     epoch                     coordinator                  workers, launcher: the newest epoch number
@@ -60,6 +62,10 @@ def register_id(n: int) -> str:
 
 def register_late(n: int) -> str:
     return f"register/{n}/late"
+
+
+def refused(worker: int) -> str:
+    return f"refused/{worker}"
 
 
 def heartbeat(worker: int) -> str:

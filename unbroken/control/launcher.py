@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control import keys
-from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit
+from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit, worker_defaults
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.control.progress import ProgressView, print_summary
@@ -133,8 +133,7 @@ class Launcher:
         self.sock = plan.sock
         self.resume = plan.resume
         self.token = token_from_env() or new_token()
-        # c10d logs a C++ stack trace for every bounded store wait that times out: keep its errors only.
-        env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
+        env = {**worker_defaults(self.cfg), **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
         self.env = env
         schedule = FailureSchedule.parse(self.cfg.failures.schedule)
         self.coordinator_kills = sorted(e.step for e in schedule.events if e.targets_coordinator)

@@ -28,6 +28,9 @@ STEP_SCALARS = {  # step record field -> tag
     "grad_norm": "train/grad_norm",
     "step_time_s": "train/step_time_s",
     "tokens_per_s": "train/tokens_per_s",
+    "tokens_per_s_per_worker": "train/tokens_per_s_per_worker",
+    "tokens_per_s_per_gpu": "train/tokens_per_s_per_gpu",  # GPU runs (NaN, so not written, on the CPU)
+    "mfu": "train/mfu",
     "alive": "train/alive",
     "recomputed": "recovery/recomputed_microbatches",
     "dropped": "recovery/dropped_microbatches",

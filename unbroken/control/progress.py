@@ -71,7 +71,10 @@ class ProgressView:
             self.note(
                 f"eval at step {record['step'] + 1}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.1f}"
             )
-        elif kind in ("membership", "failure", "resume", "checkpoint_rejected", "nonfinite_skip", "stall", "stopped"):
+        elif kind in (
+            *("membership", "failure", "resume", "checkpoint_rejected", "nonfinite_skip", "stall", "stopped"),
+            "refused",
+        ):
             if kind == "membership":
                 self.alive = len(record["members"])
             self.note(describe(record))
@@ -105,6 +108,8 @@ def describe(record: dict[str, Any]) -> str:
         return f"collective timed out in epoch {record['epoch']}: {record['decision']} (suspects {record['suspects']})"
     if kind == "stopped":
         return f"stopped: {record['reason']}"
+    if kind == "refused":
+        return record["reason"]
     return kind
 
 

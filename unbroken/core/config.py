@@ -79,6 +79,14 @@ class Device(StrEnum):
     CUDA = "cuda"  # one GPU per worker: the worker's index on its host (LOCAL_RANK-style, unbroken.ft.process)
 
 
+class Determinism(StrEnum):
+    """Whether a worker's kernels must give the same bits every time (docs/gpu.md, "Exact mode on GPUs")."""
+
+    AUTO = "auto"  # on under recovery.reduction = exact, off otherwise
+    ON = "on"  # torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG, cuDNN deterministic, no autotuning
+    OFF = "off"  # the fastest kernels, reproducible or not
+
+
 class PipelineSchedule(StrEnum):
     """The pipeline schedule of a replica's stages (``torch.distributed.pipelining``)."""
 
@@ -170,7 +178,16 @@ class TrainConfig:
     seed: int = option(0, "model init and data order")
     eval_every: int = option(50, "validation every this many steps (and at the end); 0 = only at the end")
     eval_microbatches: int = option(8, "validation microbatches per evaluation")
-    threads: int = option(0, "torch intra-op threads per worker; 0 = cores / workers on this host")
+    threads: int = option(
+        0,
+        "torch intra-op threads per worker; 0 = OMP_NUM_THREADS if set, else 1 under recovery.reduction = exact "
+        "(a worker's kernels then do not depend on how many workers share the host), else cores / workers here",
+    )
+    deterministic: Determinism = option(
+        Determinism.AUTO,
+        "auto (on under recovery.reduction = exact), on, off: deterministic kernels in every worker "
+        "(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, cuDNN deterministic)",
+    )
     retain_host_memory: bool = option(True, "keep freed host buffers in the heap (no page faults per step)")
     nonfinite: NonfinitePolicy = option(
         NonfinitePolicy.SKIP, "a NaN or infinite gradient: skip the step on every member, or stop the run"
@@ -184,6 +201,12 @@ class TrainConfig:
     )
     compile: bool = option(False, "torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)")
     device: Device = option(Device.AUTO, "where each worker trains: cuda = one GPU per worker, the NCCL backend")
+    workers_per_gpu: int = option(
+        1, "workers sharing one GPU (for testing on a machine with fewer GPUs; > 1 needs comm.backend = gloo or auto)"
+    )
+    peak_tflops: float = option(
+        0.0, "the device's peak TFLOP/s for MFU; 0 = from the table of common GPUs for train.precision (CPU: no MFU)"
+    )
     out_dir: str = option("", '"" = runs/<config name>-<timestamp>')
 
     def __post_init__(self) -> None:
@@ -218,6 +241,10 @@ class TrainConfig:
             raise ValueError(f"train.threads = {self.threads} must be >= 0 (0 = automatic)")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"train.max_nonfinite_skips = {self.max_nonfinite_skips} must be >= 1")
+        if self.workers_per_gpu < 1:
+            raise ValueError(f"train.workers_per_gpu = {self.workers_per_gpu} must be >= 1")
+        if self.peak_tflops < 0:
+            raise ValueError(f"train.peak_tflops = {self.peak_tflops} must be >= 0 (0 = from the table of GPUs)")
 
 
 @dataclass(frozen=True)
@@ -379,11 +406,22 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
+        if self.train.workers_per_gpu > 1 and self.comm.backend is Backend.NCCL:
+            raise ValueError(
+                f"train.workers_per_gpu = {self.train.workers_per_gpu} with comm.backend = nccl: NCCL refuses two "
+                "ranks on one GPU; use comm.backend = gloo (or auto, which picks gloo then)"
+            )
         if self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
             raise ValueError(
                 f"recovery.policy = {self.recovery.policy} with pipelined replicas (parallel.pipeline = "
                 f"{self.parallel.pipeline}) is not supported; allowed there: recover, drop, restart"
             )
+
+
+def deterministic_kernels(cfg: RunConfig) -> bool:
+    """Whether the run's workers use deterministic kernels (``train.deterministic``; auto: under exact mode)."""
+    setting = cfg.train.deterministic
+    return setting is Determinism.ON or (setting is Determinism.AUTO and cfg.recovery.reduction is Reduction.EXACT)
 
 
 def _field_type(cls: type, name: str) -> type:

@@ -90,7 +90,13 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     N counts every parameter except the embedding lookup, so the output matmul is included; the second
     term is the QK^T and attention-times-V matmuls, which have no parameters.
     """
+    non_embedding = num_params(args) - args.vocab_size * args.dim
+    return training_flops_per_token(non_embedding, args.n_layers, args.dim, seq_len)
+
+
+def training_flops_per_token(non_embedding_params: int, n_layers: int, dim: int, seq_len: int) -> float:
+    """``6 * N + 12 * n_layers * dim * seq_len`` for any decoder of ``n_layers`` blocks of width ``dim`` with N
+    parameters besides its input embedding (``flops_per_token``)."""
     if seq_len < 1:
         raise ValueError(f"seq_len = {seq_len} must be >= 1")
-    non_embedding = num_params(args) - args.vocab_size * args.dim
-    return float(6 * non_embedding + 12 * args.n_layers * args.dim * seq_len)
+    return float(6 * non_embedding_params + 12 * n_layers * dim * seq_len)

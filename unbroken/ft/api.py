@@ -47,13 +47,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import nn
 
-from unbroken.control.client import CoordinatorClient
+from unbroken.control.client import CoordinatorClient, Refused
 from unbroken.control.gateway import TunnelError
 from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
 from unbroken.core.records import RecordKind
-from unbroken.ft import comm, process
+from unbroken.core.throughput import table_peak_tflops
+from unbroken.ft import comm, determinism, process
 from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.inject import FaultInjector, remove
 from unbroken.ft.protocol import (
@@ -90,6 +91,7 @@ class Context:
         self._client: CoordinatorClient | None = None
         self._closed = False
         self._autocasts = 0  # how many times autocast() was entered under bf16 (a forward outside it is warned)
+        self._flops_per_token = 0.0
         self._warned_precision = False
         self.layout = ReplicaLayout(self.config.parallel.shard, self.config.parallel.pipeline)
         self._replica = self._join_replica() if self.layout.size > 1 else None
@@ -183,12 +185,16 @@ class Context:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         metadata: dict[str, str | int | float | bool] | None = None,
+        flops_per_token: float = 0.0,
         **extra: Any,
     ) -> None:
         """Register the training state: ``model`` (its parameters are what the reduction sums), the
         ``optimizer``, and any ``extra`` objects with ``state_dict()`` / ``load_state_dict()`` (or plain dicts
         of tensors and numbers). A rejoining worker receives all of it from a live peer; checkpoints hold it
-        with ``metadata``. The model gets the transforms the config asks for here: activation checkpointing
+        with ``metadata``. ``flops_per_token``: the model's training FLOPs per token (forward and backward, e.g.
+        ``6 * parameters + 12 * layers * width * sequence``; ``unbroken.core.flavours.flops_per_token`` for a
+        LLaMA), for the MFU in the step records; 0 leaves MFU unknown. The model gets the transforms the config
+        asks for here: activation checkpointing
         (``train.activation_checkpointing``), the efficient backward (MeCeFO policies), ``torch.compile``
         (``train.compile``), in that order (``unbroken/ft/transforms.py``).
 
@@ -199,9 +205,12 @@ class Context:
         """
         if self.state.model is not None:
             raise ValueError("register_state() was already called; register everything at once")
+        if flops_per_token < 0:
+            raise ValueError(f"register_state(flops_per_token={flops_per_token}): must be >= 0 (0: unknown)")
         self.state.model = model
         self.state.optimizer = optimizer
         self.state.extra = dict(extra)
+        self._flops_per_token = float(flops_per_token)
         self.state.metadata = dict(metadata or {})
         tc = self.config.train
         if tc.activation_checkpointing is ActivationCheckpointing.BLOCK:
@@ -259,7 +268,10 @@ class Context:
         if self.state.model is None:
             raise ValueError("call register_state(model=...) before steps()")
         job = self._job
-        self._client = job.register()
+        try:
+            self._client = job.register()
+        except Refused as e:  # exact mode: another fingerprint than the group's (core.numerics)
+            raise StopRun(str(e), fatal=False) from None
         process.name_logs(f"worker {self._client.worker_id}")
         injector = FaultInjector(FailureSchedule.parse(self.config.failures.schedule))
         injector.attach(self._client.store, self._client.worker_id)
@@ -277,6 +289,8 @@ class Context:
             total,
             self._replica,
         )
+        self._proto.flops_per_token = self._flops_per_token
+        self._proto.peak_tflops = _peak_tflops(device, self.config)
         if self._replica is not None:
             client = self._client
             self._replica.removed = client.wait_removed
@@ -470,6 +484,7 @@ class Step:
                 todo = proto.start_step()
             while not self._elsewhere(todo):
                 lanes = _rounds(todo, self._ctx.layout.shard, self._ctx._replica)
+                started = time.perf_counter()
                 for k, (j, padding, round_ids) in enumerate(lanes):
                     with guard():
                         self._enter(j, first=k == 0, last=k == len(lanes) - 1, padding=padding)
@@ -478,12 +493,22 @@ class Step:
                         raise RuntimeError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
                     if round_ids is not None:
                         proto.round_done(round_ids)
+                self._round_timed(started, len(lanes))
                 todo_next = self._reduce()
                 if todo_next is None:
                     return
                 todo = todo_next
         finally:
             self._exit()
+
+    def _round_timed(self, started: float, computed: int) -> None:
+        """On a GPU: the seconds per microbatch of the round just computed, once its kernels have run (one wait
+        for the compute stream a round; the gradients' reduction, on its own stream, goes on)."""
+        device = self._proto.device
+        if device.type != "cuda" or computed == 0:
+            return
+        torch.cuda.current_stream(device).synchronize()
+        self._proto.note_speed((time.perf_counter() - started) / computed)
 
     def _elsewhere(self, todo: list[int]) -> bool:
         """The others committed this step while this worker recovered (it received their state): keep ``todo``,
@@ -577,7 +602,13 @@ class Step:
         if self._padding:
             loss = loss * 0.0  # a padding microbatch of a round: it takes part in FSDP's collectives only
         with self._ctx._guard():  # failure injection inside the backward talks to the launcher
-            (loss / proto.M).backward()
+            try:
+                (loss / proto.M).backward()
+            except RuntimeError as e:
+                op = determinism.nondeterministic_op(e)
+                if op is None:
+                    raise
+                raise StopRun(determinism.stop_line(op)) from None  # the same on every worker: the job stops
         remove(self._hooks)
         self._hooks = []
         eb = proto.state.efficient
@@ -590,7 +621,10 @@ class Step:
             elapsed *= slow
         self._awaiting = None
         if not self._padding:
-            proto.after_backward(j, float(loss.detach()), tokens, elapsed)
+            # On a GPU the time so far is the kernels' launch, not their run (timed per round, ``_round_timed``);
+            # the loss stays on the device: nothing here waits for it.
+            seconds = None if proto.device.type == "cuda" else elapsed
+            proto.after_backward(j, loss.detach(), tokens, seconds)
 
     def commit(self, optimizer: torch.optim.Optimizer | None = None, clip_grad_norm: float = 0.0) -> StepOutcome:
         """End the step: unless the gradient is not finite (then the step is skipped on every member alike),
@@ -624,6 +658,21 @@ def _rounds(todo: list[int], shard: int, replica: Replica | None) -> list[tuple[
         mine = replica.shard < len(ids)
         out.append((ids[replica.shard] if mine else ids[0], not mine, ids))
     return out
+
+
+def _peak_tflops(device: torch.device, cfg: RunConfig) -> float:
+    """One device's dense peak TFLOP/s for the MFU of the step records: ``train.peak_tflops``, else from the table
+    of GPUs for the precision the matmuls run in (bf16 under autocast; tf32 where float32 matmuls may use it);
+    0 (unknown) for the CPU or a GPU not in the table."""
+    if cfg.train.peak_tflops > 0:
+        return cfg.train.peak_tflops
+    if device.type != "cuda":
+        return 0.0
+    if cfg.train.precision is Precision.BF16:
+        precision = "bf16"
+    else:
+        precision = "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
+    return table_peak_tflops(torch.cuda.get_device_name(device), precision) or 0.0
 
 
 def init(config: RunConfig | None = None, run_dir: str | os.PathLike[str] | None = None) -> Context:

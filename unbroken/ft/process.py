@@ -37,9 +37,10 @@ from unbroken.control.client import (
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
 from unbroken.control.store import bind_listen_socket, connect_store
-from unbroken.core.config import RunConfig, config_from_toml_text, dump_config
+from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels, dump_config
 from unbroken.core.logs import init_logger
 from unbroken.ft import checkpoint as ckpt
+from unbroken.ft import determinism
 from unbroken.ft.hostmem import retain_freed_memory
 from unbroken.ft.protocol import EXIT_STOPPED
 
@@ -54,6 +55,8 @@ class WorkerLeft(SystemExit):
 
 
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID")  # a worker's index on its host, as torchrun and srun give it
+# How many workers share the host, as our launcher / agent, torchrun and srun say it.
+LOCAL_COUNT_ENVS = (LOCAL_WORKERS_ENV, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 
 # The NCCL watchdog must not end a survivor whose peer died, and waits must be polled (docs/gpu.md, 4.3): set
 # before the first NCCL group is made (its constructor reads them), overriding the user's values with a warning.
@@ -68,10 +71,11 @@ NCCL_DEFAULTS = {  # the user may choose otherwise (e.g. the flight recorder whi
 }
 
 
-def default_backend(requested: str, device: torch.device) -> str:
-    """``auto`` -> ``nccl`` for a worker on a CUDA device, else ``gloo``."""
+def default_backend(requested: str, device: torch.device, workers_per_gpu: int = 1) -> str:
+    """``auto`` -> ``nccl`` for a worker on a CUDA device of its own, else ``gloo`` (NCCL refuses two ranks on
+    one GPU: ``train.workers_per_gpu`` > 1 shares one)."""
     if requested == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
+        return "nccl" if device.type == "cuda" and workers_per_gpu == 1 else "gloo"
     return requested
 
 
@@ -87,15 +91,40 @@ def local_index(worker_id: int | None) -> int:
         value = os.environ.get(name, "").strip()
         if value.isdigit():
             return int(value)
-    local = int(os.environ.get(LOCAL_WORKERS_ENV, "1"))
+    local = local_workers()
     if worker_id is not None:
-        return worker_id % max(1, local)
+        return worker_id % local
     if local == 1:
         return 0
     raise ValueError(
         f"cannot tell which GPU this worker uses ({local} workers on this host, no worker id yet): set LOCAL_RANK "
         f"or {WORKER_ID_ENV}"
     )
+
+
+def local_workers() -> int:
+    """How many workers share this host: ``UNBROKEN_LOCAL_WORKERS`` (our launcher and agents),
+    ``LOCAL_WORLD_SIZE`` (torchrun) or ``SLURM_NTASKS_PER_NODE`` (srun; ``4(x2)`` reads as 4); else 1."""
+    for name in LOCAL_COUNT_ENVS:
+        digits = os.environ.get(name, "").strip().split("(")[0]
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits)
+    return 1
+
+
+def intra_op_threads(cfg: RunConfig) -> int:
+    """The torch intra-op threads of a worker: ``train.threads``; else ``OMP_NUM_THREADS`` when the launcher or
+    the user set it (torchrun does); else 1 under exact mode, so that a worker's kernels (a parallel reduction
+    splits its sum by the thread count) are the same whatever the number of workers on the host and exact mode's
+    "N workers train bit for bit what one trains" holds by default; else the host's cores over its workers."""
+    if cfg.train.threads:
+        return cfg.train.threads
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    if cfg.recovery.reduction is Reduction.EXACT:
+        return 1
+    return max(1, (os.cpu_count() or 1) // local_workers())
 
 
 def check_device(requested: str, backend: str) -> str:
@@ -112,9 +141,24 @@ def check_device(requested: str, backend: str) -> str:
     return "cuda" if cuda else "cpu"
 
 
-def worker_device(requested: str, backend: str, worker_id: int | None) -> torch.device:
+def check_host_devices(cfg: RunConfig, workers: int) -> None:
+    """ValueError (one line) unless ``workers`` workers of this host can each have a device: on CUDA at most
+    ``train.workers_per_gpu`` per GPU (checked at launch, before anything starts)."""
+    tc = cfg.train
+    if check_device(str(tc.device), str(cfg.comm.backend)) != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if workers > count * tc.workers_per_gpu:
+        raise ValueError(
+            f"--workers = {workers} on a host with {count} GPU{'s' if count != 1 else ''} and "
+            f"train.workers_per_gpu = {tc.workers_per_gpu}: at most {count * tc.workers_per_gpu} workers here; "
+            "raise train.workers_per_gpu (gloo) or start fewer workers"
+        )
+
+
+def worker_device(requested: str, backend: str, worker_id: int | None, workers_per_gpu: int = 1) -> torch.device:
     """The device a worker trains on: the CPU, or for ``cuda`` (``auto`` with a CUDA GPU) the GPU of its index
-    on the host (``local_index``): one worker per GPU.
+    on the host (``local_index``): one worker per GPU, or ``workers_per_gpu`` consecutive workers on each.
 
     Raises:
         ValueError: ``check_device`` fails, or the index has no GPU (more workers than GPUs on the host).
@@ -123,12 +167,13 @@ def worker_device(requested: str, backend: str, worker_id: int | None) -> torch.
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     index, count = local_index(worker_id), torch.cuda.device_count()
-    if index >= count:
+    if index // workers_per_gpu >= count:
+        share = f"{workers_per_gpu} workers per GPU" if workers_per_gpu > 1 else "one worker per GPU"
         raise ValueError(
-            f"this worker is number {index} on its host, which has {count} GPU{'s' if count != 1 else ''}: "
-            "run at most one worker per GPU"
+            f"this worker is number {index} on its host, which has {count} GPU{'s' if count != 1 else ''}: run at "
+            f"most {count * workers_per_gpu} workers here ({share}; train.workers_per_gpu shares a GPU)"
         )
-    return torch.device("cuda", index)
+    return torch.device("cuda", index // workers_per_gpu)
 
 
 def set_nccl_environment(timeout_s: float) -> None:
@@ -175,12 +220,15 @@ class Job:
     def device(self) -> torch.device:
         """This worker's device (``train.device``; ``worker_device``)."""
         if self._device is None:
-            self._device = worker_device(str(self.config.train.device), str(self.config.comm.backend), self.worker_id)
+            tc = self.config.train
+            self._device = worker_device(
+                str(tc.device), str(self.config.comm.backend), self.worker_id, tc.workers_per_gpu
+            )
         return self._device
 
     @property
     def backend(self) -> str:
-        return default_backend(str(self.config.comm.backend), self.device)
+        return default_backend(str(self.config.comm.backend), self.device, self.config.train.workers_per_gpu)
 
     @staticmethod
     def from_environment(config: RunConfig | None, run_dir: Path | None, exit_process: bool = True) -> Job:
@@ -238,8 +286,8 @@ class Job:
         tc = self.config.train
         if tc.retain_host_memory:
             retain_freed_memory()
-        local = int(os.environ.get(LOCAL_WORKERS_ENV, "1"))
-        torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, local)))
+        torch.set_num_threads(intra_op_threads(self.config))
+        determinism.apply(deterministic_kernels(self.config))  # before the first CUDA call (cuBLAS reads its env)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL, autocast and unqualified "cuda" tensors use this GPU
         if self.backend == "nccl":
@@ -256,6 +304,7 @@ class Job:
             comm.heartbeat_timeout_s,
             token=self.token,
             hold_s=self.config.coordinator.hold_s,
+            fingerprint=determinism.local_fingerprint(self.device),
         )
 
     def expected_workers(self) -> int:

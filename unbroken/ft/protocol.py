@@ -38,6 +38,7 @@ from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.core.records import RecordKind, append_records, make
+from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.comm import (
     GradientReducer,
@@ -111,6 +112,7 @@ class ProtocolConfig:
     max_nonfinite_skips: int
     checkpoint_every: int
     checkpoint_keep: int
+    workers_per_gpu: int = 1
 
     @staticmethod
     def of(cfg: RunConfig) -> ProtocolConfig:
@@ -127,6 +129,7 @@ class ProtocolConfig:
             max_nonfinite_skips=cfg.train.max_nonfinite_skips,
             checkpoint_every=cfg.checkpoint.every,
             checkpoint_keep=cfg.checkpoint.keep,
+            workers_per_gpu=cfg.train.workers_per_gpu,
         )
 
 
@@ -218,6 +221,10 @@ class StepProtocol:
         self._diagnosis: Reduced | None = None
         self.last_counts: list[int] = [1] * self.M
         self.last_tokens = 0
+        # For the step records' MFU (core.throughput): the model's training FLOPs per token (given by the user's
+        # loop, 0: unknown) and one device's peak TFLOP/s (0: unknown, e.g. the CPU).
+        self.flops_per_token = 0.0
+        self.peak_tflops = 0.0
         # The records this worker published lately: written by itself if the coordinator dies undrained.
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
 
@@ -359,6 +366,9 @@ class StepProtocol:
                 record = client.epoch_record(agreed)
                 epoch = record if self.wid in record.members else None
         if epoch is None:
+            refused = client.refusal()
+            if refused is not None:
+                raise StopRun(refused, fatal=False)
             reason = client.stop_reason()
             if reason is None and client.current_epoch() > after:
                 raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
@@ -465,7 +475,7 @@ class StepProtocol:
     def _begin_local(self) -> None:
         self.done: list[int] = []
         self.done_efficient: list[int] = []
-        self.local_losses: dict[int, float] = {}
+        self.local_losses: dict[int, float | torch.Tensor] = {}
         self.local_tokens: dict[int, int] = {}
         self.step_owners: dict[int, int] = {}  # microbatch id -> the member the step's plan gave it to
 
@@ -542,8 +552,12 @@ class StepProtocol:
         self.reducer.current = microbatch
         self.reducer.padding = padding
 
-    def after_backward(self, microbatch: int, loss: float, tokens: int, seconds: float) -> None:
-        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
+    def after_backward(
+        self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None
+    ) -> None:
+        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator).
+        ``loss`` may stay a tensor on the device (read back with the step's others at the reduction);
+        ``seconds`` is None where the microbatch's time is not known alone (a GPU: ``note_speed`` per round)."""
         if self.exact and self.reducer.armed != microbatch:
             self.reducer.fold(microbatch)
         self.local_losses[microbatch] = loss
@@ -552,14 +566,27 @@ class StepProtocol:
             self.done.append(microbatch)
         if microbatch in self.efficient_ids:
             self.done_efficient.append(microbatch)
+        if seconds is not None:
+            self.note_speed(seconds)
+
+    def note_speed(self, seconds: float) -> None:
+        """This worker computed a microbatch in ``seconds`` (a moving average: the planner's speeds)."""
         self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
+
+    def _loss_values(self) -> dict[int, float]:
+        """The local microbatches' losses as numbers: those still on the device read back in one transfer."""
+        on_device = {j: v for j, v in self.local_losses.items() if isinstance(v, torch.Tensor)}
+        if on_device:
+            values = torch.stack([v.float().reshape(()) for v in on_device.values()]).tolist()
+            self.local_losses.update(zip(on_device, values, strict=True))
+        return {j: float(v) for j, v in self.local_losses.items()}
 
     def round_done(self, microbatches: list[int], seconds: float = 0.0) -> None:
         """A replica of several ranks: ``microbatches`` are in every rank's accumulator now (an FSDP round's
         reduce-scatter ended, or a pipelined batch went through every stage); ``seconds`` per microbatch."""
         self.done.extend(microbatches)
         if seconds > 0:
-            self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
+            self.note_speed(seconds)
 
     def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
         """A pipeline's last stage: the losses (and tokens) of the microbatches it ran."""
@@ -581,7 +608,7 @@ class StepProtocol:
         first = self.replica is None or self.replica.rank == 0
         extras = self.side.encode(
             worker=self.unit,
-            losses=self.local_losses,
+            losses=self._loss_values(),
             tokens=self.local_tokens,
             done=done if first else [],
             efficient=self.done_efficient,
@@ -877,6 +904,9 @@ class StepProtocol:
             "overflow_redos": outcome.overflow_redos,
         }
         if fresh:
+            workers = self.group.size * self.layout.size
+            gpus = gpus_in_use(workers, self.cfg.workers_per_gpu) if self.device.type == "cuda" else 0
+            fields |= step_throughput(self.last_tokens, seconds, workers, gpus, self.flops_per_token, self.peak_tflops)
             fields["counted"] = int(sum(self.last_counts))
             fields["counted_once"] = all(c == 1 for c in self.last_counts)
             fields["quotas"] = {str(w): n for w, n in self.quotas.items()}

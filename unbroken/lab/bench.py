@@ -505,9 +505,11 @@ class Bench(StrEnum):
     SIMULATOR = "simulator"
     DATA = "data"
     PARALLEL = "parallel"
+    GPU = "gpu"  # needs a CUDA GPU: not part of ``all`` (bench_gpu)
 
 
 BENCHES = tuple(b.value for b in Bench)
+CPU_BENCHES = tuple(b for b in BENCHES if b != Bench.GPU)  # what ``all`` runs
 DOC = Path("docs") / "benchmarks.md"  # in the checkout --record runs from
 # Where each benchmark's figures are recorded (benchmarks.md unless named here).
 DOCS = {"simulator": DOC.with_name("simulation.md")}
@@ -626,18 +628,33 @@ def run_bench(
     record_doc: bool = False,
     command: str = "",
     data_gb: tuple[float, float] = (1.0, 10.0),
+    out: str | None = None,
+    parts: str = "",
 ) -> int:
     """``unbroken bench WHAT``: print the figures; with ``record_doc`` (always for ``all``) also write them
-    into their section of docs/benchmarks.md under the command that produced them."""
+    into their section of docs/benchmarks.md under the command that produced them. ``gpu`` (``bench_gpu``)
+    also writes its tables and figures into ``out`` and returns 1 unless its bitwise checks pass."""
     if what != "all" and what not in BENCHES:
         raise ValueError(f"unknown benchmark {what!r}; allowed: all, {', '.join(BENCHES)}")
+    if what == Bench.GPU:
+        from unbroken.lab.bench_gpu import PARTS, bench_gpu, parse_parts, require_gpu
+
+        chosen = parse_parts(parts or ",".join(PARTS))
+        require_gpu()  # before anything is written
+        if record_doc and not DOC.parent.is_dir():
+            raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
+        body, passed = bench_gpu(Path(out or f"runs/bench-gpu-{time.strftime('%Y%m%d-%H%M%S')}"), chosen)
+        print(body, flush=True)
+        if record_doc:
+            record(what, command, body)
+        return 0 if passed else 1
     if repeats < 1 or any(w < 1 for w in worker_counts):
         raise ValueError("--repeats and every --workers count must be >= 1")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps = {steps} must be >= 1")
     if (record_doc or what == "all") and not DOC.parent.is_dir():
         raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
-    for name in BENCHES if what == "all" else (what,):
+    for name in CPU_BENCHES if what == "all" else (what,):
         body = run_one(name, config, worker_counts, repeats, overrides, steps, data_gb)
         print(body, flush=True)
         if record_doc or what == "all":

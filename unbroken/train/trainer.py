@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import unbroken.ft as ft
 from unbroken.core.config import RunConfig, TrainConfig, to_toml
+from unbroken.core.flavours import flops_per_token, training_flops_per_token
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.process import check_device
 from unbroken.ft.transforms import check_compiler
@@ -46,15 +47,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
+    """AdamW with weight decay on matrices only (norm weights are not decayed): on a GPU the fused kernel (one
+    launch for every parameter), on the CPU the per-parameter loop (faster than foreach there)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
+    on_gpu = all(p.device.type == "cuda" for p in model.parameters())
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         foreach=False,
+        fused=on_gpu or None,
     )
 
 
@@ -79,6 +83,17 @@ def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     return Transformer(model_args_of(cfg, vocab_size))
 
 
+def model_flops_per_token(cfg: RunConfig, vocab_size: int, model: torch.nn.Module) -> float:
+    """The run's model's training FLOPs per token (``flavours.flops_per_token``: 6 N + 12 L d T, N without the
+    input embedding); for a Hugging Face model N is counted from ``model`` (the whole model, before staging)."""
+    if not cfg.model.hf_config:
+        return flops_per_token(model_args_of(cfg, vocab_size), cfg.data.seq_len)
+    hf = model.config
+    embedding = model.get_input_embeddings().weight.numel()
+    non_embedding = sum(p.numel() for p in model.parameters()) - embedding
+    return training_flops_per_token(non_embedding, hf.num_hidden_layers, hf.hidden_size, cfg.data.seq_len)
+
+
 def logits_of(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     out = model(inputs)
     return out if isinstance(out, torch.Tensor) else out.logits  # Hugging Face models return an output object
@@ -99,6 +114,7 @@ def main() -> int:
     corpus = open_corpus(cfg.data)
     device = ctx.device
     model = build_model(cfg, corpus.vocab_size)  # built on the CPU: the same weights on every worker
+    flops = model_flops_per_token(cfg, corpus.vocab_size, model)
     if ctx.stages > 1:
         model = pipeline_stage(model, ctx.stage, ctx.stages)  # this rank's part of the model
     model = model.to(device)
@@ -116,6 +132,7 @@ def main() -> int:
             "vocab_size": corpus.vocab_size,
             "tokenizer_sha256": tokenizer_sha256(corpus),
         },
+        flops_per_token=flops,
     )
     d, tc = cfg.data, cfg.train
     train = train_sampler(corpus, d, tc.microbatches, tc.seed)
