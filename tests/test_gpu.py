@@ -1,7 +1,7 @@
-"""GPU-only tests (skipped without CUDA; ``scripts/gpu_check.sh`` runs them): a bf16 autocast training step,
-MeCeFO's efficient backward and its bases on CUDA, NCCL all-reduces through ``unbroken.ft.comm``, and, with
-two or more GPUs, a real ``kill -9`` of one of two NCCL ranks in the middle of an all-reduce, after which the
-survivor aborts the communicator and forms a new group with a replacement process.
+"""GPU-only tests (skipped without CUDA; ``unbroken bench gpu`` runs them with two GPUs): a bf16 autocast
+training step, MeCeFO's efficient backward and its bases on CUDA, NCCL all-reduces through ``unbroken.ft.comm``,
+and, with two or more GPUs, a real ``kill -9`` of one of two NCCL ranks in the middle of an all-reduce, after
+which the survivor aborts the communicator and forms a new group with a replacement process.
 
 The NCCL workers are this file run as a script (``python tests/test_gpu.py worker ...``), one process per
 GPU, meeting on a ``TCPStore`` the test owns; it plays the coordinator (it bumps the epoch after the kill).
