@@ -179,6 +179,39 @@ def test_in_exact_mode_n_workers_train_what_one_trains_with_the_default_threads(
     assert finals[0] == finals[1]
 
 
+def test_workers_started_by_torchrun_take_torchruns_thread_count(tmp_path: Path, data_cache_dir: Path) -> None:
+    """``torchrun --nproc-per-node=2 my_script.py`` against a coordinator started by hand (the README's torchrun
+    path): torchrun gives each of its processes OMP_NUM_THREADS=1, which each worker keeps (fp32 mode, where the
+    default would otherwise be the host's cores over its workers)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this interpreter (it comes with torch)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "UNBROKEN_LOCAL_WORKERS")}
+    env[TOKEN_ENV] = new_token()
+    port, run = free_port(), tmp_path / "run"
+    env["UNBROKEN_COORDINATOR"] = f"127.0.0.1:{port}"
+    coordinator = unbroken("coordinator", "--workers", "2", "--port", str(port), "--run-dir", str(run),
+                           "--train.steps=2", env=env, log=tmp_path / "coordinator.log")  # fmt: skip
+    with open(tmp_path / "torchrun.log", "ab") as log:
+        workers = subprocess.Popen(
+            [str(torchrun), "--standalone", "--nproc-per-node=2", str(ROOT / "examples" / "plain_loop.py")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        assert workers.wait(timeout=200) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+        assert coordinator.wait(timeout=60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    finally:
+        for p in (coordinator, workers):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    fingerprints = admitted(run)
+    assert sorted(fingerprints) == [0, 1]
+    assert {fp["intra_op_threads"] for fp in fingerprints.values()} == {"1"}
+
+
 def test_intra_op_threads_honour_the_config_then_the_launchers_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OMP_NUM_THREADS", "UNBROKEN_LOCAL_WORKERS", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
