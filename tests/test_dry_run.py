@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from runner import ROOT, TINY
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 PLAIN = str(ROOT / "examples" / "plain_loop.py")
 # README.md's failure example as it was (configs/tiny.toml has 8 steps: 0..7).
