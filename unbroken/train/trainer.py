@@ -175,8 +175,8 @@ def main() -> int:
 def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
     """What the workers will need, checked before anything starts: the data (tokenized into the cache here,
     once; prepared data: every checksum unless ``data.verify`` is off), the vocabulary, and for ``--resume`` a
-    checkpoint that verifies and fits this model and data; a Hugging Face model's config; the device, and a C++
-    compiler for ``train.compile`` on the CPU. ValueError (one line) otherwise."""
+    checkpoint that verifies and fits this model and data; the device, and a C++ compiler for ``train.compile``
+    on the CPU. ValueError (one line) otherwise."""
     if check_device(str(cfg.train.device), str(cfg.comm.backend)) == "cpu" and cfg.train.compile:
         check_compiler()
     # Text is tokenized below (slow), so a vocabulary that cannot fit is refused first; prepared data's
@@ -201,7 +201,7 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
     if cfg.model.hf_config:
         from unbroken.train.hf import llama_config
 
-        llama_config(cfg.model.hf_config, corpus.vocab_size, cfg.data.seq_len)  # transformers there, the file a config
+        llama_config(cfg.model.hf_config, corpus.vocab_size, cfg.data.seq_len)  # else every worker dies of it
     if cfg.parallel.pipeline > 1:
         if cfg.model.hf_config:
             raise ValueError("parallel.pipeline > 1 cuts the built-in LLaMA into stages; model.hf_config is not one")
