@@ -307,6 +307,9 @@ class Launcher:
         self.interrupted = True
 
     def _finish(self) -> int:
+        if self._final_seen:
+            at_end = next((r["members"] for r in reversed(self._records) if r.get("type") == RecordKind.MEMBERSHIP), [])
+            self.agent.stop_latecomers(at_end)  # restarted too late to rejoin: not part of the run
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
             time.sleep(POLL_S)
