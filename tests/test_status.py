@@ -516,7 +516,15 @@ def test_sparkline_marks_failures_under_their_step() -> None:
     view = RunView()
     view.extend(synthetic_run(steps=30, kill_step=3, rejoin_step=24))
     console.print(render(view.snapshot(), 60))
-    assert "x failed, + rejoined" in console.export_text()
+    text = console.export_text()
+    assert "x failed, + rejoined" in text
+    # the curve, its labels and its marks each on one line of the width: nothing wraps
+    (curve,) = [line for line in text.splitlines() if line.startswith("loss ")]
+    assert curve.endswith("(steps 0-29)") and len(curve) <= 60
+    marks = text.splitlines()[text.splitlines().index(curve) + 1]
+    assert marks.endswith("x failed, + rejoined") and len(marks) <= 60
+    spark = curve.split()[2]
+    assert marks.index("x") - curve.index(spark) == 3 * len(spark) // 30  # under step 3's cell
 
 
 # -- TensorBoard --------------------------------------------------------------------------------------------

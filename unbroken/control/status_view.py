@@ -180,17 +180,22 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     parts: list[RenderableType] = [Panel(summary, title="unbroken status", expand=False)]
 
     series = snapshot["series"]
-    line, first, last = sparkline(series["step"], series["loss"], max(10, width - 24))
-    if line:
-        known = [v for v in series["loss"] if v is not None]
+    known = [(s, v) for s, v in zip(series["step"], series["loss"], strict=True) if v is not None and math.isfinite(v)]
+    if known:
+        # The curve and its labels on one line of the width: the curve gets what the labels leave.
+        prefix = f"loss {known[0][1]:.3f} "
+        suffix = f" {known[-1][1]:.3f}  (steps {known[0][0]}-{known[-1][0]})"
+        legend = "   x failed, + rejoined"
+        cells = max(10, width - len(prefix) - max(len(suffix), len(legend)))
+        line, first, last = sparkline(series["step"], series["loss"], cells)
         curve = Text()
-        curve.append(f"loss {known[0]:.3f} ", style="bold")
+        curve.append(prefix, style="bold")
         curve.append(line, style="cyan")
-        curve.append(f" {known[-1]:.3f}  (steps {first}-{last})")
-        marks = _marks(snapshot["incidents"], first, last, max(10, width - 24))
+        curve.append(suffix)
+        marks = _marks(snapshot["incidents"], first, last, cells)
         if marks.strip():
-            curve.append("\n" + " " * (len(f"loss {known[0]:.3f} ")) + marks, style="red")
-            curve.append("   x failed, + rejoined", style="dim")
+            curve.append("\n" + " " * len(prefix) + marks, style="red")
+            curve.append(legend, style="dim")
         parts.append(curve)
 
     # Headers of one short word a line and times unwrapped: 80 columns (a pipe's width) show them whole.
