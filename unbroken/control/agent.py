@@ -298,6 +298,22 @@ class Agent:
         restarts = any(info["rejoin"] is not None for info in self.down.values())
         return not restarts and all(p.poll() is not None for p in self.workers.values())
 
+    def stop_latecomers(self, members: list[int]) -> list[int]:
+        """The run finished: stop at once the workers still running that are not among its last ``members``
+        (restarted too late to rejoin), rather than wait for them to find the coordinator gone; each one's log
+        says so in one line. Returns their ids."""
+        late = [w for w, p in self.workers.items() if p.poll() is None and w not in members]
+        for wid in late:
+            self.workers[wid].kill()
+            self.workers[wid].wait()
+            self.reported.add(wid)
+            note = logging.LogRecord(__name__, logging.INFO, __file__, 0, "%s", None, None)
+            note.msg = f"the run finished before worker {wid} rejoined (it was restarted too late): stopped it"
+            line = logging.Formatter("[agent] %(asctime)s %(levelname)s %(name)s: %(message)s").format(note)
+            with open(self.log_dir / f"worker-{wid}.log", "a") as log_file:
+                log_file.write(line + "\n")
+        return late
+
     def stop_workers(self, grace_s: float = STOP_GRACE_S, others: list[subprocess.Popen[bytes]] | None = None) -> None:
         """Wait ``grace_s`` for the workers (and ``others``) to end, then kill what is left."""
         for info in self.down.values():
@@ -415,6 +431,9 @@ def run_agent(args: argparse.Namespace) -> int:
             agent.connect(address, token)
         if agent._call(lambda s: s.check([keys.DONE]) or s.check([keys.STOP])):
             agent.finished = True
+            members = agent.newest_members() if agent._call(lambda s: s.check([keys.DONE])) else None
+            if members is not None:
+                agent.stop_latecomers(members)
         if agent.finished or agent.nobody_left():
             break
         wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S)

@@ -36,7 +36,7 @@ from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import RecordKind, append_records, decode, make
+from unbroken.core.records import METRICS_FILE, RecordKind, append_records, decode, make, wall_s
 
 MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
 TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
@@ -123,7 +123,8 @@ class Launcher:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.interrupted = False
         self._metrics_offset = 0
-        self._records: list[dict[str, Any]] = []
+        self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
+        self._records: list[dict[str, Any]] = []  # this launch's
         self._failures_seen = 0  # failure records among _records (counted as they arrive)
         self._final_seen = False
         self._stopped_seen = False
@@ -215,6 +216,18 @@ class Launcher:
         self.agent.finished = self._final_seen
         return records
 
+    def _skip_earlier_records(self) -> None:
+        """On ``--resume``: the records already in metrics.jsonl are the earlier sessions'. They count in the
+        summary, but are not shown again as if training restarted, and say nothing about this launch (an
+        earlier ``final`` or ``stopped`` must not end it)."""
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._metrics_offset = len(complete)
+        self._earlier = [r for r in map(decode, complete.decode(errors="replace").splitlines()) if r is not None]
+
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
@@ -222,12 +235,13 @@ class Launcher:
             dump_config(self.cfg, self.run_dir)
         else:
             ckptfiles.clean_partial(self.run_dir)  # temporary files of saves that were killed half-way
+            self._skip_earlier_records()
         previous = signal.signal(signal.SIGINT, self._on_sigint)
-        started = time.monotonic()
         try:
             self.start_coordinator()
             self.agent.start_all()
-            with ProgressView(self.cfg.train.steps, self.show_progress) as progress:
+            with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches) as progress:
+                progress.earlier(self._earlier)
                 while True:
                     for record in self._new_records():
                         progress.update(record)
@@ -254,7 +268,7 @@ class Launcher:
                     wait_for_exit(procs, POLL_S if self.agent.injections else IDLE_WAIT_S)
                 for record in self._new_records():
                     progress.update(record)
-            return self._finish(time.monotonic() - started)
+            return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
             self.sock.close()
@@ -291,7 +305,10 @@ class Launcher:
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
 
-    def _finish(self, wall_s: float) -> int:
+    def _finish(self) -> int:
+        if self._final_seen:
+            at_end = next((r["members"] for r in reversed(self._records) if r.get("type") == RecordKind.MEMBERSHIP), [])
+            self.agent.stop_latecomers(at_end)  # restarted too late to rejoin: not part of the run
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
             time.sleep(POLL_S)
@@ -323,7 +340,8 @@ class Launcher:
             print(f"unbroken: the run finished but {problem}; see {self.run_dir / 'logs'}", file=sys.stderr)
             return 1
         if self.show_summary:
-            print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
+            records = self._earlier + self._records
+            print_summary(self.run_dir, records, wall_s(self._records), self.cfg.train.steps)
         if not done:
             print(f"unbroken: the run did not finish; see {self.run_dir / 'logs'}", file=sys.stderr)
             for wid in sorted(self.workers):

@@ -5,13 +5,20 @@ more may be present). Workers publish records through the coordinator, which app
 ``MetricsFile``; a worker that outlives its coordinator appends what was not drained with
 ``append_records``. The launcher, the report, the benchmarks, chaos and the tests read them with
 ``read_records``. Pure Python.
+
+Step numbers: a record's ``step`` is the step's index, from 0 (step 0 is the first step), as in the failure
+schedule and ``Step.index``; a checkpoint (and ``resume``, ``final``, ``coordinator_lost``) names the steps
+done, which is the step the run continues at. One file holds every session of a run: a ``--resume`` or a
+restart-policy relaunch appends to it, starting at a ``coordinator`` record with ``restored_epoch`` 0
+(``sessions``); steps trained again after a resume are recorded again, and ``committed_steps`` counts each
+step once (its last record). ``is_join`` tells a re-formation that admitted workers from a recovery.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -159,6 +166,45 @@ def committed_steps(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, An
             continue
         by_step[r["step"]] = r
     return {s: by_step[s] for s in sorted(by_step)}
+
+
+def sessions(records: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The records split by session: each begins where a coordinator started from disk (a launch, a
+    ``--resume``, a restart-policy relaunch: a ``coordinator`` record with ``restored_epoch`` 0); a coordinator
+    that replaced a dead one continues its session. Records before the first such record (an older file)
+    belong to the first session."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for r in records:
+        if r.get("type") == RecordKind.COORDINATOR and not r.get("restored_epoch") and out[-1]:
+            out.append([])
+        out[-1].append(r)
+    return out if out[0] else []
+
+
+def wall_s(records: Iterable[dict[str, Any]]) -> float:
+    """The wall time of the records: for each session, from its first record (its coordinator's start) to its
+    last, summed (the time between sessions, when nothing ran, is not counted)."""
+    total = 0.0
+    for session in sessions(records):
+        times = [r["time"] for r in session if isinstance(r.get("time"), int | float)]
+        total += max(times) - min(times) if times else 0.0
+    return total
+
+
+def is_join(recovery: Mapping[str, Any], members: Mapping[int, Collection[int]]) -> bool:
+    """Whether a ``recovery`` record's re-formation only admitted workers (a join, nobody failed), given the
+    members of each epoch (from the ``membership`` records): every epoch after its ``from_epoch`` up to its
+    ``epoch`` added workers and removed none. Anything else (a failure, a stall, an epoch not known) is a
+    recovery."""
+    first, last = int(recovery.get("from_epoch", -1)), int(recovery.get("epoch", -1))
+    if last <= first or first not in members:
+        return False
+    before = set(members[first])
+    for epoch in range(first + 1, last + 1):
+        if epoch not in members or not before < set(members[epoch]):
+            return False
+        before = set(members[epoch])
+    return True
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:

@@ -297,15 +297,34 @@ class Job:
         """Register with the coordinator (the heartbeats start): do it once the model is built, so a joiner
         never makes the others wait for it."""
         comm = self.config.comm
-        return CoordinatorClient(
-            self.address,
-            self.worker_id,
-            comm.heartbeat_interval_s,
-            comm.heartbeat_timeout_s,
-            token=self.token,
-            hold_s=self.config.coordinator.hold_s,
-            fingerprint=determinism.local_fingerprint(self.device),
-        )
+        try:
+            return CoordinatorClient(
+                self.address,
+                self.worker_id,
+                comm.heartbeat_interval_s,
+                comm.heartbeat_timeout_s,
+                token=self.token,
+                hold_s=self.config.coordinator.hold_s,
+                fingerprint=determinism.local_fingerprint(self.device),
+            )
+        except (TunnelError, RuntimeError, OSError) as e:
+            # The coordinator went away while this worker came up: the run finished (a restart too late to
+            # rejoin), or the job is gone. One line, not a traceback.
+            if self._run_done():
+                log.info("the run finished before this worker could join; leaving")
+                self.leave(0)
+            log.error(
+                "cannot join the job at %s: %s", self.address, str(e).splitlines()[0] if str(e) else type(e).__name__
+            )
+            self.leave(EXIT_STOPPED)
+            raise AssertionError("leave() returned") from None  # pragma: no cover
+
+    def _run_done(self) -> bool:
+        """Whether the job's coordinator, if it still answers, says the run finished."""
+        try:
+            return bool(self._store().check([keys.DONE]))
+        except (TunnelError, RuntimeError, OSError):
+            return False
 
     def expected_workers(self) -> int:
         return int(self._store().get("expected"))

@@ -910,6 +910,8 @@ class StepProtocol:
             fields["counted"] = int(sum(self.last_counts))
             fields["counted_once"] = all(c == 1 for c in self.last_counts)
             fields["quotas"] = {str(w): n for w, n in self.quotas.items()}
+            # each member's seconds per microbatch, agreed in this step's reduction (the status view's speeds)
+            fields["speeds"] = {str(w): s for w, s in self.state.speeds.items()}
         return fields
 
     # -- checkpoints --------------------------------------------------------------------------------
