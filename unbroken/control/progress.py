@@ -13,6 +13,7 @@ from typing import Any
 
 from unbroken.core.failures import parse_event
 from unbroken.core.records import committed_steps, is_join, sessions
+from unbroken.core.throughput import run_throughput
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:
@@ -196,6 +197,7 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     gone: dict[int, dict[str, Any]] = {f["worker"]: f for f in failures if f["worker"] not in at_end}
     resumes = [r for r in records if r.get("type") == "resume"]
     trained = [r["step"] for r in records if r.get("type") == "step" and not r.get("republished")]
+    rates = run_throughput(ordered)
     return {
         "steps": len(ordered),
         "tokens": tokens,
@@ -204,6 +206,9 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "val_loss": evals[-1]["val_loss"] if evals else float("nan"),
         "val_ppl": evals[-1]["val_ppl"] if evals else float("nan"),
         "tokens_per_s": tokens / train_time if train_time else 0.0,
+        "tokens_per_s_per_worker": rates["tokens_per_s_per_worker"],
+        "tokens_per_s_per_gpu": rates["tokens_per_s_per_gpu"],
+        "mfu": rates["mfu"],
         "wall_s": wall_s,
         "sessions": len(sessions(records)),
         "resumed_at": [r["step"] for r in resumes],
@@ -238,6 +243,20 @@ def _not_rejoined(failure: dict[str, Any]) -> str:
     return f"worker {failure['worker']}: restart due {rejoin:g} s after the failure; the run ended before it rejoined"
 
 
+def _per_device(s: dict[str, Any]) -> str:
+    """Throughput in the units GPU users compare (core.throughput): per worker, per GPU and MFU where known."""
+    parts = []
+    if s["tokens_per_s_per_worker"] == s["tokens_per_s_per_worker"]:
+        parts.append(f"{s['tokens_per_s_per_worker']:,.0f} tokens/s per worker")
+    if s["tokens_per_s_per_gpu"] == s["tokens_per_s_per_gpu"]:
+        parts.append(f"{s['tokens_per_s_per_gpu']:,.0f} per GPU")
+    if s["mfu"] == s["mfu"]:
+        parts.append(f"MFU {100 * s['mfu']:.1f} %")
+    elif parts:
+        parts.append("MFU unknown (no GPU, or its peak: --train.peak_tflops)")
+    return ", ".join(parts) or "-"
+
+
 def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, total_steps: int) -> None:
     """The summary table of a run's records (every session) and ``wall_s`` (``records.wall_s`` of the
     records this launch saw, the figure the report gives for the same records)."""
@@ -262,6 +281,7 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         "throughput",
         f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s (coordinator start to last record)",
     )
+    table.add_row("per device", _per_device(s))
     if s["failures"]:
         for f in s["failures"]:
             what = f.get("event") or f["why"]

@@ -150,7 +150,8 @@ class RunView:
         self._tokens = 0
         self._last_step: dict[str, Any] | None = None
         self._last_val: float | None = None
-        self._recent: collections.deque[tuple[float | None, float | None]] = collections.deque(maxlen=RECENT_STEPS)
+        # (step time, tokens/s, tokens/s per GPU, MFU) of the newest steps (core.throughput's fields)
+        self._recent: collections.deque[tuple[float | None, ...]] = collections.deque(maxlen=RECENT_STEPS)
         self._quotas: dict[int, int] = {}
         self._speeds: dict[int, float] = {}
         self._compute: dict[int, float] = {}
@@ -362,7 +363,7 @@ class RunView:
             self._dropped += int(r.get("dropped", 0) or 0)
         self._max_step = max(self._max_step, step)
         self._last_step = dict(r)
-        self._recent.append((step_time, tps))
+        self._recent.append((step_time, tps, _num(r.get("tokens_per_s_per_gpu")), _num(r.get("mfu"))))
         if "quotas" in r:
             self._quotas = {w: int(n) for w, n in _workers(r["quotas"]).items()}
         if "speeds" in r:
@@ -457,8 +458,8 @@ class RunView:
     def snapshot(self) -> dict[str, Any]:
         """The run as JSON-ready data (no NaN; see docs/status.md for every field)."""
         with self._cond:
-            recent_times = [s for s, _ in self._recent if s is not None]
-            recent_tps = [x for _, x in self._recent if x is not None]
+            recent = [[x for x in column if x is not None] for column in zip(*self._recent, strict=True)] or [[]] * 4
+            recent_times, recent_tps, recent_per_gpu, recent_mfu = recent
             last = self._last_step or {}
             checkpoint = self._checkpoints[-1] if self._checkpoints else None
             run = {
@@ -478,6 +479,8 @@ class RunView:
                 "tokens": self._tokens,
                 "step_time_s": statistics.median(recent_times) if recent_times else None,
                 "tokens_per_s": statistics.median(recent_tps) if recent_tps else None,
+                "tokens_per_s_per_gpu": statistics.median(recent_per_gpu) if recent_per_gpu else None,
+                "mfu": statistics.median(recent_mfu) if recent_mfu else None,
                 "started_at": self._first_time,
                 "updated_at": self._last_time,
                 "failures": self._num_incidents,

@@ -170,6 +170,9 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     summary.add_row("loss", f"train {_num(run['loss'])}, validation {_num(run['val_loss'])}")
     tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:,.0f}"
     summary.add_row("speed", f"{_ms(run['step_time_s'])} per step, {tps} tokens/s (median); {run['tokens']:,} tokens")
+    if run.get("tokens_per_s_per_gpu") is not None:
+        mfu = "MFU -" if run.get("mfu") is None else f"MFU {100 * run['mfu']:.1f} %"
+        summary.add_row("per GPU", f"{run['tokens_per_s_per_gpu']:,.0f} tokens/s (median), {mfu}")
     summary.add_row(
         "failures",
         f"{run['failures']} failed, {run['recoveries']} recovered, {run.get('joins', 0)} rejoined; microbatches "

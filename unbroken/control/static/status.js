@@ -183,6 +183,10 @@ function drawSummary(s) {
     card("validation loss", fmt.num(r.val_loss)),
     card("step time (median)", fmt.ms(r.step_time_s)),
     card("tokens / s (median)", fmt.int(r.tokens_per_s === null ? null : Math.round(r.tokens_per_s))),
+    ...(r.tokens_per_s_per_gpu === null || r.tokens_per_s_per_gpu === undefined ? [] : [
+      card("tokens / s per GPU", fmt.int(Math.round(r.tokens_per_s_per_gpu))),
+      card("MFU", r.mfu === null ? "-" : `${(100 * r.mfu).toFixed(1)} %`),
+    ]),
     card("tokens", fmt.int(r.tokens)),
     card("failed / recovered / rejoined", `${r.failures} / ${r.recoveries} / ${r.joins ?? 0}`),
     card("recomputed / dropped", `${r.recomputed_microbatches} / ${r.dropped_microbatches}`),
