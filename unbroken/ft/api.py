@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -375,9 +376,11 @@ class Context:
             self._leave(StopRun(str(e).splitlines()[0] if str(e) else type(e).__name__))
 
     def _connection_error(self, e: Exception) -> bool:
-        """A store call failed (the connection to the coordinator broke), as opposed to a bug."""
+        """A store call failed (the connection to the coordinator broke), as opposed to a bug: only an error
+        raised by a call into the control plane is looked into (a ``RuntimeError`` of the user's backward or
+        optimizer ends the worker as the bug it is, at once)."""
         client = self._client
-        if client is None:
+        if client is None or not _raised_by_control_plane(e):
             return False
         return client.wait_lost(2 * self.config.comm.heartbeat_timeout_s + 1.0) is not None
 
@@ -609,6 +612,17 @@ class Step:
             self._status = _Status.COMMITTED
             proto.save_checkpoint_if_due()
         return outcome
+
+
+_CONTROL_PLANE = str(Path(__file__).resolve().parent.parent / "control") + os.sep
+
+
+def _raised_by_control_plane(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside a call into the control plane (a store call, a new connection)."""
+    return isinstance(e, TunnelError) or any(
+        os.path.realpath(frame.f_code.co_filename).startswith(_CONTROL_PLANE)
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    )
 
 
 def _rounds(todo: list[int], shard: int, replica: Replica | None) -> list[tuple[int, bool, list[int] | None]]:
