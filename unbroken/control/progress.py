@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.records import committed_steps
+from unbroken.core.records import WorkerError, committed_steps
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:
@@ -106,6 +106,16 @@ def describe(record: dict[str, Any]) -> str:
     if kind == "stopped":
         return f"stopped: {record['reason']}"
     return kind
+
+
+def describe_error(record: dict[str, Any], log_dir: Path) -> str:
+    """What the console shows the moment a worker dies of an exception (an ``error`` record): who raised what
+    and where, then the last frames of its traceback and the message (the whole traceback is in its log)."""
+    error = WorkerError.from_record(record)
+    lines = [f"worker {error.worker} raised {error.headline()}"]
+    lines += ["  " + line for line in error.traceback.splitlines()]
+    lines.append(f"  (the whole traceback: {log_dir / f'worker-{error.worker}.log'})")
+    return "\n".join(lines)
 
 
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

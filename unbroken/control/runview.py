@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.core.records import decode, read_records
+from unbroken.core.records import WorkerError, decode, read_records
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +374,10 @@ class RunView:
         same = "identical" if r.get("identical") else "NOT identical"
         self._event(t, "final", f"run finished at step {r.get('step')}; the workers' parameters are {same}")
         self._set_state("finished")
+
+    def _on_error(self, r: Mapping[str, Any], t: float | None) -> None:
+        error = WorkerError.from_record(dict(r))
+        self._event(t, "error", f"worker {error.worker} raised {error.headline()}", worker=error.worker)
 
     def _on_stopped(self, r: Mapping[str, Any], t: float | None) -> None:
         self._event(t, "stopped", f"run stopped at step {r.get('step')}: {r.get('reason')}")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.control.client import CoordinatorClient, Epoch
+from unbroken.core import ckptfiles
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
@@ -850,8 +851,7 @@ class StepProtocol:
         return StepOutcome(loss, math.nan, lr, skipped=True, **common)
 
     def _last_checkpoint_words(self) -> str:
-        saved = ckpt.list_checkpoints(self.run_dir)
-        return f"the last good checkpoint is step {saved[0]}" if saved else "no checkpoint was written yet"
+        return ckptfiles.last_checkpoint_words(self.run_dir)
 
     def _step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
         """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
