@@ -124,9 +124,9 @@ def test_the_report_names_the_innermost_frame_of_the_users_code() -> None:
 # -- real launches ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The script without its bug, on one worker, checkpointing every 5 steps."""
+    """The script without its bug, on one worker, keeping the state of every step."""
     out = tmp_path_factory.mktemp("user_errors") / "reference"
-    result = launch(out, "--checkpoint.every=5", str(SCRIPT), workers=1)
+    result = launch(out, "--checkpoint.every=1", f"--checkpoint.keep={STEPS}", str(SCRIPT), workers=1)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -192,3 +192,29 @@ def test_an_error_on_one_worker_only_is_survived_like_a_kill(tmp_path: Path, ref
     final = read_records(out, "final")[0]
     assert final["identical"] and sorted(final["checksums"]) == ["0", "1"]
     assert same_model(ckpt.verify(out, STEPS)["model"], ckpt.verify(reference, STEPS)["model"])
+
+
+@pytest.mark.timeout(600)
+def test_a_bug_in_code_that_rank_0_runs_stops_the_job_when_the_next_rank_0_reaches_it(
+    tmp_path: Path, reference: Path
+) -> None:
+    """Rank 0's logging after steps 3, 7, ... raises (the issue's first day). Worker 0 raises after step 3 and is
+    survived; worker 1, now rank 0, raises after step 7: the same error, the job stops. Nobody who did not
+    raise is left, so worker 1, whose error came after its commit, saves the state of step 8."""
+    out = tmp_path / "run"
+    result = launch(out, "--checkpoint.every=0", str(SCRIPT), "--raise", "rank0", workers=2)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line_number = _line_of("validation {logged['val_loss']")
+    raised = read_records(out, "error")
+    assert [(e["worker"], e["step"], e["phase"], e["microbatch"]) for e in raised] == [
+        (0, 3, "between_steps", None),
+        (1, 7, "between_steps", None),
+    ]
+    assert {(e["exception"], e["line"], e["function"]) for e in raised} == {("KeyError", line_number, "log_progress")}
+    (line,) = [x for x in result.stderr.splitlines() if VERDICT in x]
+    assert line == (
+        f"unbroken: error: KeyError ('val_loss') at raising_loop.py:{line_number} in log_progress, after step 7, "
+        f"on workers 0, 1: {VERDICT}; the last good checkpoint is step 8"
+    )
+    assert max(committed_steps(read_records(out))) == 7
+    assert same_model(ckpt.verify(out, 8)["model"], ckpt.verify(reference, 8)["model"])

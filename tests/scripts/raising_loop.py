@@ -3,6 +3,8 @@
     --raise microbatch   the backward of microbatch 3 of step 5 raises, whichever worker computes it (a bug: the
                          same data, the same code, the same error anywhere)
     --raise worker       the loss of step 5 raises on worker 2 only (a bad host: the others compute it fine)
+    --raise rank0        rank 0's logging after steps 3, 7, ... raises (a bug in code that one rank runs: the
+                         next worker to be rank 0 reaches it later)
     (nothing)            no error: the reference run
 
 The data of a microbatch is a pure function of (step, id), so any worker can compute any one.
@@ -44,9 +46,14 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, corrupt: bool) -
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+def log_progress(step: int, outcome: ft.StepOutcome) -> None:
+    logged = {"step": step, "loss": outcome.loss}
+    print(f"step {step}: loss {logged['loss']:.4f}, validation {logged['val_loss']:.4f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--raise", dest="mode", choices=["microbatch", "worker"])
+    parser.add_argument("--raise", dest="mode", choices=["microbatch", "worker", "rank0"])
     mode = parser.parse_args().mode
     ctx = ft.init()
     torch.manual_seed(0)
@@ -60,7 +67,9 @@ def main() -> None:
             x, y = batch_for(step.index, mb)
             corrupt = mode == "microbatch" and step.index == STEP and mb == MICROBATCH
             step.backward(loss_of(model, x, y, corrupt), tokens=x.numel())
-        step.commit(optimizer)
+        outcome = step.commit(optimizer)
+        if mode == "rank0" and ctx.rank == 0 and step.index % 4 == 3:
+            log_progress(step.index, outcome)
 
 
 if __name__ == "__main__":

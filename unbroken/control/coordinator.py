@@ -65,7 +65,16 @@ from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int,
 from unbroken.core import bugs, ckptfiles
 from unbroken.core.config import RunConfig, to_toml
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import METRICS_FILE, MetricsFile, RecordKind, WorkerError, decode, make, read_records
+from unbroken.core.records import (
+    METRICS_FILE,
+    ErrorPhase,
+    MetricsFile,
+    RecordKind,
+    WorkerError,
+    decode,
+    make,
+    read_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -425,14 +434,21 @@ class Coordinator:
 
     def _stop_for_bug(self, errors: list[WorkerError]) -> None:
         """Stop the job: the error repeated (a bug, not a failure). The lowest member that did not raise holds a
-        good state (the last committed step) and is named to save it before it leaves; the stop line then says
-        which checkpoint is the last good one (``_await_saved``). Replicas of several ranks keep the last
-        checkpoint on disk (their ranks would have to save together)."""
+        good state (the last committed step) and is named to save it before it leaves; with none left, the
+        worker that just raised does, unless it raised inside a commit (its optimizer may have stepped half-way):
+        before or after a commit its state is the last committed step's too. The stop line then says which
+        checkpoint is the last good one (``_await_saved``). Replicas of several ranks keep the last checkpoint
+        on disk (their ranks would have to save together)."""
         line = bugs.stop_line(errors)
         raisers = {e.worker for e in self.errors}
         healthy = [w for w in self.members if w not in raisers]
-        if healthy and self.layout.size == 1:
-            self.saver = min(healthy)
+        new = errors[-1]
+        if self.layout.size == 1:
+            if healthy:
+                self.saver = min(healthy)
+            elif new.worker in self.members and new.phase not in (ErrorPhase.COMMIT, ErrorPhase.SETUP):
+                self.saver = new.worker  # it waits for this answer before it ends
+        if self.saver is not None:
             self.store.set(keys.STOP_SAVER, str(self.saver))  # before the stop: whoever sees the stop can read it
         log.error("stopping: %s", line)
         if self.stop(line):

@@ -451,10 +451,16 @@ class Context:
             told = client.report_error(report)
         else:
             told = self._job.report_error(report)
-        if told:
-            log.info("the coordinator was told of this exception; ending")
-        else:
+        if not told:
             log.error("could not tell the coordinator of this exception; ending")
+            return
+        log.info("the coordinator was told of this exception")
+        if client is not None:
+            # Its answer comes at once: a new epoch without this worker, or a stop for a bug, which may name this
+            # worker to save the state it holds (nobody who did not raise is left).
+            client.wait_removed(2 * self.config.comm.heartbeat_timeout_s)
+            if client.stopped is not None and client.named_to_save():
+                client.tell_saved(process.save_at_stop(self._proto, self.run_dir))
 
     def close(self) -> None:
         """Stop the heartbeats and watchers (done at exit; idempotent)."""
