@@ -7,15 +7,18 @@ independent of the worker count (tests/test_train.py), so the oracle is a one-wo
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, ROOT
+from runner import EXACT, ONE_THREAD, ROOT, free_port, unbroken
 
+from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core import bugs
 from unbroken.core.records import ErrorPhase, RecordKind, WorkerError, committed_steps, make, read_records
 from unbroken.ft import checkpoint as ckpt
@@ -218,3 +221,46 @@ def test_a_bug_in_code_that_rank_0_runs_stops_the_job_when_the_next_rank_0_reach
     )
     assert max(committed_steps(read_records(out))) == 7
     assert same_model(ckpt.verify(out, 8)["model"], ckpt.verify(reference, 8)["model"])
+
+
+@pytest.mark.timeout(600)
+def test_under_per_host_agents_the_coordinator_judges_and_records_the_errors(tmp_path: Path, reference: Path) -> None:
+    """Two hosts' agents of one worker each and a coordinator of its own (``unbroken coordinator``): the workers
+    report to the coordinator, not to their agents, so it records both errors, shows them on its console,
+    stops the job and names the checkpoint the worker that raised last saved (nobody else is left)."""
+    env = {**os.environ, TOKEN_ENV: new_token()}
+    port, run = free_port(), tmp_path / "run"
+    coordinator = unbroken("coordinator", "--workers", "2", "--port", str(port), "--run-dir", str(run), *COMMON,
+                           "--checkpoint.every=0", env=env, log=tmp_path / "coordinator.log")  # fmt: skip
+    agents = [
+        unbroken(
+            "agent",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--node-rank",
+            str(r),
+            str(SCRIPT),
+            "--raise",
+            "microbatch",
+            env=env,
+            log=tmp_path / f"agent-{r}.log",
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        assert coordinator.wait(timeout=400) == 1, (tmp_path / "coordinator.log").read_text()[-3000:]
+        assert all(agent.wait(timeout=60) != 0 for agent in agents)
+    finally:
+        for p in (coordinator, *agents):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    raised = read_records(run, "error")
+    assert sorted(e["worker"] for e in raised) == [0, 1] and {e["microbatch"] for e in raised} == {3}
+    reason = read_records(run, "stopped")[-1]["reason"]
+    assert VERDICT in reason and reason.endswith("; the last good checkpoint is step 5")
+    console = (tmp_path / "coordinator.log").read_text()
+    assert console.count("\n  RuntimeError: corrupt microbatch: its gradient cannot be computed\n") == 2
+    assert f"stopped: {reason}" in console
+    assert same_model(ckpt.verify(run, 5)["model"], ckpt.verify(reference, 5)["model"])

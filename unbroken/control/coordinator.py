@@ -83,6 +83,10 @@ CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat t
 MAX_TICK_S = 0.25
 METRIC_HOLE_GRACE_S = 1.0  # a metrics number not written after this long: its writer died (or is stopped)
 METRIC_HOLE_FORGET_S = 600.0  # ... and after this long it is not looked for any more
+# At a stop for a bug, the wait for the named worker's save while its heartbeats go on: it reaches its leaving
+# at its next call into the protocol (a step's compute, a collective's bound), then saves; a training thread
+# hung in the user's code never does.
+MAX_SAVE_WAIT_S = 600.0
 
 
 class Deposed(Exception):
@@ -183,8 +187,10 @@ class Coordinator:
         self.view = RunView(cfg.train.steps, expected_workers, run_dir)
         records = read_records(run_dir)
         self.view.extend(records)  # a restarted coordinator's view starts where the run is
-        # Workers' exceptions (core.bugs tells a bug from a failing host): this launch's, in the order reported.
-        self.errors: list[WorkerError] = _errors_of_launch(records) if restore else []
+        # Workers' exceptions, in the order reported (core.bugs tells a bug from a failing host). Those of the
+        # run so far count: a restarted coordinator, the restart policy's relaunch and a --resume go on with them
+        # (a bug not fixed stops the run the first time it raises again; a fix moves or removes the place).
+        self.errors = [WorkerError.from_record(r) for r in records if r.get("type") == RecordKind.ERROR]
         self.next_error = 1
         self.error_hole_since: dict[int, float] = {}
         self.raised: dict[int, WorkerError] = {}  # members that reported an exception: dead, to be removed
@@ -400,18 +406,16 @@ class Coordinator:
         new: list[WorkerError] = []
         seq = get_int(self.store, keys.ERROR_SEQ)
         while self.next_error <= seq:
-            key = keys.error(self.next_error)
+            n, key = self.next_error, keys.error(self.next_error)
             if self.store.check([key]):
                 try:
                     new.append(WorkerError.decode(self.store.get(key).decode()))
                 except ValueError as e:
-                    log.warning("error report %d is unreadable (%s); ignored", self.next_error, e)
+                    log.warning("error report %d is unreadable (%s); ignored", n, e)
                 self.store.delete_key(key)
-            elif time.monotonic() - self.error_hole_since.setdefault(self.next_error, time.monotonic()) < (
-                METRIC_HOLE_GRACE_S
-            ):
-                break
-            self.error_hole_since.pop(self.next_error, None)
+            elif time.monotonic() - self.error_hole_since.setdefault(n, time.monotonic()) < METRIC_HOLE_GRACE_S:
+                break  # taken a moment ago: its writer is about to write it
+            self.error_hole_since.pop(n, None)
             self.next_error += 1
         for error in new:
             record = error.record(time.time())
@@ -460,11 +464,12 @@ class Coordinator:
         saver that dies is not), else as the run directory shows them."""
         if self.saver is not None:
             key, counted = keys.heartbeat(self.saver), (-1, time.monotonic())
+            deadline = time.monotonic() + MAX_SAVE_WAIT_S
             while not self.store.check([keys.STOP_SAVED]):
                 count, now = get_int(self.store, key), time.monotonic()
                 if count != counted[0]:
                     counted = (count, now)
-                elif now - counted[1] > self.heartbeat_timeout_s:
+                if now - counted[1] > self.heartbeat_timeout_s or now > deadline:
                     log.warning("worker %d did not say what it saved; naming the newest checkpoint", self.saver)
                     break
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -646,14 +651,6 @@ class Coordinator:
         self.publish(members, reason)
         for wid in gone:
             self._failure_record(wid, "did not come back to the restarted coordinator")
-
-
-def _errors_of_launch(records: list[dict[str, Any]]) -> list[WorkerError]:
-    """The error records since this launch's first coordinator started (a restarted one continues its rule;
-    a ``--resume`` is a new launch and starts afresh)."""
-    start = max((i for i, r in enumerate(records) if r.get("type") == RecordKind.COORDINATOR and
-                 not r.get("restored_epoch")), default=0)  # fmt: skip
-    return [WorkerError.from_record(r) for r in records[start:] if r.get("type") == RecordKind.ERROR]
 
 
 START_TIMEOUT_S = 60.0

@@ -318,16 +318,18 @@ def save_at_stop(proto: StepProtocol | None, run_dir: Path) -> str:
     """The coordinator stopped the job for a bug in the user's code and named this worker, which holds a good
     state (the last committed step, bitwise every member's), to keep it: save it unless its checkpoint (or a
     newer one) is on disk already. Returns the words naming the last good checkpoint."""
-    if proto is not None and proto.replica is None and proto.state.step > 0:
-        step = proto.state.step
-        saved = ckpt.list_checkpoints(run_dir)
-        if not saved or saved[0] < step:
-            t0 = time.perf_counter()
+    saved = ckpt.list_checkpoints(run_dir)
+    if proto is not None and proto.replica is None and proto.state.step > max(saved, default=0):
+        step, t0 = proto.state.step, time.perf_counter()
+        try:
             path = ckpt.save_checkpoint(run_dir, step, proto.state.snapshot(), proto.cfg.checkpoint_keep)
-            log.info("saved the state of step %d (%s) before leaving", step, path)
+        except OSError as e:
+            log.error("could not save the state of step %d: %s", step, e)
+        else:
             seconds = time.perf_counter() - t0
-            proto.client.publish_metrics(make(RecordKind.CHECKPOINT, time.time(), step=step, path=str(path),
-                                              seconds=seconds))  # fmt: skip
+            log.info("saved the state of step %d (%s) before leaving", step, path)
+            record = make(RecordKind.CHECKPOINT, time.time(), step=step, path=str(path), seconds=seconds)
+            proto.client.publish_metrics(record)
             proto.client.flush_metrics(timeout_s=5.0)
     return ckptfiles.last_checkpoint_words(run_dir)
 
