@@ -232,22 +232,10 @@ def test_under_per_host_agents_the_coordinator_judges_and_records_the_errors(tmp
     port, run = free_port(), tmp_path / "run"
     coordinator = unbroken("coordinator", "--workers", "2", "--port", str(port), "--run-dir", str(run), *COMMON,
                            "--checkpoint.every=0", env=env, log=tmp_path / "coordinator.log")  # fmt: skip
+    agent_args = ["agent", "--coordinator", f"127.0.0.1:{port}", "--workers", "1"]
+    command = [str(SCRIPT), "--raise", "microbatch"]
     agents = [
-        unbroken(
-            "agent",
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--workers",
-            "1",
-            "--node-rank",
-            str(r),
-            str(SCRIPT),
-            "--raise",
-            "microbatch",
-            env=env,
-            log=tmp_path / f"agent-{r}.log",
-        )  # fmt: skip
-        for r in (0, 1)
+        unbroken(*agent_args, "--node-rank", str(r), *command, env=env, log=tmp_path / f"agent-{r}.log") for r in (0, 1)
     ]
     try:
         assert coordinator.wait(timeout=400) == 1, (tmp_path / "coordinator.log").read_text()[-3000:]
