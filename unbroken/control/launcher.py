@@ -30,7 +30,7 @@ from unbroken.control import keys
 from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit, worker_defaults
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
-from unbroken.control.progress import ProgressView, print_summary
+from unbroken.control.progress import ProgressView, describe_error, print_summary
 from unbroken.control.store import bind_listen_socket
 from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
@@ -209,6 +209,9 @@ class Launcher:
         complete = chunk[: chunk.rfind("\n") + 1]
         self._metrics_offset += len(complete.encode())
         records = [r for r in map(decode, complete.splitlines()) if r is not None]  # torn lines are skipped
+        for record in records:
+            if record.get("type") == RecordKind.ERROR:  # shown at once, --quiet or not, whatever happens next
+                print(describe_error(record, self.run_dir / "logs"), file=sys.stderr, flush=True)
         self._records += records
         self._failures_seen += sum(1 for r in records if r.get("type") == RecordKind.FAILURE)
         self._final_seen = self._final_seen or any(r.get("type") == RecordKind.FINAL for r in records)

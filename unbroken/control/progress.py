@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.failures import parse_event
-from unbroken.core.records import committed_steps, is_join, sessions
+from unbroken.core.records import WorkerError, committed_steps, is_join, sessions
 from unbroken.core.throughput import run_throughput
 
 
@@ -158,6 +158,16 @@ def describe_recovery(record: dict[str, Any], members: dict[int, list[int]], mic
     missing = record.get("missing") or []
     redo = f"; microbatches {missing} to redo" if missing and len(missing) != microbatches else ""
     return f"step {step} goes on with {record['alive']} workers (epoch {epoch}){redo}"
+
+
+def describe_error(record: dict[str, Any], log_dir: Path) -> str:
+    """What the console shows the moment a worker dies of an exception (an ``error`` record): who raised what
+    and where, then the last frames of its traceback and the message (the whole traceback is in its log)."""
+    error = WorkerError.from_record(record)
+    lines = [f"worker {error.worker} raised {error.headline()}"]
+    lines += ["  " + line for line in error.traceback.splitlines()]
+    lines.append(f"  (the whole traceback: {log_dir / f'worker-{error.worker}.log'})")
+    return "\n".join(lines)
 
 
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

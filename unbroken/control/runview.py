@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.core.records import decode, is_join, read_records
+from unbroken.core.records import WorkerError, decode, is_join, read_records
 
 log = logging.getLogger(__name__)
 
@@ -413,6 +413,10 @@ class RunView:
             if self._sessions > 1 and self._state in TERMINAL_STATES:
                 self._set_state("starting")  # resumed or relaunched: the earlier session's end is not the run's
         self._event(t, "coordinator", text)
+
+    def _on_error(self, r: Mapping[str, Any], t: float | None) -> None:
+        error = WorkerError.from_record(dict(r))
+        self._event(t, "error", f"worker {error.worker} raised {error.headline()}", worker=error.worker)
 
     def _on_stopped(self, r: Mapping[str, Any], t: float | None) -> None:
         self._event(t, "stopped", f"run stopped at step {r.get('step')}: {r.get('reason')}")

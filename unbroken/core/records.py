@@ -4,7 +4,8 @@ A record is a JSON object on one line with a ``type`` (``RecordKind``) and that 
 more may be present). Workers publish records through the coordinator, which appends them with
 ``MetricsFile``; a worker that outlives its coordinator appends what was not drained with
 ``append_records``. The launcher, the report, the benchmarks, chaos and the tests read them with
-``read_records``. Pure Python.
+``read_records``. ``WorkerError`` is the typed report of a worker's exception: a worker writes it to the
+coordinator's store, which records it here (kind ``error``). Pure Python.
 
 Step numbers: a record's ``step`` is the step's index, from 0 (step 0 is the first step), as in the failure
 schedule and ``Step.index``; a checkpoint (and ``resume``, ``final``, ``coordinator_lost``) names the steps
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ class RecordKind(StrEnum):
     ADMITTED = "admitted"  # a worker registered: its host and fingerprint (what decides its bits, core.numerics)
     REFUSED = "refused"  # a worker kept out of the membership, and why (exact mode: another fingerprint)
     USER = "user"  # anything a user's script logs
+    ERROR = "error"  # a worker died of an exception (``WorkerError``: where, and the traceback's last frames)
 
 
 FIELDS: dict[RecordKind, frozenset[str]] = {
@@ -77,7 +80,94 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     RecordKind.ADMITTED: frozenset({"worker", "host", "fingerprint"}),
     RecordKind.REFUSED: frozenset({"worker", "reason"}),
     RecordKind.USER: frozenset(),
+    RecordKind.ERROR: frozenset(
+        {"worker", "exception", "message", "file", "line", "function", "phase", "step", "microbatch", "traceback"}
+    ),
 }
+
+
+class ErrorPhase(StrEnum):
+    """Where in the step protocol a worker's exception was raised."""
+
+    SETUP = "setup"  # before the first step (building the model, registering the state)
+    MICROBATCH = "microbatch"  # in the loop body of one microbatch (its data, forward, loss or backward)
+    STEP = "step"  # in a step, outside any microbatch's body (between microbatches, before the commit)
+    COMMIT = "commit"  # in step.commit (the optimizer, clipping, a checkpoint)
+    EVAL = "eval"  # in ctx.evaluate's loss function
+    BETWEEN_STEPS = "between_steps"  # after a step's commit, before the next step (or after the last)
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """A worker that died of a Python exception, as it reported itself before ending: the exception, the place
+    (the innermost frame of the user's code), where in the protocol (``phase``, ``step``: the index of the step
+    it was in or had just committed, -1 before the first; ``microbatch``: the id whose loop body raised, else
+    None) and the traceback's last frames with the message. The worker writes it to the coordinator's store
+    (``control.keys.error``, ``encode``); the coordinator appends it to metrics.jsonl (``record``)."""
+
+    worker: int
+    exception: str  # the exception's type: its name, qualified by its module unless a builtin
+    message: str  # the first line of str(exception), shortened
+    file: str
+    line: int
+    function: str
+    phase: ErrorPhase
+    step: int
+    microbatch: int | None
+    traceback: str
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def decode(text: str) -> WorkerError:
+        """The error ``encode`` wrote (ValueError if ``text`` is not one)."""
+        try:
+            return WorkerError.from_record(json.loads(text))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"not a worker error report: {e}") from None
+
+    def record(self, time: float) -> dict[str, Any]:
+        """Its metrics record (kind ``error``)."""
+        return make(RecordKind.ERROR, time, **asdict(self))
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> WorkerError:
+        mb = record["microbatch"]
+        return WorkerError(
+            worker=int(record["worker"]),
+            exception=str(record["exception"]),
+            message=str(record["message"]),
+            file=str(record["file"]),
+            line=int(record["line"]),
+            function=str(record["function"]),
+            phase=ErrorPhase(record["phase"]),
+            step=int(record["step"]),
+            microbatch=None if mb is None else int(mb),
+            traceback=str(record["traceback"]),
+        )
+
+    def place(self) -> str:
+        """``file.py:LINE in function`` (the file's name: hosts may hold the script under different paths)."""
+        return f"{Path(self.file).name}:{self.line} in {self.function}"
+
+    def where(self) -> str:
+        """Where in the protocol, in words: ``step 5, microbatch 3``, ``after step 5``, ..."""
+        if self.phase is ErrorPhase.MICROBATCH:
+            return f"step {self.step}, microbatch {self.microbatch}"
+        if self.phase is ErrorPhase.STEP:
+            return f"step {self.step}, between microbatches"
+        if self.phase is ErrorPhase.COMMIT:
+            return f"step {self.step}, in its commit"
+        if self.phase is ErrorPhase.EVAL:
+            return f"an evaluation after step {self.step}" if self.step >= 0 else "an evaluation before the first step"
+        if self.phase is ErrorPhase.BETWEEN_STEPS:
+            return f"after step {self.step}"
+        return "before the first step"
+
+    def headline(self) -> str:
+        """One line: ``ZeroDivisionError at loss.py:12 in loss_fn, step 5, microbatch 3: division by zero``."""
+        return f"{self.exception} at {self.place()}, {self.where()}: {self.message}"
 
 
 def make(kind: RecordKind, time: float, /, **fields: Any) -> dict[str, Any]:

@@ -18,7 +18,9 @@ step protocol (``protocol.StepProtocol``): ``microbatches()`` yields the ids the
 after the last one, reduces; if a member died meanwhile it recovers and yields the ids that were lost, so the
 loop body runs for them too; ``commit`` applies the agreed gradient (or skips a non-finite one on every
 member) and steps the optimizer. Nothing here raises into model code; when this worker must leave (the job
-stops, it was excluded) the process ends with the status the launcher expects.
+stops, it was excluded) the process ends with the status the launcher expects. An exception of the user's
+code that nothing catches ends the worker once it has told the coordinator what and where (``crash``: the
+step, and the microbatch whose loop body raised, are known here).
 
 The run's ``[train]`` settings that act on the model are applied here too, so every loop gets them:
 ``register_state`` applies activation checkpointing, MeCeFO's efficient backward and ``torch.compile`` (in
@@ -39,7 +41,9 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -52,9 +56,9 @@ from unbroken.control.gateway import TunnelError
 from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
-from unbroken.core.records import RecordKind
+from unbroken.core.records import ErrorPhase, RecordKind
 from unbroken.core.throughput import table_peak_tflops
-from unbroken.ft import comm, determinism, process
+from unbroken.ft import comm, crash, determinism, process
 from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.inject import FaultInjector, remove
 from unbroken.ft.protocol import (
@@ -96,7 +100,11 @@ class Context:
         self.layout = ReplicaLayout(self.config.parallel.shard, self.config.parallel.pipeline)
         self._replica = self._join_replica() if self.layout.size > 1 else None
         self._pipeline: Pipeline | None = None
+        self._current: Step | None = None  # the step the user's loop is in (or has just committed)
+        self._evaluating = False  # inside evaluate()'s loss function
         atexit.register(self._at_exit)
+        if job.exit_process and threading.current_thread() is threading.main_thread():
+            crash.install(self._report_crash)
 
     # -- a replica of several ranks -------------------------------------------------------------------
     def _join_replica(self) -> Replica:
@@ -256,6 +264,7 @@ class Context:
             if (reason := self._client.stopped) is not None:  # type: ignore[union-attr]
                 self._leave(StopRun(reason))
             step = Step(self, proto, proto.state.step)
+            self._current = step
             yield step
             if step._status is _Status.OPEN and proto.state.step == step.index:
                 raise RuntimeError(f"step {step.index}: commit() was not called")
@@ -312,11 +321,13 @@ class Context:
         lanes = proto.group.size * self.layout.shard
         lane = proto.group.rank * self.layout.shard + (self._replica.shard if self._replica is not None else 0)
         rounds = math.ceil(num_items / lanes) if self._replica is not None else 0
+        self._evaluating = True  # left set if loss_of raises: the crash report says where
         for k in range(lane, max(num_items, rounds * lanes), lanes):
             value = float(loss_of(k if k < num_items else 0))
             if k < num_items:
                 total[0] += value
                 total[1] += 1
+        self._evaluating = False
         return self._mean_over_members(total)
 
     def evaluate_pipeline(
@@ -389,9 +400,11 @@ class Context:
             self._leave(StopRun(str(e).splitlines()[0] if str(e) else type(e).__name__))
 
     def _connection_error(self, e: Exception) -> bool:
-        """A store call failed (the connection to the coordinator broke), as opposed to a bug."""
+        """A store call failed (the connection to the coordinator broke), as opposed to a bug: only an error
+        raised by a call into the control plane is looked into (a ``RuntimeError`` of the user's backward or
+        optimizer ends the worker as the bug it is, at once)."""
         client = self._client
-        if client is None:
+        if client is None or not _raised_by_control_plane(e):
             return False
         return client.wait_lost(2 * self.config.comm.heartbeat_timeout_s + 1.0) is not None
 
@@ -419,8 +432,49 @@ class Context:
                 if client.stopped is None:
                     client.flush_metrics(timeout_s=5.0)
                     client.stop_job(str(e))  # the coordinator records why (the first reason given)
+            if client is not None and client.stopped is not None and client.named_to_save():
+                client.tell_saved(process.save_at_stop(proto, self.run_dir))
         self.close()
         self._job.leave(code)
+
+    def _where(self) -> tuple[ErrorPhase, int, int | None]:
+        """Where the user's code is in the protocol: the phase, the step's index (-1 before the first) and the
+        microbatch whose loop body runs (None outside one)."""
+        step = self._current
+        index = step.index if step is not None else -1
+        if self._evaluating:
+            return ErrorPhase.EVAL, index, None
+        if step is None:
+            return ErrorPhase.SETUP, index, None
+        if step._committing:
+            return ErrorPhase.COMMIT, index, None
+        if step._body is not None:
+            return ErrorPhase.MICROBATCH, index, step._body
+        if step._status in (_Status.OPEN, _Status.REDUCED):
+            return ErrorPhase.STEP, index, None
+        return ErrorPhase.BETWEEN_STEPS, index, None
+
+    def _report_crash(self, error: Exception) -> None:
+        """``error`` ends this worker (nothing caught it): tell the coordinator what and where (``crash``), after
+        the records already queued."""
+        client = self._client
+        worker = client.worker_id if client is not None else self._job.worker_id
+        report = crash.describe(error, -1 if worker is None else worker, *self._where())
+        if client is not None:
+            client.flush_metrics(timeout_s=2.0)
+            told = client.report_error(report)
+        else:
+            told = self._job.report_error(report)
+        if not told:
+            log.error("could not tell the coordinator of this exception; ending")
+            return
+        log.info("the coordinator was told of this exception")
+        if client is not None:
+            # Its answer comes at once: a new epoch without this worker, or a stop for a bug, which may name this
+            # worker to save the state it holds (nobody who did not raise is left).
+            client.wait_removed(2 * self.config.comm.heartbeat_timeout_s)
+            if client.stopped is not None and client.named_to_save():
+                client.tell_saved(process.save_at_stop(self._proto, self.run_dir))
 
     def close(self) -> None:
         """Stop the heartbeats and watchers (done at exit; idempotent)."""
@@ -464,6 +518,8 @@ class Step:
         self._factor = 1.0
         self._autocasts = 0
         self._padding = False
+        self._body: int | None = None  # the microbatch whose loop body runs (the user's code), for a crash report
+        self._committing = False
 
     @property
     def efficient(self) -> bool:
@@ -488,7 +544,9 @@ class Step:
                 for k, (j, padding, round_ids) in enumerate(lanes):
                     with guard():
                         self._enter(j, first=k == 0, last=k == len(lanes) - 1, padding=padding)
+                    self._body = j
                     yield j
+                    self._body = None
                     if self._awaiting is not None:
                         raise RuntimeError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
                     if round_ids is not None:
@@ -638,11 +696,24 @@ class Step:
         if self._status != _Status.REDUCED:
             raise RuntimeError(f"step {self.index}: iterate microbatches() to the end before commit()")
         optimizer = optimizer if optimizer is not None else proto.state.optimizer
+        self._committing = True  # left set if the optimizer raises: the crash report says where
         with ctx._guard():
             outcome = proto.commit(optimizer, clip_grad_norm, time.perf_counter() - self._started)
             self._status = _Status.COMMITTED
             proto.save_checkpoint_if_due()
+        self._committing = False
         return outcome
+
+
+_CONTROL_PLANE = str(Path(__file__).resolve().parent.parent / "control") + os.sep
+
+
+def _raised_by_control_plane(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside a call into the control plane (a store call, a new connection)."""
+    return isinstance(e, TunnelError) or any(
+        os.path.realpath(frame.f_code.co_filename).startswith(_CONTROL_PLANE)
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    )
 
 
 def _rounds(todo: list[int], shard: int, replica: Replica | None) -> list[tuple[int, bool, list[int] | None]]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.control.client import CoordinatorClient, Epoch
+from unbroken.core import ckptfiles
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
@@ -552,9 +553,7 @@ class StepProtocol:
         self.reducer.current = microbatch
         self.reducer.padding = padding
 
-    def after_backward(
-        self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None
-    ) -> None:
+    def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
         """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator).
         ``loss`` may stay a tensor on the device (read back with the step's others at the reduction);
         ``seconds`` is None where the microbatch's time is not known alone (a GPU: ``note_speed`` per round)."""
@@ -877,8 +876,7 @@ class StepProtocol:
         return StepOutcome(loss, math.nan, lr, skipped=True, **common)
 
     def _last_checkpoint_words(self) -> str:
-        saved = ckpt.list_checkpoints(self.run_dir)
-        return f"the last good checkpoint is step {saved[0]}" if saved else "no checkpoint was written yet"
+        return ckptfiles.last_checkpoint_words(self.run_dir)
 
     def _step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
         """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
