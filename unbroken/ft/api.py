@@ -456,7 +456,11 @@ class Context:
 
     def _report_crash(self, error: Exception) -> None:
         """``error`` ends this worker (nothing caught it): tell the coordinator what and where (``crash``), after
-        the records already queued."""
+        the records already queued. An op without a deterministic implementation is no bug of the user's code
+        but of the run's settings, the same on every worker: the job stops at once with the line that says so."""
+        op = determinism.nondeterministic_op(error)
+        if op is not None:
+            self._leave(StopRun(determinism.stop_line(op)))
         client = self._client
         worker = client.worker_id if client is not None else self._job.worker_id
         report = crash.describe(error, -1 if worker is None else worker, *self._where())
