@@ -202,7 +202,8 @@ class Context:
         (``train.compile``), in that order (``unbroken/ft/transforms.py``).
 
         Raises:
-            ValueError: called twice, after ``steps()``, a MeCeFO policy with a model that has no LLaMA-family
+            ValueError: called twice, after ``steps()``, an ``extra`` object without ``state_dict()`` and
+                ``load_state_dict()`` (nor a dict), a MeCeFO policy with a model that has no LLaMA-family
                 blocks, checkpointing or compile with a model that has no transformer blocks (an
                 ``nn.ModuleList`` named ``layers``), or compile on the CPU without a C++ compiler.
         """
@@ -212,7 +213,7 @@ class Context:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, dict):
                 raise ValueError(
                     f"register_state({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict(); "
-                    "register an object with both (an LR scheduler, your data cursor) or a dict of tensors and numbers"
+                    "register an object with both (an LR scheduler, an EMA) or a dict of tensors and numbers"
                 )
         self.state.model = model
         self.state.optimizer = optimizer
