@@ -400,12 +400,15 @@ def run_agent(args: argparse.Namespace) -> int:
     agent.connect(address, token)
     agent.env[COORDINATOR_ENV] = ",".join(addresses)
     agent.address = ",".join(addresses)
+    agent.console = console = ConsoleRelay()  # the leader's prints, on the console of the host that runs it
     agent.start_all()
     log.info("agent %d: workers %s, coordinator %s", rank, ids, address)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     while not stop["now"]:
+        for line in console.drain():
+            print(line, flush=True)
         agent.tick()
         if agent.store is None:
             try:
@@ -419,8 +422,11 @@ def run_agent(args: argparse.Namespace) -> int:
             agent.finished = True
         if agent.finished or agent.nobody_left():
             break
-        wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S)
+        wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S, (console.read_fd,))
     agent.stop_workers()
+    for line in console.drain():
+        print(line, flush=True)
+    console.close()
     codes = [p.returncode for p in agent.processes()]
     if any(codes) or not agent.finished:
         ended = ", ".join(f"{wid}: {p.returncode}" for wid, p in agent.workers.items())
