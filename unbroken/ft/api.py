@@ -25,6 +25,12 @@ The run's ``[train]`` settings that act on the model are applied here too, so ev
 that order, ``transforms.py``), ``Context.device`` is where the model and its data go, and
 ``Context.autocast`` is the precision of the forward.
 
+A loop's data must be a pure function of (seed, step, id): ``Context.generator`` seeds it so, and the inputs
+``Step.backward`` is given feed the data check (``datacheck``): once per membership epoch ``microbatches``
+also yields, to the prober, another member's id, whose forward alone runs. Under a launcher, what this worker
+prints while it leads the group also reaches the launcher's console (``control.console``). A mistake in the
+use of any call here is one ``ValueError``.
+
 Replicas of several ranks (``[parallel] shard`` / ``pipeline``, docs/parallel.md): ``Context.mesh`` is the
 replica's device mesh (shard the model on it, e.g. ``fsdp.apply_fsdp``), ``Context.stage`` / ``stages`` say
 which pipeline stage this rank builds; ``Step.microbatches`` then yields this rank's ids round by round (a
