@@ -244,9 +244,29 @@ def test_cli_help_lists_the_commands_and_every_config_key() -> None:
     assert run("--version").startswith("unbroken ")
     from dataclasses import fields
 
-    for command in ("train", "launch"):
+    from unbroken.core.config import TRAINER_ONLY
+
+    for command in ("train", "launch", "coordinator"):
         text = run(command, "--help")
         for section in fields(RunConfig):
             for key in fields(section.type if isinstance(section.type, type) else getattr(RunConfig(), section.name)):
-                assert f"--{section.name}.{key.name} " in text, (command, section.name, key.name)
+                # a script's run (launch) lists the keys it uses and names the built-in trainer's
+                trainer_only = section.name in TRAINER_ONLY or f"{section.name}.{key.name}" in TRAINER_ONLY
+                listed = f"--{section.name}.{key.name} " in text
+                assert listed != (command == "launch" and trainer_only), (command, section.name, key.name)
         assert all(policy.value in text for policy in RecoveryPolicy)  # the allowed values are listed
+    named = run("launch", "--help").split("configure the built-in trainer")[0].rsplit("\n\n", 1)[-1]
+    assert all((f"[{k}]" if "." not in k else k) in named for k in TRAINER_ONLY), named
+    assert "--train.steps " in run("launch", "--help") and "--train.lr " not in run("launch", "--help")
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from unbroken.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+                assert action.help, (name, action.dest)

@@ -93,6 +93,14 @@ class ProgressView:
             done = f"committed steps {_steps(steps)}"
             self.note(f"continuing the run: its earlier sessions {done} (not shown again; metrics.jsonl has them)")
 
+    def show(self, line: str) -> None:
+        """A line the script printed (the group leader's): above the bar, as written; shown under ``--quiet``
+        too (the script's output is not progress)."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
     def update(self, record: dict[str, Any]) -> None:
         kind = record.get("type")
         if kind == "eval":
@@ -110,6 +118,8 @@ class ProgressView:
                 self.alive = len(record["members"])
                 self.members[int(record["epoch"])] = list(record["members"])
             self.note(describe(record))
+        elif kind == "impure_data":  # a warning, shown under --quiet too
+            print(f"unbroken: warning: {record['reason']}", file=sys.stderr, flush=True)
         elif kind == "step":
             if self._bar is not None:
                 alive = self.alive if self.alive is not None else record["alive"]
@@ -286,7 +296,10 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
     last = min(10, s["steps"])
     mean = f"mean of the last {last} steps" if last > 1 else "the last step"
     table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} ({mean})")
-    table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
+    if s["val_loss"] == s["val_loss"]:
+        table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
+    else:
+        table.add_row("validation", "none recorded (ctx.evaluate records one)")
     table.add_row(
         "throughput",
         f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s (coordinator start to last record)",
@@ -325,4 +338,8 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         table.add_row("not rejoined", _not_rejoined(f))
     if s["identical_params"] is not None:
         table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
+    impure = [r for r in records if r.get("type") == "impure_data"]
+    if impure:
+        table.add_row("data check", f"FAILED at step {impure[0]['step']}: the data is not a pure function of (seed, "
+                      "step, id), so recovered steps are not the failure-free ones")  # fmt: skip
     Console().print(table)

@@ -51,6 +51,7 @@ class RecordKind(StrEnum):
     REFUSED = "refused"  # a worker kept out of the membership, and why (exact mode: another fingerprint)
     USER = "user"  # anything a user's script logs
     ERROR = "error"  # a worker died of an exception (``WorkerError``: where, and the traceback's last frames)
+    IMPURE_DATA = "impure_data"  # the data check found a microbatch whose inputs differ between two workers
 
 
 FIELDS: dict[RecordKind, frozenset[str]] = {
@@ -83,6 +84,7 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     RecordKind.ERROR: frozenset(
         {"worker", "exception", "message", "file", "line", "function", "phase", "step", "microbatch", "traceback"}
     ),
+    RecordKind.IMPURE_DATA: frozenset({"step", "microbatch", "workers", "reason"}),
 }
 
 
@@ -168,6 +170,44 @@ class WorkerError:
     def headline(self) -> str:
         """One line: ``ZeroDivisionError at loss.py:12 in loss_fn, step 5, microbatch 3: division by zero``."""
         return f"{self.exception} at {self.place()}, {self.where()}: {self.message}"
+
+
+# What a user's script may log itself (``ctx.log``): the fields each kind needs, and how to say it. Every other
+# kind is the library's.
+SCRIPT_FIELDS: dict[RecordKind, tuple[str, ...]] = {
+    RecordKind.EVAL: ("step", "val_loss"),  # val_ppl: exp(val_loss) unless given
+    RecordKind.USER: (),
+}
+_SCRIPT_KINDS = "'eval' (fields step, val_loss; val_ppl optional) or 'user' (any fields)"
+
+
+def check_script_record(kind: str, fields: dict[str, Any]) -> RecordKind:
+    """The kind of a record a script logs, checked: ValueError (one line) for a kind a script may not log, a
+    missing field, a reserved name (``type``, ``time``) or a value JSON cannot hold (a tensor: log ``float(t)``)."""
+    if kind not in [str(k) for k in SCRIPT_FIELDS]:
+        raise ValueError(f"ctx.log({kind!r}, ...): a script logs {_SCRIPT_KINDS}; the other kinds are the library's")
+    record_kind = RecordKind(kind)
+    missing = [f for f in SCRIPT_FIELDS[record_kind] if f not in fields]
+    if missing:
+        raise ValueError(f"ctx.log({kind!r}, ...) lacks {', '.join(missing)}; a script logs {_SCRIPT_KINDS}")
+    if record_kind is RecordKind.EVAL:
+        for name, kinds in (("step", (int,)), ("val_loss", (int, float)), ("val_ppl", (int, float))):
+            value = fields.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                what = "an int (the step's index)" if name == "step" else "a number (float(t) for a tensor)"
+                raise ValueError(f"ctx.log('eval', {name}={value!r}): {name} must be {what}")
+    reserved = sorted({"type", "time"} & fields.keys())
+    if reserved:
+        raise ValueError(f"ctx.log({kind!r}, ...): {', '.join(reserved)} is set by the library; use another name")
+    for name, value in fields.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"ctx.log({kind!r}, {name}=...): a {type(value).__name__} is not a number, string, list or dict; "
+                "log float(t) for a tensor"
+            ) from None
+    return record_kind
 
 
 def make(kind: RecordKind, time: float, /, **fields: Any) -> dict[str, Any]:

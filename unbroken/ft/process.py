@@ -248,7 +248,10 @@ class Job:
                 )
                 raise SystemExit(EXIT_STOPPED) from None
             if config is not None:
-                log.warning("ft.init(config=...) is ignored: the job's config comes from its coordinator")
+                log.warning(
+                    "ft.init(config=..., overrides=...) is ignored: the job's config comes from its coordinator "
+                    "(give --section.key=value to the launcher, before SCRIPT.py)"
+                )
             job = Job(address, token or os.environ[TOKEN_ENV], cfg, directory, _worker_id_from_env(), exit_process)
             job._probe = probe
         else:

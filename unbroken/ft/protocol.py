@@ -41,6 +41,7 @@ from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.core.records import RecordKind, append_records, make
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
+from unbroken.ft import datacheck
 from unbroken.ft.comm import (
     GradientReducer,
     Group,
@@ -213,6 +214,11 @@ class StepProtocol:
         self.efficient_ids: frozenset[int] = frozenset()
         self.quotas: dict[int, int] = {}
         self.my_speed = 0.0
+        # The data check (``datacheck``): this step's probe, if any, and the fingerprints this worker computed
+        # for it ([0] as the microbatch's computer, [1] as the prober); one probe per membership epoch.
+        self.probe: datacheck.Probe | None = None
+        self.probe_fps = [0.0, 0.0]
+        self.probed_epoch = -1
         self._begin_local()
         # per step
         self.recoveries = self.redos = 0
@@ -536,7 +542,16 @@ class StepProtocol:
         plan = self.plan()
         self._note_owners(plan)
         self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+        self._plan_probe(plan)
         return list(plan.ids_for(self.unit))
+
+    def _plan_probe(self, plan: Assignment) -> None:
+        """A step planned afresh (all M ids): its data check's probe, at the first such step of each epoch."""
+        assert self.group is not None
+        self.probe, self.probe_fps = None, [0.0, 0.0]
+        if self.replica is None and self.probed_epoch != self.group.epoch:
+            self.probed_epoch = self.group.epoch
+            self.probe = datacheck.choose_probe(plan)
 
     def is_efficient(self, microbatch: int) -> bool:
         return microbatch in self.efficient_ids
@@ -619,6 +634,7 @@ class StepProtocol:
             epoch=self.group.epoch if first else 0,
             newest_epoch=self.client.latest_epoch if self.leader and first else 0,
             member=first,
+            probe=(self.probe_fps[0], self.probe_fps[1]),
         )
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
@@ -680,6 +696,7 @@ class StepProtocol:
         else:
             self.reduced = reduced
             self._nonfinite = nonfinite
+            self._check_data(reduced)
             if not nonfinite:
                 counted = sum(reduced.counted)
                 self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
@@ -689,6 +706,19 @@ class StepProtocol:
         todo = self.recover()
         self.recoveries += 1
         return todo
+
+    def _check_data(self, reduced: Reduced) -> None:
+        """The data check: the probed microbatch's inputs on its computer and on the prober must agree (every
+        member sees the same sums; each warns in its log, the leader publishes the record)."""
+        probe = self.probe
+        line = datacheck.mismatch(self.state.step, probe, *reduced.probe) if probe is not None else None
+        if probe is None or line is None:
+            return
+        log.warning("%s", line)
+        workers = [probe.owner, probe.prober]
+        self.publish(
+            RecordKind.IMPURE_DATA, step=self.state.step, microbatch=probe.microbatch, workers=workers, reason=line
+        )
 
     def _grow_scale(self) -> list[int]:
         """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
@@ -1037,6 +1067,7 @@ class StepProtocol:
             if len(missing) == self.M:
                 self._note_owners(plan)
                 self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+                self._plan_probe(plan)
             return list(plan.ids_for(self.unit))
 
     def join(self, resume: bool, late: bool) -> None:
