@@ -30,7 +30,7 @@ def batch_for(seed: int, step: int, microbatch: int) -> torch.Tensor:
     """4 sequences of 48 tokens drawn from a fixed bigram table, so there is something to learn."""
     table = torch.Generator().manual_seed(seed)
     successors = torch.randint(0, CONFIG.vocab_size, (CONFIG.vocab_size, 4), generator=table)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + microbatch)
+    g = ft.generator(seed, step, microbatch)  # the same on every worker
     tokens = [torch.randint(0, CONFIG.vocab_size, (4,), generator=g)]
     for _ in range(47):
         choice = torch.randint(0, 4, (4,), generator=g)
@@ -48,7 +48,7 @@ def main() -> None:
     for step in ctx.steps():
         for mb in step.microbatches():
             tokens = batch_for(seed, step.index, mb)
-            step.backward(model(input_ids=tokens, labels=tokens).loss, tokens=tokens.numel())
+            step.backward(model(input_ids=tokens, labels=tokens).loss, tokens=tokens.numel(), inputs=tokens)
         result = step.commit(optimizer, clip_grad_norm=1.0)
         if ctx.rank == 0 and step.index % 10 == 0:
             print(f"step {step.index}: loss {result.loss:.4f}", flush=True)

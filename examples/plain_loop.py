@@ -5,7 +5,8 @@
     unbroken launch --workers 4 --recovery.reduction=exact --failures.schedule="kill:worker=1,step=5" \
         examples/plain_loop.py                                      # bitwise the failure-free run
 
-The data of a microbatch is a pure function of (step, microbatch id), so any worker can compute any one.
+The data of a microbatch is a pure function of (seed, step, microbatch id), so any worker can compute any one:
+it is drawn from ``ft.generator(seed, step, id)``, and ``step.backward(..., inputs=...)`` lets the library check it.
 """
 
 import torch
@@ -30,12 +31,17 @@ class TinyLM(nn.Module):
 
 def batch_for(seed: int, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """8 sequences of 32 tokens: a noisy counting pattern the model can learn. Pure in (seed, step, id)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + microbatch)
+    g = ft.generator(seed, step, microbatch)  # the same on every worker (unlike Python's hash() of a string)
     start = torch.randint(0, 64, (8, 1), generator=g)
     seq = (start + torch.arange(33)) % 64
     noise = torch.randint(0, 64, seq.shape, generator=g)
     seq = torch.where(torch.rand(seq.shape, generator=g) < 0.1, noise, seq)
     return seq[:, :-1], seq[:, 1:]
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
 
 
 def main() -> None:
@@ -50,10 +56,12 @@ def main() -> None:
             x, y = (t.to(ctx.device) for t in batch_for(seed, step.index, mb))
             with ctx.autocast():  # bf16 under train.precision = "bf16"
                 loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            step.backward(loss, tokens=x.numel())
+            step.backward(loss, tokens=x.numel(), inputs=(x, y))  # inputs: the data check compares them
         result = step.commit(optimizer, clip_grad_norm=1.0)
-        if ctx.rank == 0 and step.index % 10 == 0:
+        if ctx.rank == 0 and step.index % 10 == 0:  # the leader's prints reach the launcher's console
             print(f"step {step.index}: loss {result.loss:.4f}", flush=True)
+        if (step.index + 1) % 50 == 0 or step.index + 1 == ctx.config.train.steps:  # held out: another seed
+            ctx.evaluate(4, lambda k: eval_loss(model, *(t.to(ctx.device) for t in batch_for(seed + 1, 0, k))))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ workers (tests/test_train.py: one intra-op thread each), so each reference is a 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,77 @@ def test_launch_refuses_a_missing_script(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "nope.py does not exist" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+SCRIPT_HEAD = """import os
+import torch
+from torch import nn
+import unbroken.ft as ft
+
+ctx = ft.init()
+print(f"hello from worker {os.environ['UNBROKEN_WORKER_ID']}", flush=True)
+torch.manual_seed(0)
+model = nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ctx.register_state(model, opt)
+"""
+SCRIPT_LOOP = """for step in ctx.steps():
+    for mb in step.microbatches():
+        x, y = data(step.index, mb)
+        step.backward(nn.functional.mse_loss(model(x), y), **INPUTS)
+    step.commit(opt)
+    if ctx.rank == 0:
+        print(f"committed step {step.index} on worker {ctx.worker_id}", flush=True)
+"""
+
+
+def test_the_leader_s_output_is_on_the_console_and_every_worker_s_in_its_log(tmp_path: Path) -> None:
+    """As torchrun --tee: the console shows what the group's leader prints, and follows the leader when it
+    changes (worker 0 killed: worker 1 leads); every worker's prints stay in its log."""
+    script = tmp_path / "tee.py"
+    script.write_text(
+        SCRIPT_HEAD
+        + "def data(step, mb):\n    g = torch.Generator().manual_seed(1000 * step + mb)\n"
+        + "    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)\n\n"
+        + SCRIPT_LOOP.replace("**INPUTS", "")
+    )
+    out = tmp_path / "run"
+    kill = "--failures.schedule=kill:worker=0,step=2,phase=backward"
+    result = launch(out, script, ONE_THREAD, "--train.steps=5", "--checkpoint.every=0", kill, workers=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = [line for line in result.stdout.splitlines() if line.startswith(("hello", "committed"))]
+    logs = {w: (out / "logs" / f"worker-{w}.log").read_text() for w in range(3)}
+    for w in range(3):
+        assert f"hello from worker {w}\n" in logs[w]  # each worker's prints are in its log
+    assert console[:1] == ["hello from worker 0"], result.stdout[-3000:]  # before the group forms: worker 0
+    assert "hello from worker 1" not in console and "hello from worker 2" not in console
+    committed = [(int(line.split()[2]), int(line.split()[-1])) for line in console[1:]]
+    assert [s for s, _ in committed] == list(range(5)), console  # each step once, by whoever led
+    leaders = [w for _, w in committed]
+    assert leaders == sorted(leaders) and set(leaders) == {0, 1}, console  # worker 0 led, then worker 1
+    for w in (0, 1):  # what each printed as the leader, all of it and nothing else
+        printed = [line for line in logs[w].splitlines() if line.startswith("committed")]
+        assert printed == [line for line in console[1:] if line.endswith(f"worker {w}")]
+
+
+def test_launch_warns_of_idle_workers_and_of_data_seeded_with_python_hash(tmp_path: Path) -> None:
+    """3 workers for M = 2: worker 2 computes nothing in a step (one line at launch). The script seeds its data
+    with Python's hash() of a string, different in every process (PYTHONHASHSEED unset): the data check (the
+    idle worker 2 computes worker 0's microbatch 0 again) says so in one line."""
+    script = tmp_path / "hashed.py"
+    script.write_text(
+        SCRIPT_HEAD
+        + "def data(step, mb):\n    g = torch.Generator().manual_seed(hash(f'{step}/{mb}') % 2**63)\n"
+        + "    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)\n\n"
+        + SCRIPT_LOOP.replace("**INPUTS", "inputs=(x, y)")
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", "3", "--out", str(tmp_path / "run"), "--quiet"]
+    cmd += [ONE_THREAD, "--train.steps=2", "--train.microbatches=2", "--checkpoint.every=0", str(script)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("unbroken: warning: ")]
+    assert len(warnings) == 2, result.stderr[-3000:]
+    assert "train.microbatches = 2: worker 2 computes nothing" in warnings[0]
+    assert "step 0: microbatch 0 has different inputs on worker 0 and worker 2" in warnings[1]
+    assert "not a pure function of (seed, step, microbatch id)" in warnings[1]

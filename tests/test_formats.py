@@ -13,7 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unbroken.control import keys
-from unbroken.core.records import FIELDS, MetricsFile, RecordKind, append_records, decode, encode, make, read_records
+from unbroken.core.records import (
+    FIELDS,
+    ErrorPhase,
+    MetricsFile,
+    RecordKind,
+    WorkerError,
+    append_records,
+    decode,
+    encode,
+    make,
+    read_records,
+)
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.exact import MAX_BOUND_EXP, MIN_BOUND_EXP, FixedPointScale
 from unbroken.ft.sidevec import WORKER_SLOTS, SideVector
@@ -77,6 +88,17 @@ def test_every_record_kind_round_trips_and_a_missing_field_is_a_bug(tmp_path: Pa
     assert read_records(tmp_path) == samples
     append_records(tmp_path, [samples[0], make(RecordKind.USER, 2.0, note="after")])
     assert read_records(tmp_path) == [*samples, make(RecordKind.USER, 2.0, note="after")]  # no duplicate
+
+
+def test_a_worker_error_round_trips_through_the_store_and_metrics() -> None:
+    """The report a dying worker writes to the store (``keys.error``) and the record the coordinator makes of it."""
+    for microbatch, phase in ((3, ErrorPhase.MICROBATCH), (None, ErrorPhase.BETWEEN_STEPS)):
+        error = WorkerError(2, "ValueError", "bad", "/x/train.py", 12, "loss_fn", phase, 5, microbatch, "Traceback")
+        assert WorkerError.decode(error.encode()) == error
+        record = decode(encode(error.record(1.5)))
+        assert record is not None and record["type"] == "error" and WorkerError.from_record(record) == error
+    with pytest.raises(ValueError, match="not a worker error report"):
+        WorkerError.decode('{"worker": 1}')
 
 
 def test_the_key_schema_lists_every_key_it_defines() -> None:

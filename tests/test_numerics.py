@@ -150,11 +150,15 @@ def test_a_worker_with_another_fingerprint_is_refused_at_start_and_at_rejoin(
     assert refused[2] in result.stdout  # the console says it too
 
 
+@pytest.mark.parametrize("where", ["backward", "forward"])
 def test_an_op_without_a_deterministic_implementation_stops_the_run_with_one_line(
-    tmp_path: Path, data_cache_dir: Path
+    tmp_path: Path, data_cache_dir: Path, where: str
 ) -> None:
+    """In the backward (inside ``step.backward``) or in the user's forward (an exception out of the loop): not a
+    failure and not a bug to survive once, but the run's settings: the job stops at the first occurrence."""
+    env = {**os.environ, "NONDETERMINISTIC_IN": where}
     result = launch(SCRIPTS / "nondeterministic_op.py", tmp_path / "run", data_cache_dir, EXACT, "--train.steps=5",
-                    workers=2)  # fmt: skip
+                    workers=2, env=env)  # fmt: skip
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("unbroken: error:")]
     assert len(errors) == 1, result.stderr[-3000:]

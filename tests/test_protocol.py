@@ -8,6 +8,7 @@ attention gradient over the microbatches that produced one, which is a sum worke
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from torch import nn
 from unbroken.core.config import RunConfig
 from unbroken.core.records import read_records
 from unbroken.ft.api import Context
+from unbroken.ft.process import Job, WorkerLeft
+from unbroken.ft.protocol import EXIT_STOPPED
 from unbroken.train.model import FLAVOURS, Transformer
 
 pytestmark = pytest.mark.timeout(120)
@@ -252,3 +255,24 @@ def test_a_member_that_left_for_a_newer_epoch_is_seen_by_the_others(tmp_path: Pa
         for c in clients:
             c.close()
         job.close()
+
+
+def test_a_worker_that_registers_after_the_run_ended_leaves_with_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted worker reached the coordinator (its probe: the config, the run directory) while the run went
+    on, but was still building its model when the run finished and the coordinator went away: registering
+    then fails, and the worker leaves with one line, not a traceback."""
+    job = ThreadJob(tmp_path / "run", config(), 1)
+    late = Job(job.coordinator.address, job.token, job.cfg, job.run_dir, 1, exit_process=False)
+    assert not late.resume()  # its probe, while the coordinator is up
+    try:
+        job.run(lambda ctx, w: train_loop(ctx, mlp()))
+    finally:
+        job.close()
+    assert read_records(job.run_dir, "final")
+    with caplog.at_level(logging.INFO, logger="unbroken.ft.process"), pytest.raises(WorkerLeft) as left:
+        late.register()
+    assert left.value.code == EXIT_STOPPED
+    (line,) = [r for r in caplog.records if r.name == "unbroken.ft.process"]
+    assert line.getMessage().startswith(f"cannot join the job at {job.coordinator.address}: ")

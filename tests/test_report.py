@@ -4,6 +4,7 @@ not), and bad input, which exits 2 with one line and writes nothing."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from runner import RECOVERY_SCHEDULE, RECOVERY_STEPS, ROOT
 from unbroken.cli import main
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.records import read_records
-from unbroken.lab.report import PLOTS
+from unbroken.lab.report import PLOTS, load_run, render_markdown
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,6 +85,7 @@ def test_report_of_a_kill_and_rejoin_run_claims_bitwise_equality_with_its_refere
     assert f"| {recovery['step']} | {recovery['reform_s'] * 1000:.0f} ms |" in row, row
     rejoined = [m for m in read_records(runs["kill"], "membership") if m["reason"].startswith("joined")]
     assert md.count("| worker 2 |") == len(rejoined)
+    assert f"2 recovered in-step, {len(rejoined)} rejoined" in md  # two kills; a rejoin is not a recovery
     assert re.search(r"\| microbatches \| [1-9]\d* recomputed in-step, 0 dropped", md), md
     assert "validation | loss " in md and f"| steps | {RECOVERY_STEPS} of {RECOVERY_STEPS} " in md
     assert "loss trajectories bitwise equal: **yes**" in md
@@ -169,3 +171,17 @@ def test_bad_run_directories_exit_2_and_write_nothing(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_the_configuration_line_names_the_model_that_was_trained(tmp_path: Path) -> None:
+    """A Hugging Face run keeps the default ``model.flavour`` in its config: the report names the Hugging Face
+    config it trained, not the flavour it ignored."""
+    run = tmp_path / "run"
+    run.mkdir()
+    step = {"type": "step", "step": 0, "loss": 9.0, "time": 2.0, "tokens": 512, "step_time_s": 0.5}
+    (run / "metrics.jsonl").write_text(json.dumps(step) + "\n")
+    (run / "config.toml").write_text('[model]\nflavour = "small"\nhf_config = "llama-tiny"\n')
+    md = render_markdown(load_run(run), None)
+    assert "model: Hugging Face `llama-tiny`" in md and "small" not in md
+    (run / "config.toml").write_text('[model]\nflavour = "tiny"\nhf_config = ""\n')
+    assert "model.flavour `tiny`" in render_markdown(load_run(run), None)

@@ -24,10 +24,12 @@ import pytest
 from rich.console import Console
 from runner import train
 
+from unbroken.control.progress import print_summary, summarize
 from unbroken.control.runview import MetricsTee, RunView
 from unbroken.control.status import StatusServer, is_trusted_local
 from unbroken.control.status_view import base_url, fetch_snapshot, render, run_status, sparkline
 from unbroken.core.records import MetricsFile, read_records
+from unbroken.lab.report import load_run, render_markdown
 
 TOKEN = "0123456789abcdef" * 4
 KILL = "kill:worker=1,step=3,phase=backward,rejoin=2"
@@ -148,6 +150,65 @@ def test_a_kill_and_a_rejoin_make_one_incident_with_every_phase() -> None:
     assert [w["state"] for w in s["workers"]] == ["alive", "alive", "alive"]
     assert [w["failures"] for w in s["workers"]] == [0, 1, 0]
     assert [c["step"] for c in s["checkpoints"]] == list(range(4, 41, 4))
+
+
+@pytest.mark.timeout(10)
+def test_a_join_is_counted_apart_from_recoveries_everywhere(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One kill and one rejoin are two re-formations (two ``recovery`` records), of which only the first is a
+    recovery: the page and ``unbroken status``, the summary and the report all say 1 recovered, 1 rejoined,
+    and none claims a re-formation time for the rejoin."""
+    records = synthetic_run()
+    assert len([r for r in records if r["type"] == "recovery"]) == 2
+    view = RunView(total_steps=40)
+    view.extend(records)
+    s = view.snapshot()
+    assert (s["run"]["failures"], s["run"]["recoveries"], s["run"]["joins"]) == (1, 1, 1)
+    (join,) = [e for e in s["timeline"] if e["kind"] == "join"]
+    assert join["text"] == "worker 1 rejoined at step 24: epoch 2 -> 3, 3 alive"
+    console = Console(record=True, width=100)
+    console.print(render(s, 100))
+    assert "1 failed, 1 recovered, 1 rejoined" in console.export_text()
+
+    summary = summarize(records, wall_s=1.0)
+    assert summary["recoveries"] == 1 and summary["reform_s"] == [0.015]
+    assert [(j["workers"], j["step"], j["epoch"]) for j in summary["rejoins"]] == [([1], 24, 3)]
+    assert summary["not_rejoined"] == []
+    print_summary(tmp_path, records, 1.0, 40)
+    text = capsys.readouterr().out
+    assert "1 recovery: group re-formed in 15 ms at most" in text
+    assert "worker 1 at step 24 (epoch 3): members [0, 1, 2]" in text and "not rejoined" not in text
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = render_markdown(load_run(run_dir), None)
+    assert "1 recovered in-step, 1 rejoined" in report
+    assert "| worker 1 | " in report and "re-formed in |" not in report.split("| rejoined |")[1]
+
+
+@pytest.mark.timeout(10)
+def test_the_summary_counts_microbatches_in_mecefos_approximate_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [{**r, "efficient": 2} if r["type"] == "step" and 4 <= r["step"] <= 6 else r for r in synthetic_run()]
+    print_summary(tmp_path, records, 1.0, 40)
+    assert "6 microbatches in efficient mode, in steps 4-6" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(10)
+def test_a_finished_run_says_a_worker_did_not_rejoin_rather_than_not_yet() -> None:
+    records = synthetic_run(rejoin_step=100)  # the rejoin would come after the last step
+    view = RunView(total_steps=40)
+    view.extend(records)
+    console = Console(record=True, width=100)
+    console.print(render(view.snapshot(), 100))
+    text = console.export_text()
+    assert "no (run" in text and "not yet" not in text
+    view = RunView(total_steps=40)
+    view.extend(records[:-1])  # the same run before its end: the worker may still come back
+    console = Console(record=True, width=100)
+    console.print(render(view.snapshot(), 100))
+    assert "not yet" in console.export_text()
 
 
 @pytest.mark.timeout(10)
@@ -419,6 +480,9 @@ def test_the_page_renders_in_a_headless_browser(finished_view: RunView, tmp_path
     assert html.count("<canvas") >= 2  # uPlot made both charts
     assert KILL in html and "process killed by SIGKILL" in html  # the incident table
     assert "epoch 2: members [0, 2] (died: 1)" in html  # the timeline
+    # the summary cards: a rejoin is not a recovery; the checkpoint is shown by the last step it holds
+    assert '<div class="k">failed / recovered / rejoined</div><div class="v">1 / 1 / 1</div>' in html
+    assert '<div class="k">last checkpoint</div><div class="v">after step 39</div>' in html
     # The loss curve is drawn on the canvas: the page of the run has far more pixels of its colour than the
     # same page for a run with no step (where only the legend's swatch has it): 40 steps span the ~1100 px
     # wide plot, so the 2-px line alone covers over 2000 px, and at least a quarter of them keep its colour.
@@ -433,7 +497,7 @@ def test_the_terminal_view_shows_the_same_facts(finished_view: RunView, tmp_path
         assert run_status(server.address, once=True, console=console) == 0
     text = console.export_text()
     assert "finished" in text and "40 of 40" in text
-    assert "process killed by SIGKILL" in text and "step 24 (epoch 3)" in text
+    assert "process killed by SIGKILL" in text and "worker 1 rejoined at step 24" in text and "(epoch 3)" in text
     assert "epoch 3: members [0, 1, 2] (joined: 1)" in text
 
     run_dir = tmp_path / "run"
@@ -452,7 +516,15 @@ def test_sparkline_marks_failures_under_their_step() -> None:
     view = RunView()
     view.extend(synthetic_run(steps=30, kill_step=3, rejoin_step=24))
     console.print(render(view.snapshot(), 60))
-    assert "x failed, + rejoined" in console.export_text()
+    text = console.export_text()
+    assert "x failed, + rejoined" in text
+    # the curve, its labels and its marks each on one line of the width: nothing wraps
+    (curve,) = [line for line in text.splitlines() if line.startswith("loss ")]
+    assert curve.endswith("(steps 0-29)") and len(curve) <= 60
+    marks = text.splitlines()[text.splitlines().index(curve) + 1]
+    assert marks.endswith("x failed, + rejoined") and len(marks) <= 60
+    spark = curve.split()[2]
+    assert marks.index("x") - curve.index(spark) == 3 * len(spark) // 30  # under step 3's cell
 
 
 # -- TensorBoard --------------------------------------------------------------------------------------------

@@ -79,3 +79,41 @@ def test_step_records_carry_the_throughput_of_a_real_run(tmp_path: Path, data_ca
         assert r["tokens_per_s_per_worker"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-12)
         assert math.isnan(r["tokens_per_s_per_gpu"]) and math.isnan(r["mfu"])
         assert r["flops_per_token"] == 8_703_744
+
+
+def test_the_views_and_the_summary_show_tokens_per_gpu_and_mfu() -> None:
+    """Step records of a GPU run (synthetic: the fields step_throughput gives) through the status view, the
+    terminal view and the run summary: medians of the recent steps' per-GPU rate and MFU; none on a CPU run."""
+    import io
+
+    from rich.console import Console
+
+    from unbroken.control.progress import summarize
+    from unbroken.control.runview import RunView
+    from unbroken.control.status_view import render
+
+    def step(k: int, tokens_per_s: float, gpus: int) -> dict[str, object]:
+        fields = step_throughput(int(tokens_per_s), 1.0, 2, gpus, 1e9, 100.0)
+        return {"type": "step", "step": k, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 1.0,
+                "tokens": int(tokens_per_s), "tokens_per_s": tokens_per_s, "alive": 2, "epoch": 1,
+                "microbatches": 4, "committed": True, "recomputed": 0, "dropped": 0, "recoveries": 0,
+                "efficient": 0, "time": 100.0 + k, **fields}  # fmt: skip
+
+    gpu = [step(k, tps, gpus=2) for k, tps in enumerate((2_000.0, 4_000.0, 6_000.0))]
+    view = RunView(total_steps=3)
+    view.extend(gpu)
+    run = view.snapshot()["run"]
+    assert run["tokens_per_s_per_gpu"] == 2_000  # the median of 1,000, 2,000, 3,000
+    assert run["mfu"] == pytest.approx(2_000 * 1e9 / 100e12, rel=1e-12)
+    out = io.StringIO()
+    Console(file=out, width=80).print(render(view.snapshot(), width=80))
+    assert "2,000 tokens/s (median), MFU 2.0 %" in out.getvalue()
+    s = summarize(gpu, wall_s=3.0)
+    # 12,000 tokens over 3 s of 2 GPUs: 2,000 per GPU; 1.2e13 FLOPs over 6 GPU-seconds of 1e14: 0.02
+    assert s["tokens_per_s_per_gpu"] == 2_000 and s["mfu"] == pytest.approx(0.02, rel=1e-12)
+
+    cpu = [step(k, 2_000.0, gpus=0) for k in range(3)]
+    view = RunView(total_steps=3)
+    view.extend(cpu)
+    assert view.snapshot()["run"]["tokens_per_s_per_gpu"] is None and view.snapshot()["run"]["mfu"] is None
+    assert math.isnan(summarize(cpu, wall_s=3.0)["mfu"])

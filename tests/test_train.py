@@ -7,6 +7,7 @@ parameters on every worker, and resume = the uninterrupted run.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 from runner import ROOT, TINY, final_params
 
-from unbroken.core.records import read_records, step_losses
+from unbroken.core.records import committed_steps, read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(240)
@@ -123,12 +124,40 @@ def test_resume_after_ctrl_c_and_corrupt_checkpoint_reproduces_the_run(tmp_path:
     data[len(data) // 3] ^= 0x40
     newest.write_bytes(bytes(data))
 
-    result = run_train("--resume", str(interrupted), "--workers", "2", cache=data_cache_dir)
+    before = sorted(committed_steps(read_records(interrupted)))
+    # Not --quiet: what the console shows of a resumed run is part of the test.
+    resume = [sys.executable, "-m", "unbroken", "train", "--resume", str(interrupted), "--workers", "2"]
+    result = subprocess.run(
+        [*resume, f"--data.cache_dir={data_cache_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rejected = read_records(interrupted, "checkpoint_rejected")
     assert rejected and "checksum" in rejected[0]["detail"]
     resumed_at = read_records(interrupted, "resume")[-1]["step"]
     assert resumed_at == saved[1]
+
+    # The console does not replay the earlier session as if training restarted; the summary counts each step
+    # once and says which ones ran twice.
+    console = result.stdout.splitlines()
+    assert before == list(range(before[-1] + 1)) and before[-1] >= resumed_at
+    assert console[
+        0
+    ] == f"continuing the run: its earlier sessions committed steps 0-{before[-1]} (not shown again; " + (
+        "metrics.jsonl has them)"
+    )
+    shown = [int(m[1]) for m in map(re.compile(r"^step (\d+) \| loss ").match, console) if m]
+    assert shown == list(range(resumed_at, 16))
+    assert sum(line.startswith(f"resumed at step {resumed_at} from ") for line in console) == 1
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in console if line.count("│") == 3}
+    assert rows["steps"] == "16 of 16"
+    assert (
+        rows["sessions"]
+        == f"2 (resumed at step {resumed_at}; steps {resumed_at}-{before[-1]} trained again count once)"
+    )
     ref_losses, losses = step_losses(reference), step_losses(interrupted)
     assert sorted(losses) == list(range(16))
     for step in range(resumed_at, 16):
@@ -215,9 +244,29 @@ def test_cli_help_lists_the_commands_and_every_config_key() -> None:
     assert run("--version").startswith("unbroken ")
     from dataclasses import fields
 
-    for command in ("train", "launch"):
+    from unbroken.core.config import TRAINER_ONLY
+
+    for command in ("train", "launch", "coordinator"):
         text = run(command, "--help")
         for section in fields(RunConfig):
             for key in fields(section.type if isinstance(section.type, type) else getattr(RunConfig(), section.name)):
-                assert f"--{section.name}.{key.name} " in text, (command, section.name, key.name)
+                # a script's run (launch) lists the keys it uses and names the built-in trainer's
+                trainer_only = section.name in TRAINER_ONLY or f"{section.name}.{key.name}" in TRAINER_ONLY
+                listed = f"--{section.name}.{key.name} " in text
+                assert listed != (command == "launch" and trainer_only), (command, section.name, key.name)
         assert all(policy.value in text for policy in RecoveryPolicy)  # the allowed values are listed
+    named = run("launch", "--help").split("configure the built-in trainer")[0].rsplit("\n\n", 1)[-1]
+    assert all((f"[{k}]" if "." not in k else k) in named for k in TRAINER_ONLY), named
+    assert "--train.steps " in run("launch", "--help") and "--train.lr " not in run("launch", "--help")
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from unbroken.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+                assert action.help, (name, action.dest)

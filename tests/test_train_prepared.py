@@ -130,3 +130,34 @@ def test_open_corpus_reads_prepared_data_in_place(prepared: Path, caplog: pytest
     assert "data.vocab_size do not apply to prepared data" in caplog.text
     with pytest.raises(ValueError, match="fewer than data.microbatch_size"):
         open_corpus(DataConfig(source=str(prepared), seq_len=100_000))
+
+
+@pytest.mark.timeout(60)
+def test_a_run_on_prepared_data_records_its_vocabulary(prepared: Path, tmp_path: Path) -> None:
+    """data.vocab_size is the size of a BPE trained on text; a run on prepared data trains none, so the config it
+    records (config.toml, the checkpoints' metadata) says the data's vocabulary, not the key's default."""
+    from unbroken.control.launcher import TRAINER, plan_launch
+    from unbroken.core.config import dump_config, load_config
+    from unbroken.train.trainer import validate_launch
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [f"--data.source={prepared}"])
+    assert cfg.data.vocab_size == 8192
+    plan = plan_launch(cfg, tmp_path / "run", 1, False, "127.0.0.1", 0, TRAINER, validate_launch)
+    plan.sock.close()
+    assert plan.cfg.data.vocab_size == VOCAB
+    (tmp_path / "run").mkdir()
+    assert load_config(dump_config(plan.cfg, tmp_path / "run")).data.vocab_size == VOCAB
+
+
+@pytest.mark.timeout(60)
+def test_a_script_reads_prepared_data_as_the_trainer_does(prepared: Path) -> None:
+    """The public way for a loop of its own (docs/library.md): the same microbatches the built-in trainer reads."""
+    from unbroken.data import EvalSampler, PreparedMicrobatchSampler, open_prepared
+
+    corpus = open_prepared(prepared, val_fraction=0.1)
+    train = PreparedMicrobatchSampler(corpus.train, 32, 2, microbatches_per_step=4, seed=3)
+    cfg = DataConfig(source=str(prepared), seq_len=32, microbatch_size=2, val_fraction=0.1)
+    trainer = train_sampler(open_corpus(cfg), cfg, microbatches=4, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(train.microbatch(5, 1), trainer.microbatch(5, 1), strict=True))
+    x, y = EvalSampler(corpus.val, 32, 2, count=2).microbatch(1)
+    assert x.shape == y.shape == (2, 32) and int(x.max()) < corpus.vocab_size == VOCAB

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from unbroken import __version__
-from unbroken.core.config import RunConfig, describe, dump_config, load_config, preset_path
+from unbroken.core.config import TRAINER_ONLY, RunConfig, describe, dump_config, load_config, preset_path
 
 if TYPE_CHECKING:
     from unbroken.control.launcher import LaunchPlan
@@ -191,6 +191,11 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         if not (run_dir / "config.toml").exists():
             dump_config(cfg, run_dir)
         print(f"coordinator listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", flush=True)
+    if args.listen_fd is None:
+        from unbroken.control.launcher import idle_warning
+
+        if warning := idle_warning(cfg, args.workers):
+            print(warning, file=sys.stderr, flush=True)
     restore = args.restore or (args.listen_fd is None and not args.resume)  # a standby taking over restores
     coordinator = Coordinator(
         sock, cfg, run_dir, args.workers, args.resume, args.parent_pid, token, state=state, restore=restore
@@ -300,9 +305,18 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
     return run_simulate(args.scenario, _split_overrides(extra), out)
 
 
-def _with_keys(parser: argparse.ArgumentParser) -> None:
+def _with_keys(parser: argparse.ArgumentParser, script: bool = False) -> None:
+    if not script:
+        parser.epilog = (
+            "configuration: any key of the TOML config as --section.key=value (CLI > TOML > defaults):\n\n" + describe()
+        )
+        return
+    trainer_only = ", ".join(f"[{k}]" if "." not in k else k for k in sorted(TRAINER_ONLY))
     parser.epilog = (
-        "configuration: any key of the TOML config as --section.key=value (CLI > TOML > defaults):\n\n" + describe()
+        "configuration: a key of the TOML config as --section.key=value (CLI > TOML > defaults). These act on "
+        "a script's run:\n\n" + describe(skip=TRAINER_ONLY) + f"\n\n{trainer_only} configure the built-in "
+        "trainer's model, data and optimizer (unbroken train --help): your script builds its own; it may read "
+        "them from ctx.config."
     )
 
 
@@ -346,16 +360,26 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     launch.add_argument("script", metavar="SCRIPT.py", nargs="?", help="the training script each worker runs")
     launch.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
-    _with_keys(launch)
+    _with_keys(launch, script=True)
     launch.set_defaults(func=cmd_launch)
 
-    coord = sub.add_parser("coordinator", help="run only the coordinator (multi-host jobs)")
-    coord.add_argument("config", nargs="?")
+    coord = sub.add_parser(
+        "coordinator",
+        help="run only the coordinator (multi-host jobs)",
+        description="The job's coordinator, alone: membership, failure detection, metrics, the status page. "
+        "Workers join it with UNBROKEN_COORDINATOR=HOST:PORT and the job's UNBROKEN_TOKEN (which it needs "
+        "in its environment too); unbroken agent starts a host's workers (docs/control.md).",
+        formatter_class=raw,
+    )
+    coord.add_argument("config", nargs="?", help="TOML config or a packaged one (tiny, default); default: defaults")
     coord.add_argument("--workers", type=int, required=True, help="workers to wait for before starting")
-    coord.add_argument("--host", default="127.0.0.1")
-    coord.add_argument("--port", type=int, default=29400)
-    coord.add_argument("--run-dir")
-    coord.add_argument("--resume", action="store_true")
+    coord.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)"
+    )
+    coord.add_argument("--port", type=int, default=29400, help="port to listen on (default 29400)")
+    coord.add_argument("--run-dir", help="run directory (default: train.out_dir or runs/<config>)")
+    coord.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    _with_keys(coord)
     coord.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     coord.add_argument("--restore", action="store_true", help=argparse.SUPPRESS)  # replaces a dead coordinator
     coord.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
@@ -385,13 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     worker = sub.add_parser("worker", help="run one worker of the built-in trainer that joins a coordinator")
-    worker.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    worker.add_argument("--worker-id", type=int, default=None)
+    worker.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator to join")
+    worker.add_argument(
+        "--worker-id", type=int, default=None, help="this worker's id (default: the coordinator's choice)"
+    )
     worker.add_argument("--run-dir", help="where checkpoints go (default: the coordinator's run directory)")
     worker.set_defaults(func=cmd_worker)
 
     export = sub.add_parser("export", help="a run's last checkpoint as a Hugging Face save_pretrained folder")
-    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run of unbroken train (its last good checkpoint)")
     export.add_argument("out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
     export.set_defaults(func=cmd_export)
 
@@ -408,8 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
     from unbroken.lab.bench import BENCHES
 
-    bench.add_argument("what", choices=["all", *BENCHES])
-    bench.add_argument("config", nargs="?")
+    bench.add_argument("what", choices=["all", *BENCHES], help="which benchmark (all: every one)")
+    bench.add_argument("config", nargs="?", help="TOML config (default: each benchmark's own)")
     bench.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
     bench.add_argument("--repeats", type=int, default=2, help="alternating rounds of each system (default 2)")
     bench.add_argument("--steps", type=int, help="steps per run (mecefo: 200, convergence: 300, data: 100)")
@@ -423,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")
-    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run to report on")
     report.add_argument("reference", nargs="?", metavar="REFERENCE_RUN_DIR", help="compare the losses with this run")
     report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)

@@ -34,6 +34,7 @@ from typing import Any
 
 from unbroken.control import keys
 from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
+from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
 from unbroken.control.store import connect_store, publish_record, ring
 from unbroken.core.config import RunConfig, config_from_toml_text, deterministic_kernels
@@ -85,6 +86,8 @@ class Agent:
         self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
         self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
         self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
+        # What the group's leader prints, for this process's console (``control.console``); None: logs only.
+        self.console: ConsoleRelay | None = None
 
     # -- the coordinator ---------------------------------------------------------------------------
     def connect(self, address: str, token: str) -> None:
@@ -123,9 +126,18 @@ class Agent:
         }
         if self.layout.size > 1:
             env[INCARNATION_ENV] = self.incarnations[self.layout.replica_of(worker_id)]
+        fds: tuple[int, ...] = ()
+        if self.console is not None:  # worker 0 speaks for the job until the group forms, on its first start only
+            env[CONSOLE_ENV] = self.console.env(worker_id == 0 and worker_id not in self.workers)
+            fds = (self.console.write_fd,)
         with open(self.log_dir / f"worker-{worker_id}.log", "ab") as out:
             self.workers[worker_id] = subprocess.Popen(
-                list(self.command), stdout=out, stderr=subprocess.STDOUT, start_new_session=self.own_sessions, env=env
+                list(self.command),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.own_sessions,
+                env=env,
+                pass_fds=fds,
             )
         self.reported.discard(worker_id)
 
@@ -298,6 +310,22 @@ class Agent:
         restarts = any(info["rejoin"] is not None for info in self.down.values())
         return not restarts and all(p.poll() is not None for p in self.workers.values())
 
+    def stop_latecomers(self, members: list[int]) -> list[int]:
+        """The run finished: stop at once the workers still running that are not among its last ``members``
+        (restarted too late to rejoin), rather than wait for them to find the coordinator gone; each one's log
+        says so in one line. Returns their ids."""
+        late = [w for w, p in self.workers.items() if p.poll() is None and w not in members]
+        for wid in late:
+            self.workers[wid].kill()
+            self.workers[wid].wait()
+            self.reported.add(wid)
+            note = logging.LogRecord(__name__, logging.INFO, __file__, 0, "%s", None, None)
+            note.msg = f"the run finished before worker {wid} rejoined (it was restarted too late): stopped it"
+            line = logging.Formatter("[agent] %(asctime)s %(levelname)s %(name)s: %(message)s").format(note)
+            with open(self.log_dir / f"worker-{wid}.log", "a") as log_file:
+                log_file.write(line + "\n")
+        return late
+
     def stop_workers(self, grace_s: float = STOP_GRACE_S, others: list[subprocess.Popen[bytes]] | None = None) -> None:
         """Wait ``grace_s`` for the workers (and ``others``) to end, then kill what is left."""
         for info in self.down.values():
@@ -322,15 +350,16 @@ def worker_defaults(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def wait_for_exit(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+def wait_for_exit(procs: list[subprocess.Popen[bytes]], timeout_s: float, readable: tuple[int, ...] = ()) -> None:
     """Sleep up to ``timeout_s``, waking as soon as one of ``procs`` exits (Linux pidfds; elsewhere a plain
-    sleep). The workers share the host's cores: a busy agent would slow them down."""
+    sleep) or one of the ``readable`` descriptors has data. The workers share the host's cores: a busy agent
+    would slow them down."""
     running = [p for p in procs if p.returncode is None]
     fds: list[int] = []
     try:
         for p in running:
             fds.append(os.pidfd_open(p.pid))
-        select.select(fds, [], [], timeout_s)
+        select.select([*fds, *readable], [], [], timeout_s)
     except (AttributeError, OSError):
         time.sleep(timeout_s)
     finally:
@@ -398,12 +427,15 @@ def run_agent(args: argparse.Namespace) -> int:
     agent.connect(address, token)
     agent.env[COORDINATOR_ENV] = ",".join(addresses)
     agent.address = ",".join(addresses)
+    agent.console = console = ConsoleRelay()  # the leader's prints, on the console of the host that runs it
     agent.start_all()
     log.info("agent %d: workers %s, coordinator %s", rank, ids, address)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     while not stop["now"]:
+        for line in console.drain():
+            print(line, flush=True)
         agent.tick()
         if agent.store is None:
             try:
@@ -415,10 +447,16 @@ def run_agent(args: argparse.Namespace) -> int:
             agent.connect(address, token)
         if agent._call(lambda s: s.check([keys.DONE]) or s.check([keys.STOP])):
             agent.finished = True
+            members = agent.newest_members() if agent._call(lambda s: s.check([keys.DONE])) else None
+            if members is not None:
+                agent.stop_latecomers(members)
         if agent.finished or agent.nobody_left():
             break
-        wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S)
+        wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S, (console.read_fd,))
     agent.stop_workers()
+    for line in console.drain():
+        print(line, flush=True)
+    console.close()
     codes = [p.returncode for p in agent.processes()]
     if any(codes) or not agent.finished:
         ended = ", ".join(f"{wid}: {p.returncode}" for wid, p in agent.workers.items())

@@ -42,9 +42,11 @@ from unbroken.control.store import (
     open_store,
     publish_record,
     read_json,
+    report_error,
     ring,
     wait_key,
 )
+from unbroken.core.records import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -459,6 +461,31 @@ class CoordinatorClient:
             return first
         except RuntimeError:
             return False  # the coordinator is gone: nobody left to tell
+
+    def report_error(self, error: WorkerError) -> bool:
+        """This worker is dying of an exception: tell the coordinator, on this worker's own connection and without
+        waiting for a coordinator that replaces a dead one (the process ends next). False if nobody was told."""
+        try:
+            report_error(self._store, error)
+            return True
+        except RuntimeError:
+            return False
+
+    def named_to_save(self) -> bool:
+        """The job stopped with a good state (a bug in the user's code) and the coordinator named this worker
+        to save the state it holds (``keys.STOP_SAVER``)."""
+        try:
+            return self._store.check([keys.STOP_SAVER]) and int(self._store.get(keys.STOP_SAVER)) == self.worker_id
+        except (RuntimeError, ValueError):
+            return False
+
+    def tell_saved(self, words: str) -> None:
+        """The state is saved (or a newer checkpoint was already there): ``words`` name the last good one."""
+        try:
+            self._store.set(keys.STOP_SAVED, words)
+            ring(self._store)
+        except RuntimeError:
+            pass  # the coordinator gave up waiting: it names the newest checkpoint on disk itself
 
     def wait_removed(self, timeout_s: float) -> bool:
         """Whether this worker was removed from the membership or the run is stopping, waiting up to

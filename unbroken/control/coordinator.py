@@ -57,14 +57,25 @@ from torch.distributed import TCPStore
 from unbroken.control import keys
 from unbroken.control.gateway import Gateway, require_token
 from unbroken.control.live_tensorboard import open_tensorboard
+from unbroken.control.progress import describe_error
 from unbroken.control.runview import MetricsTee, RunView
 from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
 from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
+from unbroken.core import bugs, ckptfiles
 from unbroken.core.config import Reduction, RunConfig, to_toml
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.numerics import group_fingerprint, refusal
-from unbroken.core.records import METRICS_FILE, MetricsFile, RecordKind, decode, make, read_records
+from unbroken.core.records import (
+    METRICS_FILE,
+    ErrorPhase,
+    MetricsFile,
+    RecordKind,
+    WorkerError,
+    decode,
+    make,
+    read_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +84,10 @@ CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat t
 MAX_TICK_S = 0.25
 METRIC_HOLE_GRACE_S = 1.0  # a metrics number not written after this long: its writer died (or is stopped)
 METRIC_HOLE_FORGET_S = 600.0  # ... and after this long it is not looked for any more
+# At a stop for a bug, the wait for the named worker's save while its heartbeats go on: it reaches its leaving
+# at its next call into the protocol (a step's compute, a collective's bound), then saves; a training thread
+# hung in the user's code never does.
+MAX_SAVE_WAIT_S = 600.0
 
 
 class Deposed(Exception):
@@ -176,7 +191,17 @@ class Coordinator:
         for line in _tail_lines(run_dir / METRICS_FILE):
             self._remember(line)
         self.view = RunView(cfg.train.steps, expected_workers, run_dir)
-        self.view.extend(read_records(run_dir))  # a restarted coordinator's view starts where the run is
+        records = read_records(run_dir)
+        self.view.extend(records)  # a restarted coordinator's view starts where the run is
+        # Workers' exceptions, in the order reported (core.bugs tells a bug from a failing host). Those of the
+        # run so far count: a restarted coordinator, the restart policy's relaunch and a --resume go on with them
+        # (a bug not fixed stops the run the first time it raises again; a fix moves or removes the place).
+        self.errors = [WorkerError.from_record(r) for r in records if r.get("type") == RecordKind.ERROR]
+        self.next_error = 1
+        self.error_hole_since: dict[int, float] = {}
+        self.raised: dict[int, WorkerError] = {}  # members that reported an exception: dead, to be removed
+        self.bug: str | None = None  # the stop line when an error repeated
+        self.saver: int | None = None  # the member named to save the state it holds at that stop
         tensorboard = open_tensorboard(run_dir, cfg.metrics.tensorboard)
         self.metrics = MetricsTee(MetricsFile(run_dir), self.view, tensorboard)
         self.started = time.monotonic()
@@ -300,6 +325,9 @@ class Coordinator:
         blind = now - self._watched_at > self.heartbeat_timeout_s / 2
         self._watched_at = now
         for wid, count in zip(self.members, counts, strict=True):
+            if wid in self.raised:  # its process is ending (its exit, reported next, is not news)
+                dead[wid] = "raised " + self.raised.pop(wid).headline()
+                continue
             if reported and self.store.check([keys.dead(wid)]):
                 dead[wid] = "process " + self.store.get(keys.dead(wid)).decode()
                 continue
@@ -400,12 +428,96 @@ class Coordinator:
         self.emit(RecordKind.MEMBERSHIP, **record, elapsed_s=time.monotonic() - self.started)
         log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
 
-    def stop(self, reason: str) -> None:
-        if not self.store.check([keys.STOP]):
+    def stop(self, reason: str) -> bool:
+        """Stop the job for ``reason``; True if it is the reason (nobody stopped it before)."""
+        first = not self.store.check([keys.STOP])
+        if first:
             self.store.set(keys.STOP, reason)
         self.stopping.set()
         ring(self.store, keys.NEWS)
         ring(self.store)
+        return first
+
+    # -- workers' exceptions ------------------------------------------------------------------------
+    def _take_errors(self) -> list[WorkerError]:
+        """The exceptions reported since the last look (``keys.error``), each recorded as it is read. A number
+        taken but never written (its writer was killed in between) is passed over after a grace period."""
+        new: list[WorkerError] = []
+        seq = get_int(self.store, keys.ERROR_SEQ)
+        while self.next_error <= seq:
+            n, key = self.next_error, keys.error(self.next_error)
+            if self.store.check([key]):
+                try:
+                    new.append(WorkerError.decode(self.store.get(key).decode()))
+                except ValueError as e:
+                    log.warning("error report %d is unreadable (%s); ignored", n, e)
+                self.store.delete_key(key)
+            elif time.monotonic() - self.error_hole_since.setdefault(n, time.monotonic()) < METRIC_HOLE_GRACE_S:
+                break  # taken a moment ago: its writer is about to write it
+            self.error_hole_since.pop(n, None)
+            self.next_error += 1
+        for error in new:
+            record = error.record(time.time())
+            self.metrics.write(record)
+            log.error("%s", describe_error(record, self.run_dir / "logs"))  # a multi-host job's console
+        return new
+
+    def _judge_errors(self) -> bool:
+        """Take the new error reports: a member that raised is dead (``_dead``); an error that repeats an earlier
+        one (``core.bugs``) stops the job (True)."""
+        for error in self._take_errors():
+            if error.worker in self.members:
+                self.raised[error.worker] = error
+            same = bugs.repeated(self.errors, error)
+            self.errors.append(error)
+            if same:
+                self._stop_for_bug(same)
+                return True
+        return False
+
+    def _stop_for_bug(self, errors: list[WorkerError]) -> None:
+        """Stop the job: the error repeated (a bug, not a failure). The lowest member that did not raise holds a
+        good state (the last committed step) and is named to save it before it leaves; with none left, the
+        worker that just raised does, unless it raised inside a commit (its optimizer may have stepped half-way):
+        before or after a commit its state is the last committed step's too. The stop line then says which
+        checkpoint is the last good one (``_await_saved``). Replicas of several ranks keep the last checkpoint
+        on disk (their ranks would have to save together)."""
+        line = bugs.stop_line(errors)
+        raisers = {e.worker for e in self.errors}
+        healthy = [w for w in self.members if w not in raisers]
+        new = errors[-1]
+        if self.layout.size == 1:
+            if healthy:
+                self.saver = min(healthy)
+            elif new.worker in self.members and new.phase not in (ErrorPhase.COMMIT, ErrorPhase.SETUP):
+                self.saver = new.worker  # it waits for this answer before it ends
+        if self.saver is not None:
+            self.store.set(keys.STOP_SAVER, str(self.saver))  # before the stop: whoever sees the stop can read it
+        log.error("stopping: %s", line)
+        if self.stop(line):
+            self.bug = line
+
+    def _await_saved(self) -> str:
+        """After a stop for a bug: the words naming the last good checkpoint, from the member named to save the
+        state once it has (waiting while its heartbeats arrive, so a save of any length is waited for and a
+        saver that dies is not), else as the run directory shows them."""
+        if self.saver is not None:
+            key, counted = keys.heartbeat(self.saver), (-1, time.monotonic())
+            deadline = time.monotonic() + MAX_SAVE_WAIT_S
+            while not self.store.check([keys.STOP_SAVED]):
+                count, now = get_int(self.store, key), time.monotonic()
+                if count != counted[0]:
+                    counted = (count, now)
+                if now - counted[1] > self.heartbeat_timeout_s or now > deadline:
+                    log.warning("worker %d did not say what it saved; naming the newest checkpoint", self.saver)
+                    break
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    break
+                self._drain_metrics()
+                wait_key(self.store, keys.STOP_SAVED, self.tick_s)
+            else:
+                return self.store.get(keys.STOP_SAVED).decode()
+        return ckptfiles.last_checkpoint_words(self.run_dir)
 
     def _retrying(self) -> bool:
         """The current epoch re-formed a stalled group: a second timeout in it excludes, not re-forms."""
@@ -483,6 +595,8 @@ class Coordinator:
                 # anyway, in case a ringer died between writing its news and ringing.
                 full = rung or ticks % CHECKS_PER_TIMEOUT == 0
                 joined = self._admit_new() if full else []
+                if full and self._judge_errors():
+                    break
                 counts, metrics_seq = self._read_counters()
                 if self.epoch == 0:
                     if len(self.admitted) >= self.expected:
@@ -540,9 +654,13 @@ class Coordinator:
         except Deposed:
             pass
         finally:
+            if self.bug is not None:
+                self.bug += "; " + self._await_saved()
+                log.error("stopped: %s", self.bug)
             self._drain_metrics(final=True)
             if self.store.check([keys.STOP]) and not self.store.check([keys.DONE]):
-                self.emit(RecordKind.STOPPED, reason=self.store.get(keys.STOP).decode())
+                # A launcher that sees every worker gone may write its own reason over a stop for a bug.
+                self.emit(RecordKind.STOPPED, reason=self.bug or self.store.get(keys.STOP).decode())
             gw = self.gateway
             self.emit(
                 RecordKind.GATEWAY,

@@ -24,6 +24,12 @@
     final/<id>                workers (the run's end)      the leader: every member's parameter checksum
     done                      the leader                   everyone: the run finished
     stop                      anyone                       everyone: stop now (the reason)
+    error/seq, error/<n>      a worker dying of an         coordinator: its exception, where it was raised
+                              exception                    (core.records.WorkerError; the coordinator records
+                                                           it and decides: core.bugs)
+    stop_saver                coordinator (a stop for a    that worker: save the state it holds before leaving
+                              bug)
+    stop_saved                that worker                  coordinator: which checkpoint is the last good one
     bell/seq, bell/<n>        anyone with news             coordinator: its doorbell (wake up and look)
     news/seq, news/<n>        coordinator                  workers: their doorbell (a new epoch or a stop)
     inject/<id>               a worker at a failure point  launcher / agent: deliver the scheduled signal
@@ -50,6 +56,9 @@ EPOCH = "epoch"
 METRICS_SEQ = "metrics/seq"
 DONE = "done"
 STOP = "stop"
+ERROR_SEQ = "error/seq"
+STOP_SAVER = "stop_saver"
+STOP_SAVED = "stop_saved"
 
 
 def register(n: int) -> str:
@@ -94,6 +103,10 @@ def metrics(n: int) -> str:
 
 def final(worker: int) -> str:
     return f"final/{worker}"
+
+
+def error(n: int) -> str:
+    return f"error/{n}"
 
 
 def doorbell_seq(bell: str) -> str:

@@ -28,15 +28,17 @@ from typing import Any
 
 from unbroken.control import keys
 from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit, worker_defaults
+from unbroken.control.console import ConsoleRelay
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
-from unbroken.control.progress import ProgressView, print_summary
+from unbroken.control.progress import ProgressView, describe_error, print_summary
 from unbroken.control.store import bind_listen_socket
 from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import RecordKind, append_records, decode, make
+from unbroken.core.plan import plan_step
+from unbroken.core.records import METRICS_FILE, RecordKind, append_records, decode, make, wall_s
 
 MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
 TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
@@ -56,6 +58,28 @@ class LaunchPlan:
     restart_after_s: float = 0.0  # restart a worker that died (scheduled or not) after this long; 0 = never
 
 
+def idle_warning(cfg: RunConfig, workers: int) -> str:
+    """The one line that says which replicas compute nothing in a step without failures (more replicas than
+    ``train.microbatches``; the planner's own split says which), or "" when each has microbatches."""
+    layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+    replicas = list(range(workers // layout.size))
+    M = cfg.train.microbatches
+    idle = [r for r, ids in plan_step(0, replicas, M).ids.items() if not ids]
+    if not idle:
+        return ""
+    if layout.size == 1:
+        who = f"worker{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))}"
+    else:
+        ranks = ", ".join(f"{r} (workers {layout.workers_of(r)[0]}-{layout.workers_of(r)[-1]})" for r in idle)
+        who = f"replica{'s' if len(idle) > 1 else ''} {ranks}"
+    verb = "computes" if len(idle) == 1 else "compute"
+    return (
+        f"unbroken: warning: {len(replicas)} {'workers' if layout.size == 1 else 'replicas'} for train.microbatches "
+        f"= {M}: {who} {verb} nothing in a step without failures (a step has M microbatches however many work on "
+        f"it; the idle stand by to take a failed one's); set train.microbatches >= {len(replicas)} to use them"
+    )
+
+
 def default_run_dir(config_name: str) -> Path:
     return Path("runs") / f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -68,10 +92,11 @@ def plan_launch(
     host: str,
     port: int,
     command: tuple[str, ...] = TRAINER,
-    validate: Callable[[RunConfig, Path, bool], None] | None = None,
+    validate: Callable[[RunConfig, Path, bool], RunConfig | None] | None = None,
 ) -> LaunchPlan:
-    """Validate the launch (``validate`` checks what the workers will run: the trainer's data and model);
-    raises ValueError (one line) and writes nothing if anything is wrong."""
+    """Validate the launch (``validate`` checks what the workers will run: the trainer's data and model, and
+    may return the config with what it learnt, e.g. prepared data's vocabulary); raises ValueError (one line)
+    and writes nothing if anything is wrong."""
     if workers < 1:
         raise ValueError(f"--workers = {workers} must be >= 1")
     ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline).replicas_in(workers)  # whole replicas only
@@ -99,7 +124,8 @@ def plan_launch(
     sock = bind_listen_socket(host, port)
     try:
         if validate is not None:
-            validate(cfg, run_dir, resume)  # ValueError on bad data or checkpoints, before anything is written
+            # ValueError on bad data or checkpoints, before anything is written
+            cfg = validate(cfg, run_dir, resume) or cfg
     except BaseException:
         sock.close()
         raise
@@ -123,7 +149,8 @@ class Launcher:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.interrupted = False
         self._metrics_offset = 0
-        self._records: list[dict[str, Any]] = []
+        self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
+        self._records: list[dict[str, Any]] = []  # this launch's
         self._failures_seen = 0  # failure records among _records (counted as they arrive)
         self._final_seen = False
         self._stopped_seen = False
@@ -146,6 +173,8 @@ class Launcher:
             injections=bool(schedule.events),
             layout=ReplicaLayout(self.cfg.parallel.shard, self.cfg.parallel.pipeline),
         )
+        self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
+        self.agent.console = self.console
 
     @property
     def workers(self) -> dict[int, subprocess.Popen[bytes]]:
@@ -208,12 +237,27 @@ class Launcher:
         complete = chunk[: chunk.rfind("\n") + 1]
         self._metrics_offset += len(complete.encode())
         records = [r for r in map(decode, complete.splitlines()) if r is not None]  # torn lines are skipped
+        for record in records:
+            if record.get("type") == RecordKind.ERROR:  # shown at once, --quiet or not, whatever happens next
+                print(describe_error(record, self.run_dir / "logs"), file=sys.stderr, flush=True)
         self._records += records
         self._failures_seen += sum(1 for r in records if r.get("type") == RecordKind.FAILURE)
         self._final_seen = self._final_seen or any(r.get("type") == RecordKind.FINAL for r in records)
         self._stopped_seen = self._stopped_seen or any(r.get("type") == RecordKind.STOPPED for r in records)
         self.agent.finished = self._final_seen
         return records
+
+    def _skip_earlier_records(self) -> None:
+        """On ``--resume``: the records already in metrics.jsonl are the earlier sessions'. They count in the
+        summary, but are not shown again as if training restarted, and say nothing about this launch (an
+        earlier ``final`` or ``stopped`` must not end it)."""
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._metrics_offset = len(complete)
+        self._earlier = [r for r in map(decode, complete.decode(errors="replace").splitlines()) if r is not None]
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,13 +266,18 @@ class Launcher:
             dump_config(self.cfg, self.run_dir)
         else:
             ckptfiles.clean_partial(self.run_dir)  # temporary files of saves that were killed half-way
+            self._skip_earlier_records()
         previous = signal.signal(signal.SIGINT, self._on_sigint)
-        started = time.monotonic()
+        if warning := idle_warning(self.cfg, self.plan.workers):
+            print(warning, file=sys.stderr, flush=True)
         try:
             self.start_coordinator()
             self.agent.start_all()
-            with ProgressView(self.cfg.train.steps, self.show_progress) as progress:
+            with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches) as progress:
+                progress.earlier(self._earlier)
                 while True:
+                    for line in self.console.drain():
+                        progress.show(line)
                     for record in self._new_records():
                         progress.update(record)
                     self._kill_coordinator_if_due()
@@ -251,13 +300,16 @@ class Launcher:
                         break
                     # Injections need a prompt answer (the worker waits at its phase to be signalled).
                     procs = [*self.agent.processes(), self.coordinator]
-                    wait_for_exit(procs, POLL_S if self.agent.injections else IDLE_WAIT_S)
+                    wait_for_exit(procs, POLL_S if self.agent.injections else IDLE_WAIT_S, (self.console.read_fd,))
                 for record in self._new_records():
                     progress.update(record)
-            return self._finish(time.monotonic() - started)
+                for line in self.console.drain():
+                    progress.show(line)
+            return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
             self.sock.close()
+            self.console.close()
             for p in [*self.agent.processes(), *([self.coordinator] if self.coordinator else [])]:
                 if p.poll() is None:
                     p.kill()
@@ -291,10 +343,15 @@ class Launcher:
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
 
-    def _finish(self, wall_s: float) -> int:
+    def _finish(self) -> int:
+        if self._final_seen:
+            at_end = next((r["members"] for r in reversed(self._records) if r.get("type") == RecordKind.MEMBERSHIP), [])
+            self.agent.stop_latecomers(at_end)  # restarted too late to rejoin: not part of the run
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self.workers.values()):
             time.sleep(POLL_S)
+        for line in self.console.drain():  # what the leader printed last, after its final step
+            print(line, flush=True)
         self._new_records()  # what the workers wrote themselves if the coordinator died
         done = self._final_seen
         assert self.coordinator is not None
@@ -323,7 +380,8 @@ class Launcher:
             print(f"unbroken: the run finished but {problem}; see {self.run_dir / 'logs'}", file=sys.stderr)
             return 1
         if self.show_summary:
-            print_summary(self.run_dir, self._records, wall_s, self.cfg.train.steps)
+            records = self._earlier + self._records
+            print_summary(self.run_dir, records, wall_s(self._records), self.cfg.train.steps)
         if not done:
             print(f"unbroken: the run did not finish; see {self.run_dir / 'logs'}", file=sys.stderr)
             for wid in sorted(self.workers):

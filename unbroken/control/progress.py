@@ -1,5 +1,8 @@
 """What a person watching a local run sees: the live progress bar (or plain lines off a terminal) and the
-summary table at the end, both read from the run's metrics records."""
+summary table at the end, both read from the run's metrics records.
+
+Step numbers are the records' (from 0, as in the failure schedule and ``Step.index``: ``step 3`` is the
+fourth step); a count of steps done is said as one (``4/8 done``)."""
 
 from __future__ import annotations
 
@@ -8,32 +11,46 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.records import committed_steps
+from unbroken.core.failures import parse_event
+from unbroken.core.records import WorkerError, committed_steps, is_join, sessions
+from unbroken.core.throughput import run_throughput
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:
-    """The one-line step summary: ``step 120/200 | loss 4.1234 | lr 3.0e-04 | 812 ms | 40,210 tok/s | alive 4``."""
+    """The one-line step summary: ``step 119 | loss 4.1234 | lr 3.0e-04 | 812 ms | 40,210 tok/s | alive 4 |
+    120/200 done``."""
     return (
-        f"step {record['step'] + 1}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
+        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
         f"{record['step_time_s'] * 1000:.0f} ms | {record['tokens_per_s']:,.0f} tok/s | "
-        f"alive {record['alive']}"
+        f"alive {record['alive']} | {record['step'] + 1}/{total_steps} done"
     )
 
 
 def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
+
+
+def _steps(steps: list[int]) -> str:
+    """``3``, ``3-5`` or ``3, 7`` for a sorted list of step numbers."""
+    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}-{steps[-1]}"
+    return ", ".join(map(str, steps))
 
 
 class ProgressView:
     """A live rich progress bar on a terminal; plain periodic lines otherwise (CI, pipes)."""
 
-    def __init__(self, total_steps: int, enabled: bool) -> None:
+    def __init__(self, total_steps: int, enabled: bool, microbatches: int | None = None) -> None:
         self.total = total_steps
         self.enabled = enabled
         self.live = enabled and sys.stdout.isatty()
         self.every = max(1, total_steps // 20)
         self.val = ""
         self.alive: int | None = None  # members of the newest epoch (a step record's count lags a rejoin)
+        self.members: dict[int, list[int]] = {}  # epoch -> its members (a re-formation: a join or a recovery?)
+        self.microbatches = microbatches  # a step's (train.microbatches)
         self._bar: Any = None
 
     def __enter__(self) -> ProgressView:
@@ -43,7 +60,7 @@ class ProgressView:
             self._bar = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.completed}/{task.total} done"),
                 TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
@@ -64,24 +81,52 @@ class ProgressView:
         elif self.enabled:
             print(text, flush=True)
 
+    def earlier(self, records: list[dict[str, Any]]) -> None:
+        """The records of the run's earlier sessions (``--resume``): folded, not shown again line by line."""
+        for r in records:
+            if r.get("type") == "membership":
+                self.members[int(r["epoch"])] = list(r["members"])
+        steps = sorted(committed_steps(records))
+        if steps:
+            if self._bar is not None:
+                self._bar.update(self._task, completed=steps[-1] + 1)
+            done = f"committed steps {_steps(steps)}"
+            self.note(f"continuing the run: its earlier sessions {done} (not shown again; metrics.jsonl has them)")
+
+    def show(self, line: str) -> None:
+        """A line the script printed (the group leader's): above the bar, as written; shown under ``--quiet``
+        too (the script's output is not progress)."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
     def update(self, record: dict[str, Any]) -> None:
         kind = record.get("type")
         if kind == "eval":
             self.val = f" | val {record['val_loss']:.3f}"
             self.note(
-                f"eval at step {record['step'] + 1}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.1f}"
+                f"eval after step {record['step']}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.1f}"
             )
+        elif kind == "recovery":
+            self.note(describe_recovery(record, self.members, self.microbatches))
         elif kind in (
             *("membership", "failure", "resume", "checkpoint_rejected", "nonfinite_skip", "stall", "stopped"),
             "refused",
         ):
             if kind == "membership":
                 self.alive = len(record["members"])
+                self.members[int(record["epoch"])] = list(record["members"])
             self.note(describe(record))
+        elif kind == "impure_data":  # a warning, shown under --quiet too
+            print(f"unbroken: warning: {record['reason']}", file=sys.stderr, flush=True)
         elif kind == "step":
             if self._bar is not None:
                 alive = self.alive if self.alive is not None else record["alive"]
-                info = f"loss {record['loss']:.3f}{self.val} | {record['tokens_per_s']:,.0f} tok/s | alive {alive}"
+                info = (
+                    f"step {record['step']} | loss {record['loss']:.3f}{self.val} | "
+                    f"{record['tokens_per_s']:,.0f} tok/s | alive {alive}"
+                )
                 self._bar.update(self._task, completed=record["step"] + 1, info=info)
             elif self.enabled and ((record["step"] + 1) % self.every == 0 or record["step"] == 0):
                 print(format_step(record, self.total), flush=True)
@@ -96,7 +141,7 @@ def describe(record: dict[str, Any]) -> str:
         detected = f", detected in {record['detection_s'] * 1000:.0f} ms" if "detection_s" in record else ""
         return f"worker {record['worker']} failed: {record.get('event') or record['why']}{detected}"
     if kind == "resume":
-        return f"resumed from step {record['step']} ({record['path']})"
+        return f"resumed at step {record['step']} from {record['path']}"
     if kind == "checkpoint_rejected":
         return f"checkpoint rejected: {record['detail']}"
     if kind == "nonfinite_skip":
@@ -113,8 +158,31 @@ def describe(record: dict[str, Any]) -> str:
     return kind
 
 
+def describe_recovery(record: dict[str, Any], members: dict[int, list[int]], microbatches: int | None) -> str:
+    """One line about a group re-formation: a recovery (in the step it interrupted) or a join; ``microbatches``
+    a step has (a group formed at a step boundary misses all of them: nothing to redo)."""
+    step, epoch = record["step"], record["epoch"]
+    if is_join(record, members):
+        joined = sorted(set(members[epoch]) - set(members[record["from_epoch"]]))
+        return f"worker {', '.join(map(str, joined))} rejoined at step {step} (epoch {epoch}, {record['alive']} alive)"
+    missing = record.get("missing") or []
+    redo = f"; microbatches {missing} to redo" if missing and len(missing) != microbatches else ""
+    return f"step {step} goes on with {record['alive']} workers (epoch {epoch}){redo}"
+
+
+def describe_error(record: dict[str, Any], log_dir: Path) -> str:
+    """What the console shows the moment a worker dies of an exception (an ``error`` record): who raised what
+    and where, then the last frames of its traceback and the message (the whole traceback is in its log)."""
+    error = WorkerError.from_record(record)
+    lines = [f"worker {error.worker} raised {error.headline()}"]
+    lines += ["  " + line for line in error.traceback.splitlines()]
+    lines.append(f"  (the whole traceback: {log_dir / f'worker-{error.worker}.log'})")
+    return "\n".join(lines)
+
+
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Run totals from the metrics records: steps, tokens, losses, throughput, failures and their cost."""
+    """Run totals from the metrics records (every session of the run; each step counted once): steps, tokens,
+    losses, throughput, failures and their recoveries, joins, and workers that never came back."""
     steps = committed_steps(records)
     evals = [r for r in records if r.get("type") == "eval"]
     ordered = [steps[s] for s in sorted(steps)]
@@ -122,15 +190,34 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     times = [r["step_time_s"] for r in ordered if r["step_time_s"] == r["step_time_s"]]
     train_time = sum(times)
     last = ordered[-10:]
-    failures = [r for r in records if r.get("type") == "failure"]
-    recoveries = [r for r in records if r.get("type") == "recovery"]
+    failures: list[dict[str, Any]] = []
+    recoveries: list[dict[str, Any]] = []  # re-formations after a failure (or a stall)
+    joins: list[dict[str, Any]] = []  # re-formations that admitted workers: {worker(s), step, epoch, members}
+    members: dict[int, list[int]] = {}
+    for r in records:
+        kind = r.get("type")
+        if kind == "membership":
+            members[int(r["epoch"])] = list(r["members"])
+        elif kind == "failure":
+            failures.append({**r, "step": None})
+        elif kind == "recovery":
+            if is_join(r, members):
+                joined = sorted(set(members[r["epoch"]]) - set(members[r["from_epoch"]]))
+                joins.append(
+                    {"workers": joined, "step": r["step"], "epoch": r["epoch"], "members": members[r["epoch"]]}
+                )
+                continue
+            recoveries.append(r)
+            for f in failures:  # the failures this re-formation survived: the step each interrupted
+                if f["step"] is None and r["from_epoch"] < f.get("epoch", 0) <= r["epoch"]:
+                    f["step"] = r["step"]
     recovering = [r for r in ordered if r.get("recoveries")]
     median = statistics.median(times) if times else 0.0
-    size = {r["epoch"]: len(r["members"]) for r in records if r.get("type") == "membership"}
-
-    def shrank(recovery: dict[str, Any]) -> bool:  # re-formed after a failure, not after a rejoin
-        return size.get(recovery["epoch"], 0) < size.get(recovery["from_epoch"], 0)
-
+    at_end = set(next((r["members"] for r in reversed(records) if r.get("type") == "membership"), []))
+    gone: dict[int, dict[str, Any]] = {f["worker"]: f for f in failures if f["worker"] not in at_end}
+    resumes = [r for r in records if r.get("type") == "resume"]
+    trained = [r["step"] for r in records if r.get("type") == "step" and not r.get("republished")]
+    rates = run_throughput(ordered)
     return {
         "steps": len(ordered),
         "tokens": tokens,
@@ -139,60 +226,120 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "val_loss": evals[-1]["val_loss"] if evals else float("nan"),
         "val_ppl": evals[-1]["val_ppl"] if evals else float("nan"),
         "tokens_per_s": tokens / train_time if train_time else 0.0,
+        "tokens_per_s_per_worker": rates["tokens_per_s_per_worker"],
+        "tokens_per_s_per_gpu": rates["tokens_per_s_per_gpu"],
+        "mfu": rates["mfu"],
         "wall_s": wall_s,
+        "sessions": len(sessions(records)),
+        "resumed_at": [r["step"] for r in resumes],
+        "retrained": sorted({s for s in trained if trained.count(s) > 1}),
         "failures": failures,
         "skipped": sorted(r["step"] for r in records if r.get("type") == "nonfinite_skip"),
-        "rejoins": [
-            r for r in records if r.get("type") == "membership" and str(r.get("reason", "")).startswith("joined")
-        ],
+        "rejoins": joins,
+        "not_rejoined": [gone[w] for w in sorted(gone)],
         "restarts": sum(1 for r in records if r.get("type") == "restart"),
         "detection_s": [f["detection_s"] for f in failures if "detection_s" in f],
-        "reform_s": [r["reform_s"] for r in recoveries if shrank(r)],
-        "rejoin_reform_s": [r["reform_s"] for r in recoveries if not shrank(r)],
+        "recoveries": len(recoveries),
+        "reform_s": [r["reform_s"] for r in recoveries],
         "recomputed": sum(r.get("recomputed", 0) for r in ordered),
         "dropped": sum(r.get("dropped", 0) for r in ordered),
+        "efficient": sum(r.get("efficient", 0) for r in ordered),
+        "efficient_steps": [r["step"] for r in ordered if r.get("efficient")],
         "recovery_extra_s": sum(r["step_time_s"] - median for r in recovering),
         "identical_params": next((r["identical"] for r in records if r.get("type") == "final"), None),
     }
 
 
+def _not_rejoined(failure: dict[str, Any]) -> str:
+    """Why a failed worker is not among the members at the end."""
+    rejoin = None
+    if failure.get("event"):
+        try:
+            rejoin = parse_event(failure["event"]).rejoin_after_s
+        except ValueError:
+            rejoin = None
+    if rejoin is None:
+        return f"worker {failure['worker']}: no restart was scheduled"
+    return f"worker {failure['worker']}: restart due {rejoin:g} s after the failure; the run ended before it rejoined"
+
+
+def _per_device(s: dict[str, Any]) -> str:
+    """Throughput in the units GPU users compare (core.throughput): per worker, per GPU and MFU where known."""
+    parts = []
+    if s["tokens_per_s_per_worker"] == s["tokens_per_s_per_worker"]:
+        parts.append(f"{s['tokens_per_s_per_worker']:,.0f} tokens/s per worker")
+    if s["tokens_per_s_per_gpu"] == s["tokens_per_s_per_gpu"]:
+        parts.append(f"{s['tokens_per_s_per_gpu']:,.0f} per GPU")
+    if s["mfu"] == s["mfu"]:
+        parts.append(f"MFU {100 * s['mfu']:.1f} %")
+    elif parts:
+        parts.append("MFU unknown (no GPU, or its peak: --train.peak_tflops)")
+    return ", ".join(parts) or "-"
+
+
 def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, total_steps: int) -> None:
+    """The summary table of a run's records (every session) and ``wall_s`` (``records.wall_s`` of the
+    records this launch saw, the figure the report gives for the same records)."""
     from rich.console import Console
     from rich.table import Table
 
     s = summarize(records, wall_s)
     table = Table(title=f"unbroken run summary ({run_dir})", show_header=False)
     table.add_row("steps", f"{s['steps']} of {total_steps}")
+    if s["sessions"] > 1:
+        at = f"resumed at step {', '.join(map(str, s['resumed_at']))}" if s["resumed_at"] else "relaunched"
+        again = f"; steps {_steps(s['retrained'])} trained again count once" if s["retrained"] else ""
+        table.add_row("sessions", f"{s['sessions']} ({at}{again})")
     if s["skipped"]:
         table.add_row("skipped steps", f"{s['skipped']} (a non-finite gradient: no optimizer step)")
     table.add_row("tokens", f"{s['tokens']:,}")
     last = min(10, s["steps"])
     mean = f"mean of the last {last} steps" if last > 1 else "the last step"
     table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} ({mean})")
-    table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
-    table.add_row("throughput", f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s")
+    if s["val_loss"] == s["val_loss"]:
+        table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
+    else:
+        table.add_row("validation", "none recorded (ctx.evaluate records one)")
+    table.add_row(
+        "throughput",
+        f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s (coordinator start to last record)",
+    )
+    table.add_row("per device", _per_device(s))
     if s["failures"]:
         for f in s["failures"]:
             what = f.get("event") or f["why"]
             table.add_row(
                 "failure survived",
-                f"worker {f['worker']}: {what}"
+                f"worker {f['worker']}"
+                + (f" in step {f['step']}" if f["step"] is not None else "")
+                + f": {what}"
                 + (f" (detected in {f['detection_s'] * 1000:.0f} ms)" if "detection_s" in f else ""),
             )
-        if s["reform_s"]:
+        if s["recoveries"]:
             table.add_row(
                 "recovery",
-                f"group re-formed in {max(s['reform_s']) * 1000:.0f} ms at most; "
-                f"{_plural(s['recomputed'], 'microbatch')} recomputed in-step, {s['dropped']} dropped, "
+                f"{_plural(s['recoveries'], 'recovery')}: group re-formed in {max(s['reform_s']) * 1000:.0f} ms at "
+                f"most; {_plural(s['recomputed'], 'microbatch')} recomputed in-step, {s['dropped']} dropped, "
                 f"{s['recovery_extra_s']:.2f} s over the median step time in total",
             )
-        for r, reform in zip(s["rejoins"], s["rejoin_reform_s"] + [None] * len(s["rejoins"]), strict=False):
-            took = f" (group re-formed in {reform * 1000:.0f} ms)" if reform is not None else ""
-            table.add_row("rejoined", f"worker {r['reason'].split(': ')[1]}: members {r['members']}{took}")
         if s["restarts"]:
             table.add_row("restarts", f"{s['restarts']} (restart policy: rollback to the last checkpoint)")
     else:
         table.add_row("failures", "none")
+    if s["efficient"]:
+        table.add_row(
+            "approximate (MeCeFO)",
+            f"{_plural(s['efficient'], 'microbatch')} in efficient mode, in steps {_steps(s['efficient_steps'])}",
+        )
+    for j in s["rejoins"]:
+        who = ", ".join(map(str, j["workers"]))
+        table.add_row("rejoined", f"worker {who} at step {j['step']} (epoch {j['epoch']}): members {j['members']}")
+    for f in s["not_rejoined"]:
+        table.add_row("not rejoined", _not_rejoined(f))
     if s["identical_params"] is not None:
         table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
+    impure = [r for r in records if r.get("type") == "impure_data"]
+    if impure:
+        table.add_row("data check", f"FAILED at step {impure[0]['step']}: the data is not a pure function of (seed, "
+                      "step, id), so recovered steps are not the failure-free ones")  # fmt: skip
     Console().print(table)

@@ -3,10 +3,12 @@
 Owns the live view's content: which workers are alive, the step, the loss and step-time curves, every failure
 with its recovery (detection, re-formation, recomputed microbatches, rejoin) as one incident, a timeline of
 every event, each worker's share of the step and (when the workers publish it) its speed, and the
-checkpoints. It reads nothing but records and writes nothing: the coordinator hands it each record as it
-appends it to ``RUN_DIR/metrics.jsonl`` (through ``MetricsTee``), and ``RunView.from_run_dir`` folds a run's
-file. ``snapshot()`` is a plain JSON-ready dict (layout ``SNAPSHOT_VERSION``, documented in docs/status.md)
-served by ``control.status`` and drawn by the page and by ``control.status_view``.
+checkpoints. Steps are named as in the records (from 0); recoveries (re-formations after a failure) and joins
+(re-formations that admitted workers) are counted apart (``records.is_join``). It reads nothing but records
+and writes nothing: the coordinator hands it each record as it appends it to ``RUN_DIR/metrics.jsonl``
+(through ``MetricsTee``), and ``RunView.from_run_dir`` folds a run's file. ``snapshot()`` is a plain
+JSON-ready dict (layout ``SNAPSHOT_VERSION``, documented in docs/status.md) served by ``control.status`` and
+drawn by the page and by ``control.status_view``.
 
 Memory stays bounded on a run of any length: the curves are thinned to ``max_points`` (every ``stride``-th
 step kept, the newest always shown), and the timeline, the incidents and the checkpoints keep their newest.
@@ -27,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.core.records import decode, read_records
+from unbroken.core.records import WorkerError, decode, is_join, read_records
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,11 @@ def _workers(mapping: Any) -> dict[int, Any]:
 
 def _ms(seconds: float | None) -> str:
     return "?" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _after(steps_done: Any) -> str:
+    """A checkpoint's (or the end's) place, from the steps done it is named by: ``after step 7``."""
+    return f"after step {steps_done - 1}" if isinstance(steps_done, int) and steps_done > 0 else "before step 0"
 
 
 class _Series:
@@ -135,6 +142,7 @@ class RunView:
         self._last_time: float | None = None
         self._epoch = 0
         self._members: tuple[int, ...] | None = None
+        self._epochs: dict[int, list[int]] = {}  # epoch -> its members
         self._workers: dict[int, dict[str, Any]] = {}
         self._steps = _Series(("step", "loss", "step_time_s", "tokens_per_s", "alive", "lr", "grad_norm"), max_points)
         self._evals = _Series(("step", "val_loss"), max_points)
@@ -142,7 +150,8 @@ class RunView:
         self._tokens = 0
         self._last_step: dict[str, Any] | None = None
         self._last_val: float | None = None
-        self._recent: collections.deque[tuple[float | None, float | None]] = collections.deque(maxlen=RECENT_STEPS)
+        # (step time, tokens/s, tokens/s per GPU, MFU) of the newest steps (core.throughput's fields)
+        self._recent: collections.deque[tuple[float | None, ...]] = collections.deque(maxlen=RECENT_STEPS)
         self._quotas: dict[int, int] = {}
         self._speeds: dict[int, float] = {}
         self._compute: dict[int, float] = {}
@@ -151,7 +160,9 @@ class RunView:
         self._pending_injection: dict[int, dict[str, Any]] = {}
         self._incidents: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_INCIDENTS)
         self._num_incidents = 0
-        self._num_recoveries = 0
+        self._num_recoveries = 0  # re-formations after a failure (or a stall)
+        self._num_joins = 0  # re-formations that admitted workers
+        self._sessions = 0  # coordinators started from disk (a launch, --resume, a restart-policy relaunch)
         self._awaiting_step: list[dict[str, Any]] = []  # incidents re-formed, waiting for their step's record
         self._timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
         self._num_events = 0
@@ -224,6 +235,7 @@ class RunView:
     def _on_membership(self, r: Mapping[str, Any], t: float | None) -> None:
         members = tuple(sorted(int(w) for w in r.get("members", [])))
         epoch = int(r.get("epoch", self._epoch + 1))
+        self._epochs[epoch] = list(members)
         before = set(self._members or ())
         joined, left = set(members) - before, before - set(members)
         first = self._members is None
@@ -303,17 +315,30 @@ class RunView:
         step = r.get("step")
         reform = _num(r.get("reform_s"))
         missing = list(r.get("missing") or [])
+        for inc in self._incidents:
+            if inc["rejoin_epoch"] == epoch:
+                inc["rejoin_step"] = step  # the joiner trains from this step on
+        if is_join(r, self._epochs):
+            self._num_joins += 1
+            joined = sorted(set(self._epochs[epoch]) - set(self._epochs[from_epoch]))
+            self._event(
+                t,
+                "join",
+                f"worker {', '.join(map(str, joined))} rejoined at step {step}: epoch {from_epoch} -> {epoch}, "
+                f"{r.get('alive')} alive",
+                step=step,
+            )
+            return
         self._num_recoveries += 1
         for inc in self._incidents:
             if inc["reformed_at"] is None and from_epoch < inc["epoch"] <= epoch:
                 inc.update(
                     reformed_at=_num(r.get("time_reformed")) or t, reform_s=reform, recovery_step=step, missing=missing
                 )
+                if step is not None:
+                    inc["step"] = step  # the step the failure interrupted (the guess at its record is replaced)
                 self._awaiting_step.append(inc)
-        for inc in self._incidents:
-            if inc["rejoin_epoch"] == epoch:
-                inc["rejoin_step"] = step  # the joiner trains from this step on
-        # A group formed at a step boundary (a joiner) misses every microbatch of the step: nothing to redo.
+        # A group formed at a step boundary misses every microbatch of the step: nothing to redo.
         whole_step = self._last_step is not None and len(missing) == self._last_step.get("microbatches")
         todo = "" if not missing or whole_step else f"; microbatches {missing} to redo"
         self._event(
@@ -338,7 +363,7 @@ class RunView:
             self._dropped += int(r.get("dropped", 0) or 0)
         self._max_step = max(self._max_step, step)
         self._last_step = dict(r)
-        self._recent.append((step_time, tps))
+        self._recent.append((step_time, tps, _num(r.get("tokens_per_s_per_gpu")), _num(r.get("mfu"))))
         if "quotas" in r:
             self._quotas = {w: int(n) for w, n in _workers(r["quotas"]).items()}
         if "speeds" in r:
@@ -366,14 +391,32 @@ class RunView:
         self._checkpoints.append(
             {"step": r.get("step"), "path": r.get("path"), "seconds": _num(r.get("seconds")), "time": t}
         )
-        self._event(t, "checkpoint", f"checkpoint of step {r.get('step')} written in {_ms(_num(r.get('seconds')))}")
+        seconds = _ms(_num(r.get("seconds")))
+        self._event(t, "checkpoint", f"checkpoint {_after(r.get('step'))} written in {seconds}")
 
     def _on_final(self, r: Mapping[str, Any], t: float | None) -> None:
         checksums = {str(k): v for k, v in _workers(r.get("checksums")).items()}
         self._final = {"step": r.get("step"), "identical": r.get("identical"), "checksums": checksums}
         same = "identical" if r.get("identical") else "NOT identical"
-        self._event(t, "final", f"run finished at step {r.get('step')}; the workers' parameters are {same}")
+        self._event(t, "final", f"run finished {_after(r.get('step'))}; the workers' parameters are {same}")
         self._set_state("finished")
+
+    def _on_coordinator(self, r: Mapping[str, Any], t: float | None) -> None:
+        restored = r.get("restored_epoch") or 0
+        if restored:
+            text = f"a new coordinator took over at {r.get('address')} (restored epoch {restored})"
+        else:
+            self._sessions += 1
+            text = f"coordinator started at {r.get('address')}" + (
+                f" (session {self._sessions} of the run)" if self._sessions > 1 else ""
+            )
+            if self._sessions > 1 and self._state in TERMINAL_STATES:
+                self._set_state("starting")  # resumed or relaunched: the earlier session's end is not the run's
+        self._event(t, "coordinator", text)
+
+    def _on_error(self, r: Mapping[str, Any], t: float | None) -> None:
+        error = WorkerError.from_record(dict(r))
+        self._event(t, "error", f"worker {error.worker} raised {error.headline()}", worker=error.worker)
 
     def _on_stopped(self, r: Mapping[str, Any], t: float | None) -> None:
         self._event(t, "stopped", f"run stopped at step {r.get('step')}: {r.get('reason')}")
@@ -419,8 +462,8 @@ class RunView:
     def snapshot(self) -> dict[str, Any]:
         """The run as JSON-ready data (no NaN; see docs/status.md for every field)."""
         with self._cond:
-            recent_times = [s for s, _ in self._recent if s is not None]
-            recent_tps = [x for _, x in self._recent if x is not None]
+            recent = [[x for x in column if x is not None] for column in zip(*self._recent, strict=True)] or [[]] * 4
+            recent_times, recent_tps, recent_per_gpu, recent_mfu = recent
             last = self._last_step or {}
             checkpoint = self._checkpoints[-1] if self._checkpoints else None
             run = {
@@ -429,6 +472,7 @@ class RunView:
                 "run_dir": self.run_dir,
                 "total_steps": self.total_steps,
                 "steps_done": self._max_step + 1,
+                "last_step": self._max_step if self._max_step >= 0 else None,
                 "epoch": self._epoch,
                 "members": list(self._members or ()),
                 "alive": len(self._members or ()),
@@ -439,10 +483,14 @@ class RunView:
                 "tokens": self._tokens,
                 "step_time_s": statistics.median(recent_times) if recent_times else None,
                 "tokens_per_s": statistics.median(recent_tps) if recent_tps else None,
+                "tokens_per_s_per_gpu": statistics.median(recent_per_gpu) if recent_per_gpu else None,
+                "mfu": statistics.median(recent_mfu) if recent_mfu else None,
                 "started_at": self._first_time,
                 "updated_at": self._last_time,
                 "failures": self._num_incidents,
                 "recoveries": self._num_recoveries,
+                "joins": self._num_joins,
+                "sessions": self._sessions,
                 "recomputed_microbatches": self._recomputed,
                 "dropped_microbatches": self._dropped,
                 "checkpoints": self._num_checkpoints,

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
@@ -40,6 +41,15 @@ RETRY_S = 3.0
 SPARKS = "▁▂▃▄▅▆▇█"
 SHOWN_EVENTS = 12
 SHOWN_INCIDENTS = 8
+WORKER_COLUMNS = (  # (header, no_wrap)
+    *(("worker", True), ("state", False), ("since", True), ("micro-\nbatches", True)),
+    *(("s per\nmicro-\nbatch", True), ("compute\ns (est.)", True), ("fail-\nures", True), ("last failure", False)),
+)
+INCIDENT_COLUMNS = (
+    *(("worker", True), ("fault", False), ("detected", True), ("re-formed", True)),
+    *(("recom-\nputed/\ndropped", True), ("rejoined", True)),
+)
+FAULT_WIDTH = 16  # the narrowest the fault column gets (its event wraps between fields)
 
 
 def base_url(target: str) -> str:
@@ -96,6 +106,16 @@ def _clock(t: float | None) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
 
 
+def after_step(steps_done: int | None) -> str:
+    """A checkpoint's place, from the steps done it is named by (``step_00000008.pt``: ``after step 7``)."""
+    return "-" if steps_done is None else f"after step {steps_done - 1:,}" if steps_done > 0 else "before step 0"
+
+
+def _breakable(event: str | None) -> str | None:
+    """A failure event with a space after each comma, so a narrow column wraps it between its fields."""
+    return None if event is None else event.replace(",", ", ")
+
+
 def sparkline(steps: list[int], values: list[float | None], width: int) -> tuple[str, int, int]:
     """``values`` (by step) as at most ``width`` block characters, each the mean of its bucket of steps;
     returns the line and the first and last step."""
@@ -138,41 +158,53 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     ckpt = run.get("last_checkpoint")
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
-    summary.add_column()
+    summary.add_column(overflow="fold")  # a long path breaks, never ends in an ellipsis
     summary.add_row("state", Text(state, style=style))
     if run.get("run_dir"):
         summary.add_row("run", run["run_dir"])
-    summary.add_row("step", f"{run['steps_done']:,}{total} (epoch {run['epoch']})")
+    last_step = "" if run.get("last_step") is None else f", the last step {run['last_step']:,}"
+    summary.add_row("steps done", f"{run['steps_done']:,}{total}{last_step} (epoch {run['epoch']})")
+    if (run.get("sessions") or 0) > 1:
+        summary.add_row("sessions", f"{run['sessions']} (resumed or relaunched; a step trained again counts once)")
     summary.add_row("workers alive", f"{run['alive']}{expected}: {run['members']}")
     summary.add_row("loss", f"train {_num(run['loss'])}, validation {_num(run['val_loss'])}")
     tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:,.0f}"
     summary.add_row("speed", f"{_ms(run['step_time_s'])} per step, {tps} tokens/s (median); {run['tokens']:,} tokens")
+    if run.get("tokens_per_s_per_gpu") is not None:
+        mfu = "MFU -" if run.get("mfu") is None else f"MFU {100 * run['mfu']:.1f} %"
+        summary.add_row("per GPU", f"{run['tokens_per_s_per_gpu']:,.0f} tokens/s (median), {mfu}")
     summary.add_row(
         "failures",
-        f"{run['failures']} failures, {run['recoveries']} group re-formations; microbatches recomputed "
-        f"{run['recomputed_microbatches']}, dropped {run['dropped_microbatches']}",
+        f"{run['failures']} failed, {run['recoveries']} recovered, {run.get('joins', 0)} rejoined; microbatches "
+        f"recomputed {run['recomputed_microbatches']}, dropped {run['dropped_microbatches']}",
     )
-    summary.add_row("checkpoint", "-" if ckpt is None else f"step {ckpt['step']} ({ckpt['path']})")
+    summary.add_row("checkpoint", "-" if ckpt is None else f"{after_step(ckpt['step'])} ({ckpt['path']})")
     summary.add_row("last record", f"{_age(age)} ago")
     parts: list[RenderableType] = [Panel(summary, title="unbroken status", expand=False)]
 
     series = snapshot["series"]
-    line, first, last = sparkline(series["step"], series["loss"], max(10, width - 24))
-    if line:
-        known = [v for v in series["loss"] if v is not None]
+    known = [(s, v) for s, v in zip(series["step"], series["loss"], strict=True) if v is not None and math.isfinite(v)]
+    if known:
+        # The curve and its labels on one line of the width: the curve gets what the labels leave.
+        prefix = f"loss {known[0][1]:.3f} "
+        suffix = f" {known[-1][1]:.3f}  (steps {known[0][0]}-{known[-1][0]})"
+        legend = "   x failed, + rejoined"
+        cells = max(10, width - len(prefix) - max(len(suffix), len(legend)))
+        line, first, last = sparkline(series["step"], series["loss"], cells)
         curve = Text()
-        curve.append(f"loss {known[0]:.3f} ", style="bold")
+        curve.append(prefix, style="bold")
         curve.append(line, style="cyan")
-        curve.append(f" {known[-1]:.3f}  (steps {first}-{last})")
-        marks = _marks(snapshot["incidents"], first, last, max(10, width - 24))
+        curve.append(suffix)
+        marks = _marks(snapshot["incidents"], first, last, cells)
         if marks.strip():
-            curve.append("\n" + " " * (len(f"loss {known[0]:.3f} ")) + marks, style="red")
-            curve.append("   x failed, + rejoined", style="dim")
+            curve.append("\n" + " " * len(prefix) + marks, style="red")
+            curve.append(legend, style="dim")
         parts.append(curve)
 
-    workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "state", "since", "microbatches", "s/microbatch", "compute s", "failures", "last failure"):
-        workers.add_column(col)
+    # Headers of one short word a line and times unwrapped: 80 columns (a pipe's width) show them whole.
+    workers = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, nowrap in WORKER_COLUMNS:
+        workers.add_column(col, no_wrap=nowrap)
     for w in snapshot["workers"]:
         row_style = "red" if w["state"] in ("dead", "left") else "yellow" if w.get("straggler") else ""
         workers.add_row(
@@ -189,18 +221,26 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     parts.append(workers)
 
     if snapshot["incidents"]:
-        incidents = Table(title="failures and recoveries", title_justify="left")
-        for col in ("worker", "fault", "detected", "re-formed", "recomputed/dropped", "rejoined", "down"):
-            incidents.add_column(col, overflow="fold")
+        ended = run["state"] in TERMINAL_STATES
+        incidents = Table(title="failures and recoveries", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col, nowrap in INCIDENT_COLUMNS:
+            incidents.add_column(
+                col, no_wrap=nowrap, overflow="fold", min_width=FAULT_WIDTH if col == "fault" else None
+            )
         for i in snapshot["incidents"][-SHOWN_INCIDENTS:]:
+            not_back = "no (run\nended)" if ended else "not yet"
+            back = f"step {i['rejoin_step']}\n(epoch {i['rejoin_epoch']})"
+            if i["down_s"] is not None:
+                back += f"\ndown {_age(i['down_s'])}"
             incidents.add_row(
                 str(i["worker"]),
-                " ".join(x for x in (i["event"], i["why"]) if x),
-                f"step {i['step']}, {_ms(i['detection_s'])}",
-                "not yet" if i["reformed_at"] is None else f"step {i['recovery_step']}, {_ms(i['reform_s'])}",
+                " ".join(x for x in (_breakable(i["event"]), i["why"]) if x),
+                f"step {i['step']},\n{_ms(i['detection_s'])}",
+                ("no" if ended else "not yet")
+                if i["reformed_at"] is None
+                else f"step {i['recovery_step']},\n{_ms(i['reform_s'])}",
                 "-" if i["recomputed"] is None else f"{i['recomputed']}/{i['dropped']}",
-                "not yet" if i["rejoined_at"] is None else f"step {i['rejoin_step']} (epoch {i['rejoin_epoch']})",
-                "-" if i["down_s"] is None else _age(i["down_s"]),
+                not_back if i["rejoined_at"] is None else back,
             )
         parts.append(incidents)
 

@@ -16,7 +16,7 @@ from torch.distributed import DistStoreError, TCPStore
 
 from unbroken.control import keys
 from unbroken.control.gateway import Tunnel, require_token
-from unbroken.core.records import encode
+from unbroken.core.records import WorkerError, encode
 
 STORE_TIMEOUT_S = 30.0
 
@@ -71,6 +71,13 @@ def publish_record(store: TCPStore, record: dict[str, Any]) -> None:
     """Queue one metrics record (``core.records`` encodes it) for the coordinator to append."""
     seq = store.add(keys.METRICS_SEQ, 1)
     store.set(keys.metrics(seq), encode(record))
+
+
+def report_error(store: TCPStore, error: WorkerError) -> None:
+    """A worker dying of an exception tells the coordinator (``keys.error``) and wakes it."""
+    n = store.add(keys.ERROR_SEQ, 1)
+    store.set(keys.error(n), error.encode())
+    ring(store)
 
 
 def wait_key(store: TCPStore, key: str, timeout_s: float) -> bool:

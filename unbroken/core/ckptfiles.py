@@ -214,6 +214,12 @@ def list_checkpoints(run_dir: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def last_checkpoint_words(run_dir: Path) -> str:
+    """The words a stop line ends with: which checkpoint a ``--resume`` would continue from."""
+    saved = list_checkpoints(run_dir)
+    return f"the last good checkpoint is step {saved[0]}" if saved else "no checkpoint was written yet"
+
+
 def read_verified(run_dir: Path, step: int) -> bytes:
     """The data of the checkpoint of ``step`` once its size and sha256 match its manifest; ValueError (one line)
     naming what is wrong otherwise."""

@@ -143,7 +143,11 @@ class DataConfig:
         '"" trains a byte-level BPE on the training split (prepared data: uses its own); else a tokenizer.json '
         "path (prepared data: must be the one it was made with)",
     )
-    vocab_size: int = option(8192, 'size of the BPE trained when tokenizer = ""')
+    vocab_size: int = option(
+        8192,
+        'size of the BPE trained when tokenizer = "" on text; unused with a tokenizer or prepared data (their '
+        "vocabulary; for prepared data the run's config.toml records it here)",
+    )
     seq_len: int = option(256, "tokens per sequence (the model sees seq_len inputs, predicts seq_len targets)")
     microbatch_size: int = option(4, "sequences per microbatch")
     val_fraction: float = option(0.05, "share of the text held out for validation (the tail of the corpus)")
@@ -636,15 +640,30 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def describe(root: type = RunConfig, sections: tuple[str, ...] | None = None) -> str:
-    """Every section and key of a config tree with its type, default and help, as ``--help`` lists them."""
+# What configures the built-in trainer (``unbroken train``: its model, data and optimizer) and nothing in a
+# script's run (``unbroken launch``, ``unbroken.ft``), whose model, data and optimizer are its own: a script may
+# read them from ``ctx.config``, but the library does not act on them. Sections, or ``section.key``.
+TRAINER_ONLY = frozenset(
+    {"model", "data"}
+    | {f"train.{k}" for k in ("lr", "warmup_fraction", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps")}
+    | {"train.grad_clip", "train.eval_every", "train.eval_microbatches"}
+)
+
+
+def describe(
+    root: type = RunConfig, sections: tuple[str, ...] | None = None, skip: frozenset[str] = frozenset()
+) -> str:
+    """Every section and key of a config tree with its type, default and help, as ``--help`` lists them (but
+    the sections and ``section.key``s in ``skip``)."""
     lines = []
     for section_name, cls in _section_types(root).items():
-        if sections is not None and section_name not in sections:
+        if (sections is not None and section_name not in sections) or section_name in skip:
             continue
         lines.append(f"[{section_name}]")
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
+            if f"{section_name}.{f.name}" in skip:
+                continue
             default = f.default.value if isinstance(f.default, Enum) else f.default
             shown = (
                 f'"{default}"'

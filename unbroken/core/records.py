@@ -4,14 +4,23 @@ A record is a JSON object on one line with a ``type`` (``RecordKind``) and that 
 more may be present). Workers publish records through the coordinator, which appends them with
 ``MetricsFile``; a worker that outlives its coordinator appends what was not drained with
 ``append_records``. The launcher, the report, the benchmarks, chaos and the tests read them with
-``read_records``. Pure Python.
+``read_records``. ``WorkerError`` is the typed report of a worker's exception: a worker writes it to the
+coordinator's store, which records it here (kind ``error``). Pure Python.
+
+Step numbers: a record's ``step`` is the step's index, from 0 (step 0 is the first step), as in the failure
+schedule and ``Step.index``; a checkpoint (and ``resume``, ``final``, ``coordinator_lost``) names the steps
+done, which is the step the run continues at. One file holds every session of a run: a ``--resume`` or a
+restart-policy relaunch appends to it, starting at a ``coordinator`` record with ``restored_epoch`` 0
+(``sessions``); steps trained again after a resume are recorded again, and ``committed_steps`` counts each
+step once (its last record). ``is_join`` tells a re-formation that admitted workers from a recovery.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -41,6 +50,8 @@ class RecordKind(StrEnum):
     ADMITTED = "admitted"  # a worker registered: its host and fingerprint (what decides its bits, core.numerics)
     REFUSED = "refused"  # a worker kept out of the membership, and why (exact mode: another fingerprint)
     USER = "user"  # anything a user's script logs
+    ERROR = "error"  # a worker died of an exception (``WorkerError``: where, and the traceback's last frames)
+    IMPURE_DATA = "impure_data"  # the data check found a microbatch whose inputs differ between two workers
 
 
 FIELDS: dict[RecordKind, frozenset[str]] = {
@@ -70,7 +81,133 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     RecordKind.ADMITTED: frozenset({"worker", "host", "fingerprint"}),
     RecordKind.REFUSED: frozenset({"worker", "reason"}),
     RecordKind.USER: frozenset(),
+    RecordKind.ERROR: frozenset(
+        {"worker", "exception", "message", "file", "line", "function", "phase", "step", "microbatch", "traceback"}
+    ),
+    RecordKind.IMPURE_DATA: frozenset({"step", "microbatch", "workers", "reason"}),
 }
+
+
+class ErrorPhase(StrEnum):
+    """Where in the step protocol a worker's exception was raised."""
+
+    SETUP = "setup"  # before the first step (building the model, registering the state)
+    MICROBATCH = "microbatch"  # in the loop body of one microbatch (its data, forward, loss or backward)
+    STEP = "step"  # in a step, outside any microbatch's body (between microbatches, before the commit)
+    COMMIT = "commit"  # in step.commit (the optimizer, clipping, a checkpoint)
+    EVAL = "eval"  # in ctx.evaluate's loss function
+    BETWEEN_STEPS = "between_steps"  # after a step's commit, before the next step (or after the last)
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """A worker that died of a Python exception, as it reported itself before ending: the exception, the place
+    (the innermost frame of the user's code), where in the protocol (``phase``, ``step``: the index of the step
+    it was in or had just committed, -1 before the first; ``microbatch``: the id whose loop body raised, else
+    None) and the traceback's last frames with the message. The worker writes it to the coordinator's store
+    (``control.keys.error``, ``encode``); the coordinator appends it to metrics.jsonl (``record``)."""
+
+    worker: int
+    exception: str  # the exception's type: its name, qualified by its module unless a builtin
+    message: str  # the first line of str(exception), shortened
+    file: str
+    line: int
+    function: str
+    phase: ErrorPhase
+    step: int
+    microbatch: int | None
+    traceback: str
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def decode(text: str) -> WorkerError:
+        """The error ``encode`` wrote (ValueError if ``text`` is not one)."""
+        try:
+            return WorkerError.from_record(json.loads(text))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"not a worker error report: {e}") from None
+
+    def record(self, time: float) -> dict[str, Any]:
+        """Its metrics record (kind ``error``)."""
+        return make(RecordKind.ERROR, time, **asdict(self))
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> WorkerError:
+        mb = record["microbatch"]
+        return WorkerError(
+            worker=int(record["worker"]),
+            exception=str(record["exception"]),
+            message=str(record["message"]),
+            file=str(record["file"]),
+            line=int(record["line"]),
+            function=str(record["function"]),
+            phase=ErrorPhase(record["phase"]),
+            step=int(record["step"]),
+            microbatch=None if mb is None else int(mb),
+            traceback=str(record["traceback"]),
+        )
+
+    def place(self) -> str:
+        """``file.py:LINE in function`` (the file's name: hosts may hold the script under different paths)."""
+        return f"{Path(self.file).name}:{self.line} in {self.function}"
+
+    def where(self) -> str:
+        """Where in the protocol, in words: ``step 5, microbatch 3``, ``after step 5``, ..."""
+        if self.phase is ErrorPhase.MICROBATCH:
+            return f"step {self.step}, microbatch {self.microbatch}"
+        if self.phase is ErrorPhase.STEP:
+            return f"step {self.step}, between microbatches"
+        if self.phase is ErrorPhase.COMMIT:
+            return f"step {self.step}, in its commit"
+        if self.phase is ErrorPhase.EVAL:
+            return f"an evaluation after step {self.step}" if self.step >= 0 else "an evaluation before the first step"
+        if self.phase is ErrorPhase.BETWEEN_STEPS:
+            return f"after step {self.step}"
+        return "before the first step"
+
+    def headline(self) -> str:
+        """One line: ``ZeroDivisionError at loss.py:12 in loss_fn, step 5, microbatch 3: division by zero``."""
+        return f"{self.exception} at {self.place()}, {self.where()}: {self.message}"
+
+
+# What a user's script may log itself (``ctx.log``): the fields each kind needs, and how to say it. Every other
+# kind is the library's.
+SCRIPT_FIELDS: dict[RecordKind, tuple[str, ...]] = {
+    RecordKind.EVAL: ("step", "val_loss"),  # val_ppl: exp(val_loss) unless given
+    RecordKind.USER: (),
+}
+_SCRIPT_KINDS = "'eval' (fields step, val_loss; val_ppl optional) or 'user' (any fields)"
+
+
+def check_script_record(kind: str, fields: dict[str, Any]) -> RecordKind:
+    """The kind of a record a script logs, checked: ValueError (one line) for a kind a script may not log, a
+    missing field, a reserved name (``type``, ``time``) or a value JSON cannot hold (a tensor: log ``float(t)``)."""
+    if kind not in [str(k) for k in SCRIPT_FIELDS]:
+        raise ValueError(f"ctx.log({kind!r}, ...): a script logs {_SCRIPT_KINDS}; the other kinds are the library's")
+    record_kind = RecordKind(kind)
+    missing = [f for f in SCRIPT_FIELDS[record_kind] if f not in fields]
+    if missing:
+        raise ValueError(f"ctx.log({kind!r}, ...) lacks {', '.join(missing)}; a script logs {_SCRIPT_KINDS}")
+    if record_kind is RecordKind.EVAL:
+        for name, kinds in (("step", (int,)), ("val_loss", (int, float)), ("val_ppl", (int, float))):
+            value = fields.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                what = "an int (the step's index)" if name == "step" else "a number (float(t) for a tensor)"
+                raise ValueError(f"ctx.log('eval', {name}={value!r}): {name} must be {what}")
+    reserved = sorted({"type", "time"} & fields.keys())
+    if reserved:
+        raise ValueError(f"ctx.log({kind!r}, ...): {', '.join(reserved)} is set by the library; use another name")
+    for name, value in fields.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"ctx.log({kind!r}, {name}=...): a {type(value).__name__} is not a number, string, list or dict; "
+                "log float(t) for a tensor"
+            ) from None
+    return record_kind
 
 
 def make(kind: RecordKind, time: float, /, **fields: Any) -> dict[str, Any]:
@@ -159,6 +296,45 @@ def committed_steps(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, An
             continue
         by_step[r["step"]] = r
     return {s: by_step[s] for s in sorted(by_step)}
+
+
+def sessions(records: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The records split by session: each begins where a coordinator started from disk (a launch, a
+    ``--resume``, a restart-policy relaunch: a ``coordinator`` record with ``restored_epoch`` 0); a coordinator
+    that replaced a dead one continues its session. Records before the first such record (an older file)
+    belong to the first session."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for r in records:
+        if r.get("type") == RecordKind.COORDINATOR and not r.get("restored_epoch") and out[-1]:
+            out.append([])
+        out[-1].append(r)
+    return out if out[0] else []
+
+
+def wall_s(records: Iterable[dict[str, Any]]) -> float:
+    """The wall time of the records: for each session, from its first record (its coordinator's start) to its
+    last, summed (the time between sessions, when nothing ran, is not counted)."""
+    total = 0.0
+    for session in sessions(records):
+        times = [r["time"] for r in session if isinstance(r.get("time"), int | float)]
+        total += max(times) - min(times) if times else 0.0
+    return total
+
+
+def is_join(recovery: Mapping[str, Any], members: Mapping[int, Collection[int]]) -> bool:
+    """Whether a ``recovery`` record's re-formation only admitted workers (a join, nobody failed), given the
+    members of each epoch (from the ``membership`` records): every epoch after its ``from_epoch`` up to its
+    ``epoch`` added workers and removed none. Anything else (a failure, a stall, an epoch not known) is a
+    recovery."""
+    first, last = int(recovery.get("from_epoch", -1)), int(recovery.get("epoch", -1))
+    if last <= first or first not in members:
+        return False
+    before = set(members[first])
+    for epoch in range(first + 1, last + 1):
+        if epoch not in members or not before < set(members[epoch]):
+            return False
+        before = set(members[epoch])
+    return True
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:

@@ -16,4 +16,27 @@ Modules, one concern each (``prepare`` and ``reader`` are the entry points):
 - ``sampler``: deterministic training and validation microbatches of prepared data.
 
 Nothing here imports torch except ``sampler``; ``prepare`` runs without it.
+
+A training script of its own reads prepared data with ``open_prepared`` (the corpus, split, read in place),
+``PreparedMicrobatchSampler`` (``microbatch(step, id)``: a pure function of the seed, as the built-in trainer
+reads it) and ``EvalSampler`` (fixed validation microbatches), importable from here (lazily: importing the
+package loads neither torch nor numpy).
 """
+
+from typing import Any
+
+_PUBLIC = {
+    "open_prepared": "reader",
+    "PreparedCorpus": "reader",
+    "PreparedMicrobatchSampler": "sampler",
+    "EvalSampler": "sampler",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)

@@ -18,12 +18,20 @@ step protocol (``protocol.StepProtocol``): ``microbatches()`` yields the ids the
 after the last one, reduces; if a member died meanwhile it recovers and yields the ids that were lost, so the
 loop body runs for them too; ``commit`` applies the agreed gradient (or skips a non-finite one on every
 member) and steps the optimizer. Nothing here raises into model code; when this worker must leave (the job
-stops, it was excluded) the process ends with the status the launcher expects.
+stops, it was excluded) the process ends with the status the launcher expects. An exception of the user's
+code that nothing catches ends the worker once it has told the coordinator what and where (``crash``: the
+step, and the microbatch whose loop body raised, are known here).
 
 The run's ``[train]`` settings that act on the model are applied here too, so every loop gets them:
 ``register_state`` applies activation checkpointing, MeCeFO's efficient backward and ``torch.compile`` (in
 that order, ``transforms.py``), ``Context.device`` is where the model and its data go, and
 ``Context.autocast`` is the precision of the forward.
+
+A loop's data must be a pure function of (seed, step, id): ``Context.generator`` seeds it so, and the inputs
+``Step.backward`` is given feed the data check (``datacheck``): once per membership epoch ``microbatches``
+also yields, to the prober, another member's id, whose forward alone runs. Under a launcher, what this worker
+prints while it leads the group also reaches the launcher's console (``control.console``). A mistake in the
+use of any call here is one ``ValueError``.
 
 Replicas of several ranks (``[parallel] shard`` / ``pipeline``, docs/parallel.md): ``Context.mesh`` is the
 replica's device mesh (shard the model on it, e.g. ``fsdp.apply_fsdp``), ``Context.stage`` / ``stages`` say
@@ -39,8 +47,10 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -48,13 +58,14 @@ import torch
 from torch import nn
 
 from unbroken.control.client import CoordinatorClient, Refused
+from unbroken.control.console import install_tee
 from unbroken.control.gateway import TunnelError
-from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig
+from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig, load_config
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
-from unbroken.core.records import RecordKind
+from unbroken.core.records import ErrorPhase, RecordKind, check_script_record
 from unbroken.core.throughput import table_peak_tflops
-from unbroken.ft import comm, determinism, process
+from unbroken.ft import comm, crash, datacheck, determinism, process
 from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.inject import FaultInjector, remove
 from unbroken.ft.protocol import (
@@ -93,10 +104,22 @@ class Context:
         self._autocasts = 0  # how many times autocast() was entered under bf16 (a forward outside it is warned)
         self._flops_per_token = 0.0
         self._warned_precision = False
+        self._inputs_seen = False  # step.backward was given a microbatch's inputs (the data check can run)
         self.layout = ReplicaLayout(self.config.parallel.shard, self.config.parallel.pipeline)
         self._replica = self._join_replica() if self.layout.size > 1 else None
         self._pipeline: Pipeline | None = None
+        self._current: Step | None = None  # the step the user's loop is in (or has just committed)
+        self._evaluating = False  # inside evaluate()'s loss function
+        install_tee(self._speaks_for_job)  # under a launcher: the leader's prints reach its console too
         atexit.register(self._at_exit)
+        if job.exit_process and threading.current_thread() is threading.main_thread():
+            crash.install(self._report_crash)
+
+    def _speaks_for_job(self, before_joining: bool) -> bool:
+        """Whether a line this worker prints goes to the launcher's console: while it publishes the group's
+        records (the leader), or before it has joined, when the launcher said so (worker 0's first start)."""
+        proto = self._proto
+        return before_joining if proto is None else proto.publisher
 
     # -- a replica of several ranks -------------------------------------------------------------------
     def _join_replica(self) -> Replica:
@@ -199,7 +222,8 @@ class Context:
         (``train.compile``), in that order (``unbroken/ft/transforms.py``).
 
         Raises:
-            ValueError: called twice, after ``steps()``, a MeCeFO policy with a model that has no LLaMA-family
+            ValueError: called twice, after ``steps()``, an ``extra`` object without ``state_dict()`` and
+                ``load_state_dict()`` (nor a dict), a MeCeFO policy with a model that has no LLaMA-family
                 blocks, checkpointing or compile with a model that has no transformer blocks (an
                 ``nn.ModuleList`` named ``layers``), or compile on the CPU without a C++ compiler.
         """
@@ -207,6 +231,12 @@ class Context:
             raise ValueError("register_state() was already called; register everything at once")
         if flops_per_token < 0:
             raise ValueError(f"register_state(flops_per_token={flops_per_token}): must be >= 0 (0: unknown)")
+        for name, obj in extra.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, dict):
+                raise ValueError(
+                    f"register_state({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict(); "
+                    "register an object with both (an LR scheduler, an EMA) or a dict of tensors and numbers"
+                )
         self.state.model = model
         self.state.optimizer = optimizer
         self.state.extra = dict(extra)
@@ -228,20 +258,32 @@ class Context:
     # -- the steps --------------------------------------------------------------------------------
     @property
     def worker_id(self) -> int:
-        assert self._client is not None, "known once steps() has started"
+        """This worker's id in the job (ValueError before ``steps()`` has started: it may not be known yet)."""
+        if self._client is None:
+            raise ValueError("ctx.worker_id is known once steps() has started")
         return self._client.worker_id
 
     @property
     def rank(self) -> int:
         """This worker's rank in the current group (0 is the leader, who writes checkpoints)."""
-        assert self._proto is not None and self._proto.group is not None
-        return self._proto.group.rank
+        return self._group("ctx.rank").rank
 
     @property
     def size(self) -> int:
         """How many workers are in the current group."""
-        assert self._proto is not None and self._proto.group is not None
-        return self._proto.group.size
+        return self._group("ctx.size").size
+
+    def _group(self, what: str) -> Any:
+        """The current group, or ValueError naming ``what`` was asked before there is one."""
+        if self._proto is None or self._proto.group is None:
+            raise ValueError(f"{what} is known once steps() has started (the group forms there)")
+        return self._proto.group
+
+    def generator(self, step: int, microbatch: int, device: torch.device | str | None = None) -> torch.Generator:
+        """A ``torch.Generator`` (CPU unless ``device``) seeded from (``train.seed``, ``step``, ``microbatch``), the
+        same in every process: draw microbatch ``microbatch``'s data of step ``step`` from it, and whichever worker
+        computes it gets the same data (``unbroken.ft.datacheck``)."""
+        return datacheck.generator(self.config.train.seed, step, microbatch, device)
 
     def steps(self, total: int | None = None) -> Iterator[Step]:
         """The steps of the run, from the one the job is at (``--resume``: the last checkpoint's; a rejoining
@@ -256,9 +298,11 @@ class Context:
             if (reason := self._client.stopped) is not None:  # type: ignore[union-attr]
                 self._leave(StopRun(reason))
             step = Step(self, proto, proto.state.step)
+            self._current = step
             yield step
-            if step._status is _Status.OPEN and proto.state.step == step.index:
-                raise RuntimeError(f"step {step.index}: commit() was not called")
+            if step._status in (_Status.OPEN, _Status.REDUCED) and proto.state.step == step.index:
+                # Without it the next step would start on this one's reduced gradient (still in param.grad).
+                raise ValueError(f"step {step.index}: call step.commit() before the next step")
         with self._guard():
             proto.finish()
 
@@ -297,12 +341,14 @@ class Context:
         self._proto.join(resume=job.resume(), late=self._client.late)
         return self._proto
 
-    def evaluate(self, num_items: int, loss_of: Callable[[int], float]) -> float | None:
+    def evaluate(self, num_items: int, loss_of: Callable[[int], float], *, record: bool = True) -> float | None:
         """The mean of ``loss_of(k)`` over ``k in range(num_items)``, the items split over the members (each
-        computes its share). None if a failure interrupted it: skip this evaluation (the protocol has already
-        recovered, and the next step goes on as usual)."""
+        computes its share), recorded as the validation loss of the last committed step (an ``eval`` record;
+        ``record=False``: only returned). None if a failure interrupted it: skip this evaluation (the protocol
+        has already recovered, and the next step goes on as usual)."""
         proto = self._proto
-        assert proto is not None and proto.group is not None, "evaluate() runs between steps"
+        if proto is None or proto.group is None:
+            raise ValueError("ctx.evaluate() runs between steps, once steps() has started")
         if self.layout.pipeline > 1:
             raise ValueError("under parallel.pipeline > 1, evaluate with evaluate_pipeline()")
         total = torch.zeros(2, dtype=torch.float64)
@@ -312,36 +358,50 @@ class Context:
         lanes = proto.group.size * self.layout.shard
         lane = proto.group.rank * self.layout.shard + (self._replica.shard if self._replica is not None else 0)
         rounds = math.ceil(num_items / lanes) if self._replica is not None else 0
+        self._evaluating = True  # left set if loss_of raises: the crash report says where
         for k in range(lane, max(num_items, rounds * lanes), lanes):
             value = float(loss_of(k if k < num_items else 0))
             if k < num_items:
                 total[0] += value
                 total[1] += 1
-        return self._mean_over_members(total)
+        self._evaluating = False
+        return self._mean_over_members(total, record)
 
     def evaluate_pipeline(
-        self, num_items: int, batch_of: BatchOf, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self,
+        num_items: int,
+        batch_of: BatchOf,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        record: bool = True,
     ) -> float | None:
         """``evaluate`` for a pipelined replica: the mean loss of items ``batch_of(k) -> (inputs, targets)``,
         ``k < num_items``, each replica running its share through its pipeline (forward only)."""
         proto = self._proto
-        assert proto is not None and proto.group is not None, "evaluate_pipeline() runs between steps"
+        if proto is None or proto.group is None:
+            raise ValueError("ctx.evaluate_pipeline() runs between steps, once steps() has started")
         ids = list(range(proto.group.rank, num_items, proto.group.size))
         total = torch.zeros(2, dtype=torch.float64)
         if ids:
             with self._guard():
                 losses = self.pipeline(loss_fn).evaluate(ids, batch_of)
             total[0], total[1] = sum(losses), len(losses)
-        return self._mean_over_members(total)
+        return self._mean_over_members(total, record)
 
-    def _mean_over_members(self, total: torch.Tensor) -> float | None:
+    def _mean_over_members(self, total: torch.Tensor, record: bool) -> float | None:
+        """The mean over the members of an evaluation (``total``: this rank's sum and count); with ``record``,
+        published as the last committed step's ``eval`` record."""
         proto = self._proto
         assert proto is not None
         with self._guard():
             proto._combine_sum(total)
             if not proto.allreduce_interruptible(total):
                 return None
-        return float(total[0] / total[1])
+            mean = float(total[0] / total[1])
+            if record:
+                step = proto.state.step - 1  # the parameters evaluated are those of the last committed step
+                proto.publish(RecordKind.EVAL, step=step, val_loss=mean, val_ppl=math.exp(min(mean, 50.0)))
+        return mean
 
     def pipeline(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
         """This rank's pipeline stage (the registered model) under its replica's schedule (``parallel.schedule``);
@@ -368,9 +428,20 @@ class Context:
         return self._pipeline
 
     def log(self, kind: str, **fields: Any) -> None:
-        """Publish a metrics record of ``kind`` (e.g. ``"eval"``) into the run's metrics.jsonl (the leader's)."""
-        assert self._proto is not None
-        self._proto.publish(RecordKind(kind), **fields)
+        """Publish a metrics record into the run's metrics.jsonl (the leader's; the others' calls do nothing):
+        ``"eval"`` with ``step`` and ``val_loss`` (``val_ppl`` defaults to exp(val_loss); ``ctx.evaluate``
+        records one itself), or ``"user"`` with any fields (numbers, strings, lists, dicts).
+
+        Raises:
+            ValueError: another kind, a missing field, a value JSON cannot hold, or before ``steps()``.
+        """
+        record_kind = check_script_record(kind, fields)
+        if record_kind is RecordKind.EVAL and "val_ppl" not in fields:
+            fields["val_ppl"] = math.exp(min(float(fields["val_loss"]), 50.0))
+        if self._proto is None:
+            raise ValueError(f"ctx.log({kind!r}, ...) publishes through the job: call it once steps() has started")
+        with self._guard():
+            self._proto.publish(record_kind, **fields)
 
     # -- leaving -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -389,9 +460,11 @@ class Context:
             self._leave(StopRun(str(e).splitlines()[0] if str(e) else type(e).__name__))
 
     def _connection_error(self, e: Exception) -> bool:
-        """A store call failed (the connection to the coordinator broke), as opposed to a bug."""
+        """A store call failed (the connection to the coordinator broke), as opposed to a bug: only an error
+        raised by a call into the control plane is looked into (a ``RuntimeError`` of the user's backward or
+        optimizer ends the worker as the bug it is, at once)."""
         client = self._client
-        if client is None:
+        if client is None or not _raised_by_control_plane(e):
             return False
         return client.wait_lost(2 * self.config.comm.heartbeat_timeout_s + 1.0) is not None
 
@@ -419,8 +492,53 @@ class Context:
                 if client.stopped is None:
                     client.flush_metrics(timeout_s=5.0)
                     client.stop_job(str(e))  # the coordinator records why (the first reason given)
+            if client is not None and client.stopped is not None and client.named_to_save():
+                client.tell_saved(process.save_at_stop(proto, self.run_dir))
         self.close()
         self._job.leave(code)
+
+    def _where(self) -> tuple[ErrorPhase, int, int | None]:
+        """Where the user's code is in the protocol: the phase, the step's index (-1 before the first) and the
+        microbatch whose loop body runs (None outside one)."""
+        step = self._current
+        index = step.index if step is not None else -1
+        if self._evaluating:
+            return ErrorPhase.EVAL, index, None
+        if step is None:
+            return ErrorPhase.SETUP, index, None
+        if step._committing:
+            return ErrorPhase.COMMIT, index, None
+        if step._body is not None:
+            return ErrorPhase.MICROBATCH, index, step._body
+        if step._status in (_Status.OPEN, _Status.REDUCED):
+            return ErrorPhase.STEP, index, None
+        return ErrorPhase.BETWEEN_STEPS, index, None
+
+    def _report_crash(self, error: Exception) -> None:
+        """``error`` ends this worker (nothing caught it): tell the coordinator what and where (``crash``), after
+        the records already queued. An op without a deterministic implementation is no bug of the user's code
+        but of the run's settings, the same on every worker: the job stops at once with the line that says so."""
+        op = determinism.nondeterministic_op(error)
+        if op is not None:
+            self._leave(StopRun(determinism.stop_line(op)))
+        client = self._client
+        worker = client.worker_id if client is not None else self._job.worker_id
+        report = crash.describe(error, -1 if worker is None else worker, *self._where())
+        if client is not None:
+            client.flush_metrics(timeout_s=2.0)
+            told = client.report_error(report)
+        else:
+            told = self._job.report_error(report)
+        if not told:
+            log.error("could not tell the coordinator of this exception; ending")
+            return
+        log.info("the coordinator was told of this exception")
+        if client is not None:
+            # Its answer comes at once: a new epoch without this worker, or a stop for a bug, which may name this
+            # worker to save the state it holds (nobody who did not raise is left).
+            client.wait_removed(2 * self.config.comm.heartbeat_timeout_s)
+            if client.stopped is not None and client.named_to_save():
+                client.tell_saved(process.save_at_stop(self._proto, self.run_dir))
 
     def close(self) -> None:
         """Stop the heartbeats and watchers (done at exit; idempotent)."""
@@ -464,20 +582,25 @@ class Step:
         self._factor = 1.0
         self._autocasts = 0
         self._padding = False
+        self._body: int | None = None  # the microbatch whose loop body runs (the user's code), for a crash report
+        self._committing = False
+        self._probing = False  # the current microbatch is the data check's probe: its forward only
+        self._probed = False
+        self._saved: tuple[Any, ...] = ()  # what the probe's forward must not change: RNG states, buffers
 
     @property
     def efficient(self) -> bool:
         """Whether the current microbatch runs in MeCeFO's efficient mode (set by the library)."""
-        return self._awaiting is not None and self._proto.is_efficient(self._awaiting)
+        return self._awaiting is not None and not self._probing and self._proto.is_efficient(self._awaiting)
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids this worker computes in this step: its share of the plan, then, if a member died
         meanwhile, its share of the lost ones (so the loop body runs for those too). Call ``backward`` once
         per id. When the iteration ends, ``param.grad`` holds the step's agreed gradient."""
         if self._status is not _Status.OPEN:
-            raise RuntimeError(f"step {self.index}: microbatches() was already iterated")
+            raise ValueError(f"step {self.index}: microbatches() was already iterated")
         if self._ctx.layout.pipeline > 1:
-            raise RuntimeError("under parallel.pipeline > 1 a step runs its microbatches with step.pipeline()")
+            raise ValueError("under parallel.pipeline > 1 a step runs its microbatches with step.pipeline()")
         proto, guard = self._proto, self._ctx._guard
         try:
             with guard():
@@ -488,12 +611,19 @@ class Step:
                 for k, (j, padding, round_ids) in enumerate(lanes):
                     with guard():
                         self._enter(j, first=k == 0, last=k == len(lanes) - 1, padding=padding)
+                    self._body = j
                     yield j
+                    self._body = None
                     if self._awaiting is not None:
-                        raise RuntimeError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
+                        raise ValueError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
                     if round_ids is not None:
                         proto.round_done(round_ids)
                 self._round_timed(started, len(lanes))
+                if self._probe_due(bool(lanes)):
+                    j = self._enter_probe()
+                    yield j
+                    if self._awaiting is not None:
+                        raise ValueError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
                 todo_next = self._reduce()
                 if todo_next is None:
                     return
@@ -509,6 +639,45 @@ class Step:
             return
         torch.cuda.current_stream(device).synchronize()
         self._proto.note_speed((time.perf_counter() - started) / computed)
+
+    def _probe_due(self, computed: bool) -> bool:
+        """Whether this worker runs the data check's probe now: it is this step's prober, has not run it yet,
+        and its loop gives the library its inputs (known from its own microbatches, if it had any)."""
+        probe = self._proto.probe
+        if probe is None or probe.prober != self._proto.unit or self._probed:
+            return False
+        self._probed = True
+        return self._ctx._inputs_seen or not computed
+
+    def _enter_probe(self) -> int:
+        """The probe's microbatch comes next: only its forward runs (``backward`` takes its inputs' fingerprint
+        and back-propagates nothing); the RNG states and the model's buffers it may change are put back then."""
+        proto = self._proto
+        assert proto.probe is not None and proto.state.model is not None
+        cuda = proto.device.type == "cuda"
+        buffers = [(b, b.detach().clone()) for b in proto.state.model.buffers()]
+        self._saved = (torch.random.get_rng_state(), torch.cuda.get_rng_state(proto.device) if cuda else None, buffers)
+        eb = proto.state.efficient
+        if eb is not None:
+            eb.set_active(False)
+        self._probing = True
+        self._awaiting = proto.probe.microbatch
+        return proto.probe.microbatch
+
+    @torch.no_grad()
+    def _leave_probe(self, inputs: Any) -> None:
+        proto = self._proto
+        if inputs is not None:
+            proto.probe_fps[1] = datacheck.fingerprint(inputs)
+        cpu_rng, cuda_rng, buffers = self._saved
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, proto.device)
+        for b, saved in buffers:
+            b.copy_(saved)
+        self._saved = ()
+        self._probing = False
+        self._awaiting = None
 
     def _elsewhere(self, todo: list[int]) -> bool:
         """The others committed this step while this worker recovered (it received their state): keep ``todo``,
@@ -534,7 +703,7 @@ class Step:
         target)`` the mean loss of one microbatch, on the last stage), then, if a replica died meanwhile, its
         share of the lost ones. When it returns, ``param.grad`` holds the step's agreed gradient."""
         if self._status is not _Status.OPEN:
-            raise RuntimeError(f"step {self.index}: its microbatches already ran")
+            raise ValueError(f"step {self.index}: its microbatches already ran")
         ctx, proto, guard = self._ctx, self._proto, self._ctx._guard
         model = proto.state.model
         assert model is not None
@@ -588,14 +757,26 @@ class Step:
         if eb is not None:
             eb.set_active(False)
 
-    def backward(self, loss: torch.Tensor, tokens: int = 0) -> None:
+    def backward(self, loss: torch.Tensor, tokens: int = 0, inputs: Any = None) -> None:
         """Back-propagate this microbatch's loss (its mean over its tokens); the library divides it by M, the
         microbatches of a step, so the step's gradient is their average whoever computed them. ``tokens``:
-        how many tokens the microbatch trained on (for the step records' throughput)."""
+        how many tokens the microbatch trained on (for the step records' throughput). ``inputs``: the
+        microbatch's input tensors (a tensor, or a tuple, list or dict of them), which the data check compares
+        across workers (``unbroken.ft.datacheck``): give them, and data that is not a pure function of (seed,
+        step, id) is caught."""
         j = self._awaiting
         if j is None:
-            raise RuntimeError("step.backward() outside the microbatches() loop, or twice for one microbatch")
+            raise ValueError("step.backward() outside the microbatches() loop, or twice for one microbatch")
+        if inputs is not None:
+            datacheck.check_inputs(inputs)
+            self._ctx._inputs_seen = True
+        if self._probing:
+            self._leave_probe(inputs)
+            return
         proto = self._proto
+        probe = proto.probe
+        if inputs is not None and probe is not None and probe.microbatch == j:
+            proto.probe_fps[0] = datacheck.fingerprint(inputs)
         self._ctx._check_autocast(self._autocasts)
         if self._factor != 1.0:
             loss = loss * self._factor
@@ -636,13 +817,26 @@ class Step:
             self._status = _Status.COMMITTED
             return proto.state.last
         if self._status != _Status.REDUCED:
-            raise RuntimeError(f"step {self.index}: iterate microbatches() to the end before commit()")
+            raise ValueError(f"step {self.index}: iterate microbatches() to the end before commit()")
         optimizer = optimizer if optimizer is not None else proto.state.optimizer
+        self._committing = True  # left set if the optimizer raises: the crash report says where
         with ctx._guard():
             outcome = proto.commit(optimizer, clip_grad_norm, time.perf_counter() - self._started)
             self._status = _Status.COMMITTED
             proto.save_checkpoint_if_due()
+        self._committing = False
         return outcome
+
+
+_CONTROL_PLANE = str(Path(__file__).resolve().parent.parent / "control") + os.sep
+
+
+def _raised_by_control_plane(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside a call into the control plane (a store call, a new connection)."""
+    return isinstance(e, TunnelError) or any(
+        os.path.realpath(frame.f_code.co_filename).startswith(_CONTROL_PLANE)
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    )
 
 
 def _rounds(todo: list[int], shard: int, replica: Replica | None) -> list[tuple[int, bool, list[int] | None]]:
@@ -675,9 +869,32 @@ def _peak_tflops(device: torch.device, cfg: RunConfig) -> float:
     return table_peak_tflops(torch.cuda.get_device_name(device), precision) or 0.0
 
 
-def init(config: RunConfig | None = None, run_dir: str | os.PathLike[str] | None = None) -> Context:
+def init(
+    config: RunConfig | str | os.PathLike[str] | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Sequence[str] = (),
+) -> Context:
     """Join the job named by the environment (``UNBROKEN_COORDINATOR``, set by ``unbroken launch``, the
     per-host agent, or by hand under torchrun/srun with ``UNBROKEN_TOKEN``), or, without one, start a job of
-    one worker in this process (``config`` and ``run_dir`` then say what and where; defaults: the default
-    config and ``runs/<script>-<time>``). Sets the process up for training (threads, logging, memory)."""
-    return Context(process.Job.from_environment(config, Path(run_dir) if run_dir is not None else None))
+    one worker in this process (``config``, a ``RunConfig`` or a TOML path, and ``run_dir`` then say what and
+    where; defaults: the default config and ``runs/<script>-<time>``). ``overrides``: command-line arguments
+    (e.g. ``sys.argv[1:]``) whose ``--section.key=value`` ones override the config's keys, as ``unbroken
+    launch`` takes them; the others (the script's own) are left alone. Under a launcher the job's config is the
+    coordinator's, and both are ignored (with a warning). Sets the process up for training (threads, logging,
+    memory).
+
+    Raises:
+        ValueError: an override or the TOML names an unknown key or a bad value, or a ``RunConfig`` comes with
+            overrides (give a path, or apply them to it yourself).
+    """
+    given = [a for a in overrides if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0]]
+    if isinstance(config, RunConfig):
+        if given:
+            raise ValueError(
+                f"ft.init(config=RunConfig(...), overrides={given}): overrides apply to a TOML path or the defaults"
+            )
+        cfg: RunConfig | None = config
+    else:
+        cfg = load_config(config, given) if config is not None or given else None
+    return Context(process.Job.from_environment(cfg, Path(run_dir) if run_dir is not None else None))

@@ -36,9 +36,11 @@ from unbroken.control.client import (
     addresses_of,
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
-from unbroken.control.store import bind_listen_socket, connect_store
+from unbroken.control.store import bind_listen_socket, connect_store, report_error
+from unbroken.core import ckptfiles
 from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels, dump_config
 from unbroken.core.logs import init_logger
+from unbroken.core.records import RecordKind, WorkerError, make
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import determinism
 from unbroken.ft.hostmem import retain_freed_memory
@@ -246,7 +248,10 @@ class Job:
                 )
                 raise SystemExit(EXIT_STOPPED) from None
             if config is not None:
-                log.warning("ft.init(config=...) is ignored: the job's config comes from its coordinator")
+                log.warning(
+                    "ft.init(config=..., overrides=...) is ignored: the job's config comes from its coordinator "
+                    "(give --section.key=value to the launcher, before SCRIPT.py)"
+                )
             job = Job(address, token or os.environ[TOKEN_ENV], cfg, directory, _worker_id_from_env(), exit_process)
             job._probe = probe
         else:
@@ -297,15 +302,34 @@ class Job:
         """Register with the coordinator (the heartbeats start): do it once the model is built, so a joiner
         never makes the others wait for it."""
         comm = self.config.comm
-        return CoordinatorClient(
-            self.address,
-            self.worker_id,
-            comm.heartbeat_interval_s,
-            comm.heartbeat_timeout_s,
-            token=self.token,
-            hold_s=self.config.coordinator.hold_s,
-            fingerprint=determinism.local_fingerprint(self.device),
-        )
+        try:
+            return CoordinatorClient(
+                self.address,
+                self.worker_id,
+                comm.heartbeat_interval_s,
+                comm.heartbeat_timeout_s,
+                token=self.token,
+                hold_s=self.config.coordinator.hold_s,
+                fingerprint=determinism.local_fingerprint(self.device),
+            )
+        except (TunnelError, RuntimeError, OSError) as e:
+            # The coordinator went away while this worker came up: the run finished (a restart too late to
+            # rejoin), or the job is gone. One line, not a traceback.
+            if self._run_done():
+                log.info("the run finished before this worker could join; leaving")
+                self.leave(0)
+            log.error(
+                "cannot join the job at %s: %s", self.address, str(e).splitlines()[0] if str(e) else type(e).__name__
+            )
+            self.leave(EXIT_STOPPED)
+            raise AssertionError("leave() returned") from None  # pragma: no cover
+
+    def _run_done(self) -> bool:
+        """Whether the job's coordinator, if it still answers, says the run finished."""
+        try:
+            return bool(self._store().check([keys.DONE]))
+        except (TunnelError, RuntimeError, OSError):
+            return False
 
     def expected_workers(self) -> int:
         return int(self._store().get("expected"))
@@ -321,6 +345,14 @@ class Job:
     def connect(self) -> Any:
         """A new authenticated store connection to the job's coordinator (for a rendezvous of its own)."""
         return _reach(addresses_of(self.address), self.token)
+
+    def report_error(self, error: WorkerError) -> bool:
+        """Before this worker registered: tell the coordinator it dies of ``error``; False if nobody was told."""
+        try:
+            report_error(self._store(), error)
+            return True
+        except (TunnelError, RuntimeError, OSError):
+            return False
 
     def leave(self, code: int) -> None:
         """End this worker with ``code``: the process (flushing logs first), or the thread in tests."""
@@ -351,6 +383,26 @@ def _reach(addresses: list[str], token: str | None) -> Any:
             last = e
     assert last is not None
     raise last
+
+
+def save_at_stop(proto: StepProtocol | None, run_dir: Path) -> str:
+    """The coordinator stopped the job for a bug in the user's code and named this worker, which holds a good
+    state (the last committed step, bitwise every member's), to keep it: save it unless its checkpoint (or a
+    newer one) is on disk already. Returns the words naming the last good checkpoint."""
+    saved = ckpt.list_checkpoints(run_dir)
+    if proto is not None and proto.replica is None and proto.state.step > max(saved, default=0):
+        step, t0 = proto.state.step, time.perf_counter()
+        try:
+            path = ckpt.save_checkpoint(run_dir, step, proto.state.snapshot(), proto.cfg.checkpoint_keep)
+        except OSError as e:
+            log.error("could not save the state of step %d: %s", step, e)
+        else:
+            seconds = time.perf_counter() - t0
+            log.info("saved the state of step %d (%s) before leaving", step, path)
+            record = make(RecordKind.CHECKPOINT, time.time(), step=step, path=str(path), seconds=seconds)
+            proto.client.publish_metrics(record)
+            proto.client.flush_metrics(timeout_s=5.0)
+    return ckptfiles.last_checkpoint_words(run_dir)
 
 
 def stop_without_coordinator(proto: StepProtocol | None, run_dir: Path) -> str:

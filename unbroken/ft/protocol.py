@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.control.client import CoordinatorClient, Epoch
+from unbroken.core import ckptfiles
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
@@ -40,6 +41,7 @@ from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.core.records import RecordKind, append_records, make
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
+from unbroken.ft import datacheck
 from unbroken.ft.comm import (
     GradientReducer,
     Group,
@@ -212,6 +214,11 @@ class StepProtocol:
         self.efficient_ids: frozenset[int] = frozenset()
         self.quotas: dict[int, int] = {}
         self.my_speed = 0.0
+        # The data check (``datacheck``): this step's probe, if any, and the fingerprints this worker computed
+        # for it ([0] as the microbatch's computer, [1] as the prober); one probe per membership epoch.
+        self.probe: datacheck.Probe | None = None
+        self.probe_fps = [0.0, 0.0]
+        self.probed_epoch = -1
         self._begin_local()
         # per step
         self.recoveries = self.redos = 0
@@ -535,7 +542,16 @@ class StepProtocol:
         plan = self.plan()
         self._note_owners(plan)
         self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+        self._plan_probe(plan)
         return list(plan.ids_for(self.unit))
+
+    def _plan_probe(self, plan: Assignment) -> None:
+        """A step planned afresh (all M ids): its data check's probe, at the first such step of each epoch."""
+        assert self.group is not None
+        self.probe, self.probe_fps = None, [0.0, 0.0]
+        if self.replica is None and self.probed_epoch != self.group.epoch:
+            self.probed_epoch = self.group.epoch
+            self.probe = datacheck.choose_probe(plan)
 
     def is_efficient(self, microbatch: int) -> bool:
         return microbatch in self.efficient_ids
@@ -552,9 +568,7 @@ class StepProtocol:
         self.reducer.current = microbatch
         self.reducer.padding = padding
 
-    def after_backward(
-        self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None
-    ) -> None:
+    def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
         """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator).
         ``loss`` may stay a tensor on the device (read back with the step's others at the reduction);
         ``seconds`` is None where the microbatch's time is not known alone (a GPU: ``note_speed`` per round)."""
@@ -620,6 +634,7 @@ class StepProtocol:
             epoch=self.group.epoch if first else 0,
             newest_epoch=self.client.latest_epoch if self.leader and first else 0,
             member=first,
+            probe=(self.probe_fps[0], self.probe_fps[1]),
         )
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
@@ -681,6 +696,7 @@ class StepProtocol:
         else:
             self.reduced = reduced
             self._nonfinite = nonfinite
+            self._check_data(reduced)
             if not nonfinite:
                 counted = sum(reduced.counted)
                 self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
@@ -690,6 +706,19 @@ class StepProtocol:
         todo = self.recover()
         self.recoveries += 1
         return todo
+
+    def _check_data(self, reduced: Reduced) -> None:
+        """The data check: the probed microbatch's inputs on its computer and on the prober must agree (every
+        member sees the same sums; each warns in its log, the leader publishes the record)."""
+        probe = self.probe
+        line = datacheck.mismatch(self.state.step, probe, *reduced.probe) if probe is not None else None
+        if probe is None or line is None:
+            return
+        log.warning("%s", line)
+        workers = [probe.owner, probe.prober]
+        self.publish(
+            RecordKind.IMPURE_DATA, step=self.state.step, microbatch=probe.microbatch, workers=workers, reason=line
+        )
 
     def _grow_scale(self) -> list[int]:
         """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
@@ -877,8 +906,7 @@ class StepProtocol:
         return StepOutcome(loss, math.nan, lr, skipped=True, **common)
 
     def _last_checkpoint_words(self) -> str:
-        saved = ckpt.list_checkpoints(self.run_dir)
-        return f"the last good checkpoint is step {saved[0]}" if saved else "no checkpoint was written yet"
+        return ckptfiles.last_checkpoint_words(self.run_dir)
 
     def _step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
         """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
@@ -910,6 +938,8 @@ class StepProtocol:
             fields["counted"] = int(sum(self.last_counts))
             fields["counted_once"] = all(c == 1 for c in self.last_counts)
             fields["quotas"] = {str(w): n for w, n in self.quotas.items()}
+            # each member's seconds per microbatch, agreed in this step's reduction (the status view's speeds)
+            fields["speeds"] = {str(w): s for w, s in self.state.speeds.items()}
         return fields
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -1037,6 +1067,7 @@ class StepProtocol:
             if len(missing) == self.M:
                 self._note_owners(plan)
                 self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
+                self._plan_probe(plan)
             return list(plan.ids_for(self.unit))
 
     def join(self, resume: bool, late: bool) -> None:

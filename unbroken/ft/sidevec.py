@@ -15,6 +15,8 @@ What each member contributes, and what the sum means:
   epoch_sum        every member adds its group's epoch: equals epoch x members when they agree
   members          every member adds one: equals the group's size
   newest_epoch     the leader's newest known epoch: every member takes joiners in at the same boundary
+  probe[2]         the data check's fingerprints of one microbatch's inputs (``datacheck``): [0] from whoever
+                   computed it, [1] from the member that computed it again; 0 when not computed
 
 Worker ids at or above ``WORKER_SLOTS`` have no slot (their speed is not known to the planner).
 """
@@ -43,6 +45,7 @@ class Reduced:
     epoch_sum: int
     members: int
     newest_epoch: int
+    probe: tuple[float, float] = (0.0, 0.0)
 
 
 class SideVector:
@@ -65,6 +68,7 @@ class SideVector:
             ("epoch_sum", 1),
             ("members", 1),
             ("newest_epoch", 1),
+            ("probe", 2),
         ):
             self.fields[name] = slice(offset, offset + size)
             offset += size
@@ -86,12 +90,14 @@ class SideVector:
         newest_epoch: int = 0,
         member: bool = True,
         bad_worker: int | None = None,
+        probe: tuple[float, float] = (0.0, 0.0),
     ) -> torch.Tensor:
         """One member's contribution: ``losses`` (and ``tokens``) of the ids it computed, the ids it counts
         (``done``), which ran in efficient mode and which had a non-finite gradient, its overflowed microbatches,
         its seconds per microbatch, the index of its first non-finite parameter, its group's epoch, and (leader
         only) the newest epoch. The ranks of a replica of several ranks each encode their own part and sum them:
-        one of them counts the replica's ids and is the ``member`` (the others pass no ids, no epoch)."""
+        one of them counts the replica's ids and is the ``member`` (the others pass no ids, no epoch). ``probe``: this
+        member's fingerprints for the data check (``datacheck``), 0 where it computed none."""
         out = torch.zeros(self.size, dtype=torch.float64)
         f = self.fields
         for j, value in losses.items():
@@ -112,6 +118,7 @@ class SideVector:
         out[f["epoch_sum"].start] = epoch
         out[f["members"].start] = 1 if member else 0
         out[f["newest_epoch"].start] = newest_epoch
+        out[f["probe"]] = torch.tensor(probe, dtype=torch.float64)
         return out
 
     def decode(self, vector: torch.Tensor) -> Reduced:
@@ -137,4 +144,5 @@ class SideVector:
             epoch_sum=one("epoch_sum"),
             members=one("members"),
             newest_epoch=one("newest_epoch"),
+            probe=(part("probe")[0], part("probe")[1]),
         )

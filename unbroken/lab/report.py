@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.records import committed_steps
+from unbroken.core.records import committed_steps, is_join, sessions, wall_s
 
 PLOTS = ("loss.png", "throughput.png", "membership.png")
 # The fields the report reads unconditionally, per record type (metrics.py lists the types).
@@ -59,7 +59,8 @@ class Run:
 
     @property
     def t0(self) -> float:
-        """Wall-clock origin of the time axes: the first timed record (the coordinator's first epoch)."""
+        """Wall-clock origin of the time axes: the first timed record, which is the coordinator's ``coordinator``
+        record, written as it starts (in a file older than that record, the first epoch)."""
         return min(r["time"] for r in self.records if "time" in r)
 
     @property
@@ -166,15 +167,19 @@ class Failure:
     committed_after_s: float | None  # from the fault (or its detection) to that step's commit
 
 
-def _recovery_after(run: Run, time: float, epoch: int) -> dict[str, Any] | None:
-    """The first group re-formation into ``epoch`` or later after ``time``; a restart (which renumbers the
-    epochs from 1) ends the search."""
+def _recovery_after(run: Run, time: float, epoch: int, join: bool = False) -> dict[str, Any] | None:
+    """The first group re-formation into ``epoch`` or later after ``time`` that admitted workers (``join``) or
+    survived a failure (not ``join``, ``records.is_join``); a restart (which renumbers the epochs from 1) ends
+    the search."""
+    members: dict[int, list[int]] = {}
     for r in run.records:
+        if r["type"] == "membership":
+            members[r["epoch"]] = r["members"]
         if r.get("time", -math.inf) < time:
             continue
         if r["type"] == "restart":
             return None
-        if r["type"] == "recovery" and r.get("epoch", 0) >= epoch:
+        if r["type"] == "recovery" and r.get("epoch", 0) >= epoch and is_join(r, members) == join:
             return r
     return None
 
@@ -210,14 +215,13 @@ def rejoins(run: Run) -> list[dict[str, Any]]:
     for m in run.of("membership"):
         if not str(m.get("reason", "")).startswith("joined"):
             continue
-        recovery = _recovery_after(run, m["time"], m["epoch"])
+        recovery = _recovery_after(run, m["time"], m["epoch"], join=True)
         out.append(
             {
                 "workers": m["reason"].split(":", 1)[1].strip(),
                 "at": m["time"] - run.t0,
                 "members": m["members"],
                 "step": recovery["step"] if recovery else None,
-                "reform_s": recovery.get("reform_s") if recovery else None,
             }
         )
     return out
@@ -243,7 +247,9 @@ def summary(run: Run) -> dict[str, Any]:
         "tokens_per_s": sum(r.get("tokens", 0) for r in timed) / train_time if train_time else math.nan,
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed) if timed else math.nan,
         "median_step_s": statistics.median(r["step_time_s"] for r in timed) if timed else math.nan,
-        "wall_s": run.t_end - run.t0,
+        "wall_s": wall_s(run.records),
+        "sessions": len(sessions(run.records)),
+        "resumed_at": [r["step"] for r in run.of("resume")],
         "recomputed": sum(r.get("recomputed", 0) for r in steps),
         "dropped": sum(r.get("dropped", 0) for r in steps),
         "efficient": sum(r.get("efficient", 0) for r in steps),
@@ -270,10 +276,15 @@ def render_markdown(run: Run, reference: Run | None) -> str:
     s = summary(run)
     recovery = run.config.get("recovery", {})
     lines = [f"# unbroken run report: `{run.path}`", ""]
+    model = run.config.get("model", {})
     setup = [
         f"policy `{recovery['policy']}`" if "policy" in recovery else "",
         f"reduction `{recovery['reduction']}`" if "reduction" in recovery else "",
-        f"model `{run.config['model']['flavour']}`" if "flavour" in run.config.get("model", {}) else "",
+        f"model: Hugging Face `{model['hf_config']}`"
+        if model.get("hf_config")
+        else f"model.flavour `{model['flavour']}`"
+        if "flavour" in model
+        else "",
     ]
     if any(setup):
         lines += ["Configuration: " + ", ".join(x for x in setup if x) + ".", ""]
@@ -292,20 +303,31 @@ def render_markdown(run: Run, reference: Run | None) -> str:
         else "| validation | none recorded |",
         f"| throughput | {s['tokens_per_s']:,.0f} tokens/s over training time "
         f"(median step {s['median_tokens_per_s']:,.0f} tokens/s, {s['median_step_s'] * 1000:.0f} ms) |",
-        f"| wall time | {s['wall_s']:.1f} s from the first epoch to the last record |",
+        f"| wall time | {s['wall_s']:.1f} s from the coordinator's start to the last record"
+        + (f" (summed over {s['sessions']} sessions)" if s["sessions"] > 1 else "")
+        + " |",
         f"| microbatches | {s['recomputed']} recomputed in-step, {s['dropped']} dropped, "
         f"{s['efficient']} in efficient (MeCeFO) mode |",
     ]
+    if s["sessions"] > 1:
+        at = ", ".join(map(str, s["resumed_at"])) or "-"
+        lines.append(
+            f"| sessions | {s['sessions']} (resumed at step {at}); a step trained again is counted once, "
+            "with its later record |"
+        )
     if s["identical"] is not None:
         lines.append(f"| workers' parameters at the end | {'identical' if s['identical'] else 'DIFFERENT'} |")
     if run.torn_last_line:
         lines.append("| note | the last line of metrics.jsonl was cut off (the writer was killed) and is ignored |")
 
     found = failures(run)
+    joined = rejoins(run)
     lines += ["", f"## Failures survived: {len(found)}", ""]
+    recovered = sum(1 for f in found if f.step is not None)
+    lines += [f"{recovered} recovered in-step, {len(joined)} rejoined (a join is not counted as a recovery).", ""]
     if found:
         lines += [
-            "Times are seconds since the first epoch. *Detected after*: from the injected fault to the "
+            "Times are seconds since the coordinator started. *Detected after*: from the injected fault to the "
             "coordinator publishing the epoch without the worker. *Re-formed in*: the survivors abandoning "
             "the old group and forming the new one. *Committed after*: from the fault to the commit of the "
             "step it interrupted.",
@@ -319,14 +341,11 @@ def render_markdown(run: Run, reference: Run | None) -> str:
                 f"| {f.worker} | `{f.what}` | {at:.2f} s | {_ms(f.detection_s)} | "
                 f"{f.step if f.step is not None else '-'} | {_ms(f.reform_s)} | {_s(f.committed_after_s)} |"
             )
-    joined = rejoins(run)
     if joined:
-        lines += ["", "| rejoined | at | members after | step | re-formed in |", "|---|---|---|---|---|"]
+        lines += ["", "| rejoined | at | members after | trains from step |", "|---|---|---|---|"]
         for j in joined:
             step = j["step"] if j["step"] is not None else "-"
-            lines.append(
-                f"| worker {j['workers']} | {j['at']:.2f} s | {j['members']} | {step} | {_ms(j['reform_s'])} |"
-            )
+            lines.append(f"| worker {j['workers']} | {j['at']:.2f} s | {j['members']} | {step} |")
     for r in s["restarts"]:
         lines.append(
             f"\nRestart (checkpoint-and-restart policy) at {r['time'] - run.t0:.2f} s: stopped and relaunched "
@@ -414,7 +433,7 @@ def plot_throughput(run: Run, path: Path) -> None:
     _event_lines(ax, run)
     ax.set_ylim(bottom=0)
     ax.set_xlim(0, run.t_end - run.t0)
-    ax.set_xlabel("wall time since the first epoch (s)")
+    ax.set_xlabel("wall time since the coordinator started (s)")
     ax.set_ylabel("tokens/s")
     ax.set_title("throughput per committed step (red: failure, green: rejoin)")
     fig.savefig(path, dpi=100)
@@ -459,7 +478,7 @@ def plot_membership(run: Run, path: Path) -> None:
     ax.set_yticks([-0.75, *workers], ["re-formed", *[f"worker {w}" for w in workers]])
     ax.set_ylim(-1.2, max(workers, default=0) + 0.8)
     ax.set_xlim(0, end - t0)
-    ax.set_xlabel("wall time since the first epoch (s)")
+    ax.set_xlabel("wall time since the coordinator started (s)")
     ax.set_title("membership: alive workers over time")
     if seen:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(seen), fontsize=8, frameon=False)

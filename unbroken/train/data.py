@@ -181,7 +181,11 @@ def open_corpus(cfg: DataConfig, verify: bool = False) -> TokenizedCorpus | Prep
     corpus = open_prepared(cfg.source, cfg.val_fraction, cfg.tokenizer, verify=verify)
     _check_windows(cfg, corpus)
     defaults = DataConfig()
-    ignored = [f"data.{k}" for k in ("vocab_size", "text_field") if getattr(cfg, k) != getattr(defaults, k)]
+    ignored = [
+        f"data.{k}"
+        for k in ("vocab_size", "text_field")
+        if getattr(cfg, k) != getattr(defaults, k) and not (k == "vocab_size" and cfg.vocab_size == corpus.vocab_size)
+    ]
     if ignored:
         logger.warning("%s: %s do not apply to prepared data (ignored)", corpus.description, ", ".join(ignored))
     return corpus

@@ -17,7 +17,8 @@ def export(run_dir: Path, out: Path) -> Path:
     """Write the run's last good checkpoint as a Hugging Face ``save_pretrained`` folder (with the tokenizer).
 
     Raises:
-        ValueError: RUN_DIR has no usable checkpoint, or OUT exists and is not empty.
+        ValueError: RUN_DIR has no usable checkpoint, is a script's run (its model is the script's own), or OUT
+            exists and is not empty.
     """
     from unbroken.ft import checkpoint as ckpt
     from unbroken.train.data import open_corpus
@@ -28,6 +29,12 @@ def export(run_dir: Path, out: Path) -> Path:
     loaded = ckpt.load_latest(run_dir, log_rejections=False)
     if loaded is None:
         raise ValueError(f"export: {run_dir} has no usable checkpoint")
+    if "model" not in loaded.state["metadata"]:  # what the built-in trainer records; a script's run has its own
+        raise ValueError(
+            f"export: {run_dir} is a run of a script's own model (unbroken launch), which export cannot rebuild; it "
+            f"converts runs of unbroken train; your model's state_dict is unbroken.ft.checkpoint.load_latest("
+            f"RUN_DIR).state['model'] (checkpoint {loaded.path.name})"
+        )
     cfg: RunConfig = config_from_toml_text(
         str(loaded.state["metadata"].get("config") or (run_dir / "config.toml").read_text())
     )

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import unbroken.ft as ft
-from unbroken.core.config import RunConfig, TrainConfig, to_toml
+from unbroken.core.config import RunConfig, TrainConfig, replace, to_toml
 from unbroken.core.flavours import flops_per_token, training_flops_per_token
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.process import check_device
@@ -160,23 +160,22 @@ def main() -> int:
                 inputs, targets = (t.to(device) for t in train.microbatch(step.index, mb))
                 with ctx.autocast():
                     loss = cross_entropy(logits_of(model, inputs), targets)
-                step.backward(loss, tokens=inputs.numel())
+                step.backward(loss, tokens=inputs.numel(), inputs=(inputs, targets))  # the data check's too
         step.commit(optimizer, clip_grad_norm=tc.grad_clip)
-        if due(tc.eval_every, step.index, tc.steps):
+        if due(tc.eval_every, step.index, tc.steps):  # each records the step's validation loss
             if ctx.stages > 1:
-                loss = ctx.evaluate_pipeline(tc.eval_microbatches, val_batch, cross_entropy)
+                ctx.evaluate_pipeline(tc.eval_microbatches, val_batch, cross_entropy)
             else:
-                loss = ctx.evaluate(tc.eval_microbatches, val_loss)
-            if loss is not None:
-                ctx.log("eval", step=step.index, val_loss=loss, val_ppl=math.exp(min(loss, 50.0)))
+                ctx.evaluate(tc.eval_microbatches, val_loss)
     return 0
 
 
-def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
+def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
     """What the workers will need, checked before anything starts: the data (tokenized into the cache here,
     once; prepared data: every checksum unless ``data.verify`` is off), the vocabulary, and for ``--resume`` a
     checkpoint that verifies and fits this model and data; the device, and a C++ compiler for ``train.compile``
-    on the CPU. ValueError (one line) otherwise."""
+    on the CPU. ValueError (one line) otherwise. Returns the config the run records: for prepared data,
+    ``data.vocab_size`` is the data's vocabulary (it trains no BPE; the key would otherwise show the default)."""
     if check_device(str(cfg.train.device), str(cfg.comm.backend)) == "cpu" and cfg.train.compile:
         check_compiler()
     # Text is tokenized below (slow), so a vocabulary that cannot fit is refused first; prepared data's
@@ -208,6 +207,9 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> None:
         stage_layers(model_args_of(cfg, corpus.vocab_size).n_layers, 0, cfg.parallel.pipeline)
     if resume:
         check_resumable(cfg, run_dir, corpus)
+    if isinstance(corpus, PreparedCorpus) and 256 <= corpus.vocab_size <= 2**20:  # DataConfig's range
+        cfg = replace(cfg, data=replace(cfg.data, vocab_size=corpus.vocab_size))
+    return cfg
 
 
 def check_resumable(cfg: RunConfig, run_dir: Path, corpus: TokenizedCorpus | PreparedCorpus) -> None:

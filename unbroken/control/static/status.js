@@ -53,6 +53,8 @@ const fmt = {
     return `${(s / 3600).toFixed(1)} h`;
   },
   clock: (t) => (t === null || t === undefined ? "-" : new Date(t * 1000).toLocaleTimeString()),
+  // A checkpoint is named by the steps done: step_00000008.pt holds the state after step 7 (steps count from 0).
+  after: (stepsDone) => (stepsDone === null || stepsDone === undefined ? "-" : stepsDone > 0 ? `after step ${stepsDone - 1}` : "before step 0"),
 };
 
 // -- charts -------------------------------------------------------------------------------------------------
@@ -173,17 +175,22 @@ function drawSummary(s) {
   const ckpt = r.last_checkpoint;
   const ago = r.updated_at === null ? "-" : `${fmt.secs(Math.max(0, s.server_time - r.updated_at))} ago`;
   $("summary").replaceChildren(
-    card("step", r.total_steps ? `${fmt.int(r.steps_done)} / ${fmt.int(r.total_steps)}` : fmt.int(r.steps_done)),
+    card("steps done", r.total_steps ? `${fmt.int(r.steps_done)} / ${fmt.int(r.total_steps)}` : fmt.int(r.steps_done)),
+    card("last step", r.last_step === null || r.last_step === undefined ? "-" : fmt.int(r.last_step)),
     card("epoch", r.epoch),
     card("workers alive", r.expected_workers ? `${r.alive} / ${r.expected_workers}` : r.alive),
     card("train loss", fmt.num(r.loss)),
     card("validation loss", fmt.num(r.val_loss)),
     card("step time (median)", fmt.ms(r.step_time_s)),
     card("tokens / s (median)", fmt.int(r.tokens_per_s === null ? null : Math.round(r.tokens_per_s))),
+    ...(r.tokens_per_s_per_gpu === null || r.tokens_per_s_per_gpu === undefined ? [] : [
+      card("tokens / s per GPU", fmt.int(Math.round(r.tokens_per_s_per_gpu))),
+      card("MFU", r.mfu === null ? "-" : `${(100 * r.mfu).toFixed(1)} %`),
+    ]),
     card("tokens", fmt.int(r.tokens)),
-    card("failures / recoveries", `${r.failures} / ${r.recoveries}`),
+    card("failed / recovered / rejoined", `${r.failures} / ${r.recoveries} / ${r.joins ?? 0}`),
     card("recomputed / dropped", `${r.recomputed_microbatches} / ${r.dropped_microbatches}`),
-    card("last checkpoint", ckpt ? `step ${ckpt.step}` : "-"),
+    card("last checkpoint", ckpt ? fmt.after(ckpt.step) : "-"),
     card("last record", ago),
   );
 }
@@ -214,6 +221,7 @@ function drawWorkers(s) {
 }
 
 function drawIncidents(s) {
+  const notBack = TERMINAL.has(s.run.state) ? "no (the run ended)" : "not yet";
   fill(
     $("incidents").tBodies[0],
     [...s.incidents].reverse().map((i) =>
@@ -221,10 +229,10 @@ function drawIncidents(s) {
         i.worker,
         `${i.event ?? ""} ${i.why ?? ""}`.trim(),
         `${fmt.clock(i.detected_at)} (${fmt.ms(i.detection_s)} after the fault), step ${i.step}`,
-        i.reformed_at === null ? "not yet" : `${fmt.clock(i.reformed_at)} in ${fmt.ms(i.reform_s)}, step ${i.recovery_step}`,
+        i.reformed_at === null ? notBack : `${fmt.clock(i.reformed_at)} in ${fmt.ms(i.reform_s)}, step ${i.recovery_step}`,
         i.recomputed === null ? "-" : `${i.recomputed} / ${i.dropped}`,
         fmt.ms(i.recovery_step_time_s),
-        i.rejoined_at === null ? "not yet" : `${fmt.clock(i.rejoined_at)}, epoch ${i.rejoin_epoch}, step ${i.rejoin_step}`,
+        i.rejoined_at === null ? notBack : `${fmt.clock(i.rejoined_at)}, epoch ${i.rejoin_epoch}, step ${i.rejoin_step}`,
         fmt.secs(i.down_s),
       ]),
     ),
@@ -245,7 +253,7 @@ function drawTimeline(s) {
 function drawCheckpoints(s) {
   fill(
     $("checkpoints").tBodies[0],
-    [...s.checkpoints].reverse().map((c) => row([c.step, fmt.clock(c.time), c.seconds === null ? "-" : c.seconds.toFixed(2), c.path])),
+    [...s.checkpoints].reverse().map((c) => row([fmt.after(c.step), fmt.clock(c.time), c.seconds === null ? "-" : c.seconds.toFixed(2), c.path])),
   );
 }
 
