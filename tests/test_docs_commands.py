@@ -63,6 +63,10 @@ class Rule:
     needs_cuda: bool = False  # skipped unless torch sees a CUDA GPU
 
 
+# bash: the run of my_train.py recorded steps 0 .. {steps} - 1
+STEPS_RAN = """python -c 'import glob, json; (m,) = glob.glob("runs/my_train-*/metrics.jsonl"); \\
+assert sorted(r["step"] for r in map(json.loads, open(m)) if r["type"] == "step") == list(range({steps}))'"""
+
 RULES = (
     Rule(
         r"make demo",
@@ -126,10 +130,14 @@ RULES = (
         variant=lambda c: c.text + '\n[ "${#UNBROKEN_TOKEN}" -ge 16 ]',
     ),
     Rule(
-        r"python my_train\.py",
-        How.SKIP,
-        "200 steps of the default config, minutes here, and a script run alone "
-        "takes no overrides; tests/test_examples.py runs examples/plain_loop.py alone",
+        r"python my_train\.py --train\.steps=\d+( .*)?",
+        How.FAST,
+        "--train.steps=3 for the written number, and the run is checked to have made steps 0, 1, 2: a script "
+        "run alone is a job of one worker with a coordinator of its own that takes the override (and leaves the "
+        "script its own arguments) in any number of steps",
+        variant=lambda c: (
+            "set -e\n" + re.sub(r"--train\.steps=\d+", "--train.steps=3", c.text) + "\n" + STEPS_RAN.format(steps=3)
+        ),
     ),
     Rule(r"python -c print\('time_s,gpu,event'\).* > one\.csv", How.RUN, "writes the trace the next command reads"),
     Rule(r"scripts/install_etcd\.sh", How.SKIP, "installs software (etcd3gw into .venv, an etcd server)"),
