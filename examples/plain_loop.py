@@ -1,6 +1,6 @@
 """Your own model, data and optimizer, made fault tolerant with unbroken.ft (docs/library.md).
 
-    python examples/plain_loop.py                                   # one worker, in this process
+    python examples/plain_loop.py --train.steps=50                  # one worker, in this process
     unbroken launch --workers 4 examples/plain_loop.py              # 4 workers; kill any of them
     unbroken launch --workers 4 --recovery.reduction=exact --failures.schedule="kill:worker=1,step=5" \
         examples/plain_loop.py                                      # bitwise the failure-free run
@@ -8,6 +8,8 @@
 The data of a microbatch is a pure function of (seed, step, microbatch id), so any worker can compute any one:
 it is drawn from ``ft.generator(seed, step, id)``, and ``step.backward(..., inputs=...)`` lets the library check it.
 """
+
+import sys
 
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ def eval_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ctx = ft.init()  # joins the job the launcher started, or runs one worker here
+    ctx = ft.init(overrides=sys.argv[1:])  # joins the job the launcher started, or runs one worker here
     seed = ctx.config.train.seed
     torch.manual_seed(seed)  # every worker starts from the same weights
     model = TinyLM().to(ctx.device)  # the CPU, or this worker's own GPU (train.device)

@@ -86,3 +86,16 @@ def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path
 
     base = _once(tmp_path_factory, "recovery", build)
     return {name: base / name for name in plan}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
+    """A finished run of configs/tiny.toml by 2 workers (8 steps, checkpoints at steps 4 and 8), made once for the
+    session: copy it before anything could change it."""
+    from runner import train
+
+    def build(base: Path) -> None:
+        result = train(base / "run", data_cache_dir, workers=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return _once(tmp_path_factory, "tiny-run", build) / "run"

@@ -5,10 +5,12 @@ One machine, the embedded default (Shakespeare, the ``small`` model), 4 worker p
 Your own training loop (unbroken.ft, docs/library.md) on 4 workers, with the same config keys:
     unbroken launch --workers 4 --train.steps=100 examples/plain_loop.py
 Override any config key:
-    unbroken train configs/default.toml --workers 2 --train.steps=50 --data.source=my_corpus/
+    unbroken train configs/default.toml --workers 4 --train.steps=50 --data.source=my_corpus/
 Tokenize a corpus once, in parallel, into shards that training reads in place (docs/data.md):
     unbroken prepare corpus/*.jsonl --tokenizer tokenizer.json --out data/corpus
     unbroken train configs/default.toml --workers 4 --data.source=data/corpus
+Check a launch without starting it (config, schedule, data, checkpoint, devices, port; nothing written):
+    unbroken train configs/tiny.toml --workers 4 --failures.schedule="kill:worker=1,step=5" --dry-run
 Continue an interrupted run (reproduces the uninterrupted losses):
     unbroken train --resume runs/default-20261122-101500
 Plots and a markdown summary of a run, optionally against a reference run (written to RUN_DIR/report):
@@ -30,6 +32,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # c10d logs a warning line (with a C++ stack trace) for every store wait that times out and for every call
 # on a connection a finished peer closed; our processes do both by design (bounded waits, shutdown). Keep
@@ -39,7 +42,14 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 from unbroken import __version__
 from unbroken.core.config import TRAINER_ONLY, RunConfig, describe, dump_config, load_config, preset_path
 
+if TYPE_CHECKING:
+    from unbroken.control.launcher import LaunchPlan
+
 EXIT_USAGE = 2
+DRY_RUN_HELP = (
+    "check everything a launch checks (config and overrides, the failure schedule, the data, --resume's checkpoint, "
+    "devices, the port), print what would run, and stop: nothing started, nothing written"
+)
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
@@ -89,6 +99,22 @@ def _run_dir(args: argparse.Namespace, cfg: RunConfig, name: str) -> Path:
     return default_run_dir(name)
 
 
+def _dry_run(plan: LaunchPlan, what: str) -> int:
+    """``--dry-run``: the launch is valid (``plan_launch`` checked it); say what would run, start nothing."""
+    from unbroken.core.failures import FailureSchedule
+
+    plan.sock.close()
+    cfg = plan.cfg
+    events = len(FailureSchedule.parse(cfg.failures.schedule).events)
+    into = f"continuing {plan.run_dir}" if plan.resume else f"into {plan.run_dir}"
+    print(
+        f"dry run: would {what} on {plan.workers} worker{'s' if plan.workers != 1 else ''} for {cfg.train.steps} "
+        f"steps of {cfg.train.microbatches} microbatches, {into}, {events} failure event{'s' if events != 1 else ''} "
+        "scheduled; nothing started or written"
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
     from unbroken.ft.process import check_host_devices
@@ -100,6 +126,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch
     )
+    if args.dry_run:
+        return _dry_run(plan, f"train model {plan.cfg.model.hf_config or plan.cfg.model.flavour}")
     if args.resume is not None and extra:
         dump_config(cfg, run_dir)  # the overrides (e.g. more steps) become part of the run
     return Launcher(plan, show_progress=not args.quiet).run()
@@ -120,6 +148,8 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     check_host_devices(cfg, args.workers)
     command = (sys.executable, str(script.resolve()), *args.args)
     plan = plan_launch(cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command)
+    if args.dry_run:
+        return _dry_run(plan, f"run {args.script}")
     if args.resume is not None and extra:
         dump_config(cfg, run_dir)
     return Launcher(plan, show_progress=not args.quiet).run()
@@ -310,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
     train.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     _with_keys(train)
     train.set_defaults(func=cmd_train)
 
@@ -317,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         "launch",
         help="run your own training script (unbroken.ft) on N workers with a coordinator",
         formatter_class=raw,
-        usage="unbroken launch [--workers N] [--out DIR] [--section.key=value ...] SCRIPT.py [ARGS ...]",
+        usage="unbroken launch [--workers N] [--out DIR] [--dry-run] [--section.key=value ...] SCRIPT.py [ARGS ...]",
     )
     launch.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     launch.add_argument("--config", help="TOML config for the run (default: the defaults)")
@@ -326,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
     launch.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
     launch.add_argument("--quiet", action="store_true", help="no progress output")
+    launch.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     launch.add_argument("script", metavar="SCRIPT.py", nargs="?", help="the training script each worker runs")
     launch.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
     _with_keys(launch, script=True)
@@ -473,9 +505,10 @@ def _split_launch(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i:]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command's options and the arguments left to it (config overrides); argparse exits with status 2 on a
+    malformed command line. ``launch`` and ``agent`` pass everything after the script to the script."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
     script: list[str] = []
     overrides: list[str] = []
     if argv[:1] in (["launch"], ["agent"]):
@@ -486,6 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     extra += overrides
     if script:
         args.script, args.args = script[0], script[1:]
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_command(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args, extra) or 0)
     except ValueError as e:

@@ -197,6 +197,10 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
         )
     corpus = open_corpus(cfg.data, verify=cfg.data.verify)
     check_vocab(corpus, cfg.model.vocab_size)
+    if cfg.model.hf_config:
+        from unbroken.train.hf import llama_config
+
+        llama_config(cfg.model.hf_config, corpus.vocab_size, cfg.data.seq_len)  # else every worker dies of it
     if cfg.parallel.pipeline > 1:
         if cfg.model.hf_config:
             raise ValueError("parallel.pipeline > 1 cuts the built-in LLaMA into stages; model.hf_config is not one")
