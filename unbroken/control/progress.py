@@ -270,10 +270,10 @@ def _per_device(s: dict[str, Any]) -> str:
         parts.append(f"{s['tokens_per_s_per_worker']:,.0f} tokens/s per worker")
     if s["tokens_per_s_per_gpu"] == s["tokens_per_s_per_gpu"]:
         parts.append(f"{s['tokens_per_s_per_gpu']:,.0f} per GPU")
-    if s["mfu"] == s["mfu"]:
-        parts.append(f"MFU {100 * s['mfu']:.1f} %")
-    elif parts:
-        parts.append("MFU unknown (no GPU, or its peak: --train.peak_tflops)")
+        if s["mfu"] == s["mfu"]:
+            parts.append(f"MFU {100 * s['mfu']:.1f} %")
+        else:
+            parts.append("MFU unknown (a GPU not in the table: --train.peak_tflops)")
     return ", ".join(parts) or "-"
 
 
