@@ -264,3 +264,19 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
         coordinator.metrics.close()
         if coordinator.status is not None:
             coordinator.status.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_first_reason_to_stop_is_the_one_kept() -> None:
+    """Every worker stops for one reason (an op without a deterministic implementation) and exits; the launcher,
+    seeing nobody left, asks for a stop too before the coordinator read the first: the run's line must stay the
+    workers' reason (CI: "every worker exited and none is due to restart" replaced it)."""
+    from unbroken.control import keys
+    from unbroken.control.agent import Agent
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    agent = Agent([0], ("true",), {}, Path("."))
+    agent.store = store
+    agent.stop_job("the first reason")
+    agent.stop_job("every worker exited and none is due to restart")
+    assert store.get(keys.STOP).decode() == "the first reason"

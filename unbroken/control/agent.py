@@ -110,6 +110,11 @@ class Agent:
     def _tell(self, key: str, value: str) -> None:
         self._call(lambda s: (s.set(key, value), ring(s)))
 
+    def stop_job(self, reason: str) -> None:
+        """Ask every process of the job to stop, unless someone already did: the first reason is the one the
+        coordinator records (a worker's own line, not "every worker exited" that follows from it)."""
+        self._call(lambda s: (s.compare_set(keys.STOP, "", reason), ring(s)))
+
     def newest_members(self) -> list[int] | None:
         def read(s: Any) -> list[int]:
             return json.loads(s.get(keys.epoch(int(s.get(keys.EPOCH)))))["members"]

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.control import keys
 from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit, worker_defaults
 from unbroken.control.console import ConsoleRelay
 from unbroken.control.coordinator import spawn_coordinator
@@ -193,7 +192,7 @@ class Launcher:
     def stop_all(self, reason: str) -> None:
         """Ask everyone to stop, wait a grace period, then kill what is left."""
         if self._coordinator_up():
-            self.agent._tell(keys.STOP, reason)
+            self.agent.stop_job(reason)
         self.agent.stop_workers(others=[self.coordinator] if self.coordinator else [])
 
     def _kill_coordinator_if_due(self) -> None:
