@@ -35,7 +35,7 @@ def config(**sections: dict) -> RunConfig:
     cfg = RunConfig()
     base = {
         "train": {"steps": 3, "microbatches": 4, "threads": 1},
-        "comm": {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 0.1, "join_timeout_s": 30.0},
+        "comm": {"heartbeat_timeout_s": 10.0, "heartbeat_interval_s": 0.1, "join_timeout_s": 30.0},
         "checkpoint": {"every": 0},
     }
     for name, values in {**base, **sections}.items():
@@ -44,8 +44,15 @@ def config(**sections: dict) -> RunConfig:
 
 
 def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    """The same weights in every worker. Workers here are threads of one process: they share torch's global RNG,
+    so a model initialised from it (``manual_seed`` then the layers' own init) would depend on how the threads
+    interleave; a generator of the model's own does not."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
 
 
 def seeded(step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:

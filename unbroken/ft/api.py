@@ -484,13 +484,15 @@ class Context:
             code = 0
         else:
             log.error("stopping: %s", e)
+            if e.fatal and client is not None:
+                # The records published so far (the last committed step's) reach the file whoever stops first.
+                client.flush_metrics(timeout_s=5.0)
             if e.fatal and client is not None and client.stopped is None:
                 if e.shared and proto is not None and proto.group is not None and not proto.leader:
                     # The leader saw the same; it stops the job once its records are out. If it died
                     # meanwhile, stop it from here.
                     client.wait_stopped(2 * self.config.comm.heartbeat_timeout_s)
                 if client.stopped is None:
-                    client.flush_metrics(timeout_s=5.0)
                     client.stop_job(str(e))  # the coordinator records why (the first reason given)
             if client is not None and client.stopped is not None and client.named_to_save():
                 client.tell_saved(process.save_at_stop(proto, self.run_dir))
@@ -520,7 +522,7 @@ class Context:
         but of the run's settings, the same on every worker: the job stops at once with the line that says so."""
         op = determinism.nondeterministic_op(error)
         if op is not None:
-            self._leave(StopRun(determinism.stop_line(op)))
+            self._leave(StopRun(determinism.stop_line(op), shared=True))
         client = self._client
         worker = client.worker_id if client is not None else self._job.worker_id
         report = crash.describe(error, -1 if worker is None else worker, *self._where())
@@ -789,7 +791,7 @@ class Step:
                 op = determinism.nondeterministic_op(e)
                 if op is None:
                     raise
-                raise StopRun(determinism.stop_line(op)) from None  # the same on every worker: the job stops
+                raise StopRun(determinism.stop_line(op), shared=True) from None  # the same on every worker
         remove(self._hooks)
         self._hooks = []
         eb = proto.state.efficient
