@@ -280,3 +280,17 @@ def test_the_first_reason_to_stop_is_the_one_kept() -> None:
     agent.stop_job("the first reason")
     agent.stop_job("every worker exited and none is due to restart")
     assert store.get(keys.STOP).decode() == "the first reason"
+
+
+def test_a_stop_is_asked_for_once_whoever_asks() -> None:
+    """Workers, agents and the coordinator all stop the job through ``request_stop``: the first caller is told its
+    reason is kept, a later one with another reason that it is not (the same reason again is still the one kept: two
+    workers that saw the same thing), and the stored reason never changes."""
+    from unbroken.control import keys
+    from unbroken.control.store import request_stop
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    assert request_stop(store, "worker 1: the loss is not finite")
+    assert not request_stop(store, "coordinator: every worker exited")
+    assert request_stop(store, "worker 1: the loss is not finite")
+    assert store.get(keys.STOP).decode() == "worker 1: the loss is not finite"

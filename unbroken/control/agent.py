@@ -36,7 +36,7 @@ from unbroken.control import keys
 from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
-from unbroken.control.store import connect_store, publish_record, ring
+from unbroken.control.store import connect_store, publish_record, request_stop, ring
 from unbroken.core.config import RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
@@ -113,7 +113,7 @@ class Agent:
     def stop_job(self, reason: str) -> None:
         """Ask every process of the job to stop, unless someone already did: the first reason is the one the
         coordinator records (a worker's own line, not "every worker exited" that follows from it)."""
-        self._call(lambda s: (s.compare_set(keys.STOP, "", reason), ring(s)))
+        self._call(request_stop, reason)
 
     def newest_members(self) -> list[int] | None:
         def read(s: Any) -> list[int]:

@@ -43,6 +43,7 @@ from unbroken.control.store import (
     publish_record,
     read_json,
     report_error,
+    request_stop,
     ring,
     wait_key,
 )
@@ -456,9 +457,7 @@ class CoordinatorClient:
         """Ask every process of the job to stop (a check that guards the training state failed); True if this
         call set the reason (the first of several members that saw the same thing)."""
         try:
-            first = self._store.compare_set(keys.STOP, "", reason) == reason.encode()
-            ring(self._store)
-            return first
+            return request_stop(self._store, reason)
         except RuntimeError:
             return False  # the coordinator is gone: nobody left to tell
 

@@ -61,7 +61,7 @@ from unbroken.control.progress import describe_error
 from unbroken.control.runview import MetricsTee, RunView
 from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
 from unbroken.control.status import StatusServer
-from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, ring, wait_key
+from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, request_stop, ring, wait_key
 from unbroken.core import bugs, ckptfiles
 from unbroken.core.config import Reduction, RunConfig, to_toml
 from unbroken.core.layout import ReplicaLayout
@@ -429,13 +429,10 @@ class Coordinator:
         log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
 
     def stop(self, reason: str) -> bool:
-        """Stop the job for ``reason``; True if it is the reason (nobody stopped it before)."""
-        first = not self.store.check([keys.STOP])
-        if first:
-            self.store.set(keys.STOP, reason)
+        """Stop the job for ``reason``; True if it is the reason kept (nobody stopped it for another before)."""
+        first = request_stop(self.store, reason)
         self.stopping.set()
         ring(self.store, keys.NEWS)
-        ring(self.store)
         return first
 
     # -- workers' exceptions ------------------------------------------------------------------------

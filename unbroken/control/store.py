@@ -48,7 +48,7 @@ def open_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | No
     tunnel = Tunnel(address, token if token is not None else require_token(), timeout_s)
     try:
         store = TCPStore(
-            "127.0.0.1",
+            tunnel.host,
             tunnel.port,
             is_master=False,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -71,6 +71,14 @@ def publish_record(store: TCPStore, record: dict[str, Any]) -> None:
     """Queue one metrics record (``core.records`` encodes it) for the coordinator to append."""
     seq = store.add(keys.METRICS_SEQ, 1)
     store.set(keys.metrics(seq), encode(record))
+
+
+def request_stop(store: TCPStore, reason: str) -> bool:
+    """Ask every process of the job to stop, unless someone already did (``keys.STOP``, a compare-and-set):
+    the first reason is the one kept, whoever asks after. Wakes the coordinator; True if ``reason`` is kept."""
+    first = store.compare_set(keys.STOP, "", reason) == reason.encode()
+    ring(store)
+    return first
 
 
 def report_error(store: TCPStore, error: WorkerError) -> None:
