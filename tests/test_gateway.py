@@ -66,7 +66,7 @@ def served() -> Iterator[Served]:
 def client(served: Served, token: str | None = None) -> TCPStore:
     tunnel = Tunnel(served.address, token or served.token, 5.0)
     return TCPStore(
-        "127.0.0.1", tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+        tunnel.host, tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
     )
 
 
@@ -179,7 +179,7 @@ def test_another_process_cannot_take_over_a_local_tunnel(served: Served) -> None
     # Another process connects to the tunnel's local port before our store client does.
     script = (
         "import socket,sys\n"
-        f"s=socket.create_connection(('127.0.0.1',{tunnel.port}))\n"
+        f"s=socket.create_connection(({tunnel.host!r},{tunnel.port}))\n"
         "s.settimeout(3)\n"
         "s.sendall(b'x'*16)\n"
         "try:\n    data=s.recv(100)\nexcept OSError:\n    data=b''\n"
@@ -188,6 +188,21 @@ def test_another_process_cannot_take_over_a_local_tunnel(served: Served) -> None
     intruder = subprocess.run([sys.executable, "-c", script], timeout=30)
     assert intruder.returncode == 0, "the intruder was given a connection to the store"
     c = TCPStore(
-        "127.0.0.1", tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+        tunnel.host, tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
+    assert c.get("epoch") == b"1"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a loopback address of its own needs Linux's 127/8")
+def test_a_stale_client_retrying_an_old_tunnel_port_cannot_take_a_new_tunnel(served: Served) -> None:
+    """A store client keeps retrying a refused port until its timeout; one left behind by an earlier job of this
+    process, retrying 127.0.0.1:P, must not take the one connection of a new tunnel that got port P (CI: a
+    worker's join then failed, its own client refused)."""
+    tunnel = Tunnel(served.address, served.token, 5.0)
+    assert tunnel.host != "127.0.0.1"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", tunnel.port), timeout=2).close()
+    c = TCPStore(
+        tunnel.host, tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
     )
     assert c.get("epoch") == b"1"

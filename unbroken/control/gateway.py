@@ -424,7 +424,7 @@ def _loop() -> _Loop:
 def _owned_by_this_process(peer: tuple[str, int]) -> bool:
     """True if the TCP socket at ``peer`` (an address on this host) belongs to this process (Linux /proc).
 
-    The tunnel's local end listens on 127.0.0.1 for one connection: this stops another local user from
+    The tunnel's local end listens on a loopback address for one connection: this stops another local user from
     slipping in before our own store client connects. Without /proc there is no check."""
     try:
         lines = []
@@ -453,6 +453,23 @@ def _owned_by_this_process(peer: tuple[str, int]) -> bool:
     return False
 
 
+def _loopback_listener() -> socket.socket:
+    """A non-blocking listening socket on a loopback address of its own: a random 127.x.y.z where the system
+    routes all of 127/8 to itself (Linux), else 127.0.0.1.
+
+    A store client connects to a tunnel by address and port and retries a refused connection until its timeout.
+    One left behind by an earlier job of the same process (workers as threads, in tests) would otherwise reach a
+    new tunnel that was given the old port number, take its one connection, and leave the new client refused."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((f"127.{secrets.randbelow(255)}.{secrets.randbelow(255)}.{1 + secrets.randbelow(254)}", 0))
+    except OSError:
+        sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    sock.setblocking(False)
+    return sock
+
+
 class Tunnel:
     """A local port that leads, authenticated, to the coordinator: connect one TCPStore client to it."""
 
@@ -474,11 +491,8 @@ class Tunnel:
                 raise
             raise TunnelError(f"handshake with the coordinator at {address} failed: {e}") from None
         self.upstream = upstream
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(4)
-        self.listener.setblocking(False)
-        self.port = self.listener.getsockname()[1]
+        self.listener = _loopback_listener()
+        self.host, self.port = self.listener.getsockname()[:2]
         self.connected = False
         self.loop = _loop()
         self.loop.call(lambda: self.loop.sel.register(self.listener, selectors.EVENT_READ, self._accept))
