@@ -192,7 +192,10 @@ def test_journal_kill9_at_random_moments(tmp_path: Path) -> None:
         assert first.startswith("saved ")  # it is in its save loop
         time.sleep(rng.uniform(0.0, 0.03))
         proc.kill()
-        out, _ = proc.communicate(timeout=WAIT_S)
+        proc.wait(timeout=WAIT_S)
+        # The rest from the same reader: readline() may have buffered lines past the first, which communicate()
+        # with a timeout would skip (it reads the descriptor itself).
+        out = proc.stdout.read()
         saved = [int(line.split()[1]) for line in (first + out).splitlines() if line.startswith("saved ")]
         torn += (tmp_path / (JOURNAL_FILE + ".tmp")).exists()
         loaded = JournalStore(tmp_path).load()
