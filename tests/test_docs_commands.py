@@ -61,6 +61,7 @@ class Rule:
     variant: Callable[[DocCommand], str] | None = None  # FAST: the shell text run instead
     expect: str = ""  # a regular expression the output must contain
     needs_cuda: bool = False  # skipped unless torch sees a CUDA GPU
+    commit: str = ""  # SKIP: a command of a past tree; the files it names are checked in this commit
 
 
 # bash: the run of my_train.py recorded steps 0 .. {steps} - 1
@@ -157,7 +158,8 @@ RULES = (
     Rule(
         r"python scripts/proto_hsdp/.*",
         How.SKIP,
-        "the prototypes whose findings docs/parallel.md records (tests/test_parallel.py tests the product)",
+        "the removed prototypes of commit 54cd1a3, whose findings docs/parallel.md records",
+        commit="54cd1a3",
     ),
 )
 
@@ -332,12 +334,23 @@ def snapshot(ws: Path) -> dict[str, tuple[int, int]]:
 
 
 # -- the checks -------------------------------------------------------------------------------------------------
-def check_skipped(command: DocCommand) -> None:
-    """What can be checked of a command that is not run: the files it names exist; the CLI parses its arguments,
-    and its config overrides load."""
+def exists_in(commit: str, path: str) -> bool | None:
+    """Whether ``path`` is in ``commit``'s tree; None if this clone lacks the commit (a shallow clone)."""
+    git = ["git", "-C", str(ROOT), "cat-file", "-e"]
+    if subprocess.run([*git, f"{commit}^{{commit}}"], capture_output=True).returncode != 0:
+        return None
+    return subprocess.run([*git, f"{commit}:{path}"], capture_output=True).returncode == 0
+
+
+def check_skipped(command: DocCommand, commit: str = "") -> None:
+    """What can be checked of a command that is not run: the files it names exist (in ``commit``'s tree for a
+    command of a past tree); the CLI parses its arguments, and its config overrides load."""
     for word in command.words:
         if re.match(r"(configs|deploy|docs|examples|scripts|unbroken|tests)/[\w./-]+$", word):
-            assert (ROOT / word).exists(), f"{command.source}: {word} does not exist"
+            if commit:
+                assert exists_in(commit, word) is not False, f"{command.source}: {word} is not in commit {commit}"
+            else:
+                assert (ROOT / word).exists(), f"{command.source}: {word} does not exist"
     module = next((command.words[i + 1] for i, w in enumerate(command.words[:-1]) if w == "-m"), "")
     if module.startswith("unbroken.") and module != "unbroken":
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), f"{command.source}: no module {module}"
@@ -428,7 +441,7 @@ def test_the_command_runs_as_written(command: DocCommand, request: pytest.Fixtur
         )
     command = substituted(command)
     if rule.how is How.SKIP or (rule.needs_cuda and not cuda_available()):
-        check_skipped(command)
+        check_skipped(command, rule.commit)
         pytest.skip(f"{command.source}: {rule.why}")
     if rule.how is How.DRY:
         dry = request.getfixturevalue("dry_runs")[command.source]
