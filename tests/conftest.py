@@ -14,6 +14,22 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from runner import RUN_TIMEOUT_S
+
+# Each shared run below is one ``runner.train`` (bounded by its subprocess timeout, RUN_TIMEOUT_S); the first test
+# that asks for a fixture builds it, and the other pytest process may wait for that build under the fixture's lock.
+# Either way the build is part of the test's time: a test's hang bound is its own plus the builds it may wait for.
+SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        runs = sum(SHARED_RUNS.get(name, 0) for name in getattr(item, "fixturenames", ()))
+        if not runs:
+            continue
+        marker = item.get_closest_marker("timeout")
+        own = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout"))
+        item.add_marker(pytest.mark.timeout(own + runs * RUN_TIMEOUT_S))
 
 
 def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -22,11 +38,11 @@ def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def _once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
-    """``root/name``, built by ``build`` the first time any process of the session asks for it."""
+def _once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None], runs: int) -> Path:
+    """``root/name``, built by ``build`` (``runs`` runs) the first time any process of the session asks for it."""
     root = _shared_root(tmp_path_factory)
     out, done = root / name, root / f"{name}.done"
-    with FileLock(str(root / f"{name}.lock"), timeout=900):
+    with FileLock(str(root / f"{name}.lock"), timeout=runs * RUN_TIMEOUT_S):
         if not done.exists():
             out.mkdir(exist_ok=True)
             build(out)
@@ -57,7 +73,7 @@ def control_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: 
         result = train(base / "reference", data_cache_dir, *CONTROL_COMMON, workers=1)
         assert result.returncode == 0, result.stderr[-3000:]
 
-    return _once(tmp_path_factory, "control", build) / "reference"
+    return _once(tmp_path_factory, "control", build, SHARED_RUNS["control_reference"]) / "reference"
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +100,7 @@ def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path
             result = train(base / name, data_cache_dir, *common, *extra, workers=workers)
             assert result.returncode == 0, (name, result.stderr[-3000:])
 
-    base = _once(tmp_path_factory, "recovery", build)
+    base = _once(tmp_path_factory, "recovery", build, SHARED_RUNS["recovery_runs"])
     return {name: base / name for name in plan}
 
 
@@ -98,4 +114,4 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> 
         result = train(base / "run", data_cache_dir, workers=2)
         assert result.returncode == 0, result.stderr[-3000:]
 
-    return _once(tmp_path_factory, "tiny-run", build) / "run"
+    return _once(tmp_path_factory, "tiny-run", build, SHARED_RUNS["tiny_run"]) / "run"

@@ -20,6 +20,7 @@ EXACT = "--recovery.reduction=exact"
 # One intra-op thread per worker, however many share the machine: every microbatch gradient is computed by the
 # same kernels, so exact runs of different worker counts are bitwise comparable (tests/test_train.py).
 ONE_THREAD = "--train.threads=1"
+RUN_TIMEOUT_S = 240  # one run of ``train``
 
 
 def train_cmd(cache: Path, *args: str, workers: int = 4) -> list[str]:
