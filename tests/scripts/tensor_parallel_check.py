@@ -1,0 +1,81 @@
+"""One rank of tests/test_tensor.py: a model split by ``apply_tensor_parallel`` over this process group against the
+same model whole, on the same tokens, in float64.
+
+Run by the test as ``python tensor_parallel_check.py OUT_JSON MODEL SEQUENCE_PARALLEL`` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set; each rank writes OUT_JSON.RANK: the largest difference of the logits and of every
+parameter's gradient (the split ones gathered) relative to the largest magnitude of the whole model's, and how
+many parameters were split.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from unbroken.core.flavours import ModelArgs
+from unbroken.ft.tensor import apply_tensor_parallel, tensor_parallel_plan_names
+from unbroken.train.model import Transformer
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "builtin":
+        args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=128, max_seq_len=32)
+        return Transformer(args).double()
+    from unbroken.train.hf import build_hf_llama
+
+    return build_hf_llama("llama-tiny", vocab_size=96, seq_len=32).double()  # the packaged preset, 96 tokens
+
+
+def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def main(out: str, kind: str, sequence_parallel: str) -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tensor",))
+    if kind == "odd_heads":
+        args = ModelArgs(dim=48, n_layers=1, n_heads=6, n_kv_heads=3, vocab_size=8, ffn_hidden=8, max_seq_len=8)
+        try:
+            apply_tensor_parallel(Transformer(args), mesh)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        with open(f"{out}.{dist.get_rank()}", "w") as f:
+            json.dump({"refused": refused}, f)
+        dist.destroy_process_group()
+        return
+    whole = build(kind)
+    split = apply_tensor_parallel(copy.deepcopy(whole), mesh, sequence_parallel=sequence_parallel == "1")
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for name, model in (("whole", whole), ("split", split)):
+        logits = logits_of(model, tokens)
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+        results[name] = logits.detach()
+    scale = results["whole"].abs().max().item()
+    report = {"logits": (results["split"] - results["whole"]).abs().max().item() / scale, "grads": {}, "split": 0}
+    wanted = set(tensor_parallel_plan_names(whole))
+    for (name, p_whole), (_, p_split) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
+        grad = p_split.grad
+        if isinstance(grad, DTensor):
+            report["split"] += name in wanted and isinstance(p_split, DTensor)
+            grad = grad.full_tensor()
+        assert p_whole.grad is not None and grad is not None, name
+        report["grads"][name] = (grad - p_whole.grad).abs().max().item() / max(p_whole.grad.abs().max().item(), 1e-300)
+    report["expected_split"] = len(wanted)
+    with open(f"{out}.{dist.get_rank()}", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,74 @@
+"""Tensor parallelism (``ft.tensor``): a model split over 2 real processes (gloo) computes what the whole model
+computes, for the built-in LLaMA (with and without sequence parallelism) and Hugging Face's ``LlamaForCausalLM``.
+
+The oracle: in float64 a split model differs from the whole one only by rounding. A row-wise projection sums 2
+partial dot products instead of one; each such sum, and everything downstream of it, changes by a few units of
+float64 roundoff (2**-53) times the depth of the network's sums (at most a few thousand here), so every logit and
+every gradient agrees to 1e-9 of its scale, while a wrong split (a shard in the wrong place, a missing all-reduce,
+heads mixed up) is off by O(1) of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from runner import ROOT, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+SCRIPT = ROOT / "tests" / "scripts" / "tensor_parallel_check.py"
+TOLERANCE = 1e-9
+
+
+def split_against_whole(tmp_path: Path, kind: str, sequence_parallel: bool) -> list[dict]:
+    out = tmp_path / "report"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, str(SCRIPT), str(out), kind, "1" if sequence_parallel else "0"]
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errors = [p.communicate(timeout=200)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "sequence_parallel"), [("builtin", False), ("builtin", True), ("hf", False)], ids=["builtin", "sp", "hf"]
+)
+def test_a_split_model_computes_what_the_whole_one_does(tmp_path: Path, kind: str, sequence_parallel: bool) -> None:
+    if kind == "hf":
+        pytest.importorskip("transformers", reason="Hugging Face's model needs transformers (pip install '.[hf]')")
+    for report in split_against_whole(tmp_path, kind, sequence_parallel):
+        assert report["split"] == report["expected_split"] > 0  # every projection of every block is split
+        assert report["logits"] <= TOLERANCE, report["logits"]
+        worst = max(report["grads"].items(), key=lambda item: item[1])
+        assert worst[1] <= TOLERANCE, worst
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused_in_one_line(tmp_path: Path) -> None:
+    for report in split_against_whole(tmp_path, "odd_heads", False):
+        assert report["refused"] == "parallel.tensor = 2 must divide the model's key/value heads (3)"
+
+
+def test_a_model_it_does_not_know_is_refused_in_one_line() -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from unbroken.ft.tensor import apply_tensor_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tensor",))
+        with pytest.raises(
+            ValueError, match="^tensor parallelism supports the built-in .* not Linear;"
+        ):
+            apply_tensor_parallel(nn.Linear(2, 2), mesh)
+        with pytest.raises(ValueError, match="takes the tensor dimension of the mesh .1-D., not a 2-D one"):
+            apply_tensor_parallel(nn.Linear(2, 2), init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))
+    finally:
+        dist.destroy_process_group()
