@@ -19,12 +19,14 @@ from runner import RUN_TIMEOUT_S
 # Each shared run below is one ``runner.train`` (bounded by its subprocess timeout, RUN_TIMEOUT_S); the first test
 # that asks for a fixture builds it, and the other pytest process may wait for that build under the fixture's lock.
 # Either way the build is part of the test's time: a test's hang bound is its own plus the builds it may wait for.
+# A test module whose own module-scoped fixture trains several runs says how many in ``FIXTURE_RUNS``.
 SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        runs = sum(SHARED_RUNS.get(name, 0) for name in getattr(item, "fixturenames", ()))
+        builds = {**SHARED_RUNS, **getattr(getattr(item, "module", None), "FIXTURE_RUNS", {})}
+        runs = sum(builds.get(name, 0) for name in getattr(item, "fixturenames", ()))
         if not runs:
             continue
         marker = item.get_closest_marker("timeout")

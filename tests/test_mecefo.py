@@ -15,6 +15,7 @@ from runner import EXACT, ONE_THREAD, final_params, train
 from unbroken.core.records import committed_steps, read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)
+FIXTURE_RUNS = {"runs": 4}  # trainings the module fixture runs (conftest adds their time to each test's bound)
 
 # Worker 2 is killed in its backward pass at step 4 and restarted 1 s later, so several steps run with a
 # neighbour (worker 3) doing worker 2's share in efficient mode before exact training resumes. Worker 0 computes

@@ -64,9 +64,7 @@ def test_a_model_it_does_not_know_is_refused_in_one_line() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tensor",))
-        with pytest.raises(
-            ValueError, match="^tensor parallelism supports the built-in .* not Linear;"
-        ):
+        with pytest.raises(ValueError, match="^tensor parallelism supports the built-in .* not Linear;"):
             apply_tensor_parallel(nn.Linear(2, 2), mesh)
         with pytest.raises(ValueError, match="takes the tensor dimension of the mesh .1-D., not a 2-D one"):
             apply_tensor_parallel(nn.Linear(2, 2), init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))

@@ -22,6 +22,7 @@ from unbroken.core.records import committed_steps, read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(240)
+FIXTURE_RUNS = {"exact_runs": 3}  # trainings the module fixture runs (conftest adds their time to each test's bound)
 
 
 def train_cmd(*args: str, cache: Path) -> list[str]:
