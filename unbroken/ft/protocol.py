@@ -26,7 +26,6 @@ import collections
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ import torch
 
 from unbroken.control.client import CoordinatorClient, Epoch
 from unbroken.core import ckptfiles
-from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
+from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
@@ -60,79 +59,37 @@ from unbroken.ft.exact import FixedPointScale
 from unbroken.ft.foldkernel import extremes
 from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
 from unbroken.ft.inject import FaultInjector
+from unbroken.ft.protocoldefs import (
+    EXIT_COORDINATOR_LOST,
+    EXIT_INVARIANT,
+    EXIT_NONFINITE,
+    EXIT_STOPPED,
+    Interrupted,
+    InvariantViolation,
+    ProtocolConfig,
+    StopRun,
+)
 from unbroken.ft.sidevec import Reduced, SideVector
 from unbroken.ft.state import StepOutcome, TrainingState
 
 if TYPE_CHECKING:
     from unbroken.ft.replica import Replica
 
+__all__ = [
+    "EXIT_COORDINATOR_LOST",
+    "EXIT_INVARIANT",
+    "EXIT_NONFINITE",
+    "EXIT_STOPPED",
+    "Interrupted",
+    "InvariantViolation",
+    "ProtocolConfig",
+    "StepProtocol",
+    "StopRun",
+]
+
 log = logging.getLogger(__name__)
 
-EXIT_STOPPED = 3  # this worker left: excluded, cut off, or the job was stopped
-EXIT_COORDINATOR_LOST = 4  # the coordinator is gone; the state was checkpointed for --resume
-EXIT_INVARIANT = 5  # a check that protects the training state failed; the run stopped, the last checkpoint kept
-EXIT_NONFINITE = 6  # a non-finite gradient under train.nonfinite = "stop", or too many consecutive skips
 RECENT_RECORDS = 64  # metrics records a leader keeps, to write them itself if the coordinator dies
-
-
-class StopRun(Exception):
-    """This worker must stop. ``fatal``: the whole job must stop too (else only this worker leaves).
-    ``shared``: every member reached the same decision from the same reduced values, so the group's leader
-    stops the job (after the records that explain it) and the others wait for it."""
-
-    def __init__(self, reason: str, fatal: bool = True, code: int = EXIT_STOPPED, shared: bool = False) -> None:
-        super().__init__(reason)
-        self.fatal = fatal
-        self.code = code
-        self.shared = shared
-
-
-class InvariantViolation(StopRun):
-    """A check that guards the training state failed: the run stops before anything is committed."""
-
-    def __init__(self, reason: str, shared: bool = True) -> None:
-        super().__init__(reason, fatal=True, code=EXIT_INVARIANT, shared=shared)
-
-
-class Interrupted(Exception):
-    """A collective was abandoned because the membership changed; recovery starts (internal only)."""
-
-
-@dataclass(frozen=True)
-class ProtocolConfig:
-    """The settings the protocol reads, from the run's config."""
-
-    microbatches: int
-    policy: RecoveryPolicy
-    reduction: Reduction
-    workload: Workload
-    op_timeout_s: float
-    join_timeout_s: float
-    bucket_bytes: int
-    first_bucket_bytes: int
-    nonfinite: NonfinitePolicy
-    max_nonfinite_skips: int
-    checkpoint_every: int
-    checkpoint_keep: int
-    workers_per_gpu: int = 1
-
-    @staticmethod
-    def of(cfg: RunConfig) -> ProtocolConfig:
-        return ProtocolConfig(
-            microbatches=cfg.train.microbatches,
-            policy=cfg.recovery.policy,
-            reduction=cfg.recovery.reduction,
-            workload=cfg.recovery.workload,
-            op_timeout_s=cfg.comm.op_timeout_s,
-            join_timeout_s=cfg.comm.join_timeout_s,
-            bucket_bytes=int(cfg.comm.bucket_mb * 2**20),
-            first_bucket_bytes=int(cfg.comm.first_bucket_mb * 2**20),
-            nonfinite=cfg.train.nonfinite,
-            max_nonfinite_skips=cfg.train.max_nonfinite_skips,
-            checkpoint_every=cfg.checkpoint.every,
-            checkpoint_keep=cfg.checkpoint.keep,
-            workers_per_gpu=cfg.train.workers_per_gpu,
-        )
 
 
 class StepProtocol:
