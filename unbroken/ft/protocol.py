@@ -22,7 +22,6 @@ leaves as one: every wait on a collective ends in such an agreement.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import time
@@ -31,34 +30,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control.client import CoordinatorClient, Epoch
+from unbroken.control.client import CoordinatorClient
 from unbroken.core import ckptfiles
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
-from unbroken.core.records import RecordKind, append_records, make
+from unbroken.core.records import RecordKind
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import datacheck
 from unbroken.ft.comm import (
     GradientReducer,
     Group,
-    GroupFormer,
-    Pending,
     WaitStatus,
-    abort_group,
     allreduce_async,
-    broadcast_async,
-    form_group,
     local_tensor,
-    retire_group,
-    wait_all,
 )
 from unbroken.ft.exact import FixedPointScale
 from unbroken.ft.foldkernel import extremes
 from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
 from unbroken.ft.inject import FaultInjector
+from unbroken.ft.membership import Membership
 from unbroken.ft.protocoldefs import (
     EXIT_COORDINATOR_LOST,
     EXIT_INVARIANT,
@@ -88,8 +81,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-RECENT_RECORDS = 64  # metrics records a leader keeps, to write them itself if the coordinator dies
 
 
 class StepProtocol:
@@ -149,21 +140,10 @@ class StepProtocol:
             from unbroken.ft.fsdp import prepare_fsdp
 
             prepare_fsdp(state.model, self.reducer)
-        self.group: Group | None = None
-        self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
         self._any_nonfinite = False  # a replica of several ranks, fp32: some rank's reduced shard is not finite
-        self.former = GroupFormer(
-            client.new_connection,
-            client.worker_id,
-            backend,
-            cfg.op_timeout_s,
-            device,
-            lambda epoch: client.latest_epoch > epoch or client.stopped is not None,
-            self.coordinate,
-        )
-        client.on_epoch = self._epoch_published
+        self.members = Membership(cfg, client, state, injector, backend, device, self.layout, replica, run_dir)
+        client.on_epoch = self.members.epoch_published
         self.resume_pending = False
-        self.recovering = False
         # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
         # they all take in joiners at the same step boundary (a join interrupts no collective).
         self.switch_epoch = 0
@@ -189,39 +169,23 @@ class StepProtocol:
         # loop, 0: unknown) and one device's peak TFLOP/s (0: unknown, e.g. the CPU).
         self.flops_per_token = 0.0
         self.peak_tflops = 0.0
-        # The records this worker published lately: written by itself if the coordinator dies undrained.
-        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
 
-    # -- identity and membership -------------------------------------------------------------------
+    # -- the parts, as the user's loop (api) and the process reach them ------------------------------
     @property
-    def wid(self) -> int:
-        return self.client.worker_id
+    def group(self) -> Group | None:
+        return self.members.group
 
     @property
     def unit(self) -> int:
-        """What the planner plans for and the side vector counts: this worker, or its replica."""
-        return self.layout.replica_of(self.wid)
-
-    @property
-    def coordinate(self) -> int | None:
-        """This rank's index in its replica (its group's), or None for a replica of one rank."""
-        return self.replica.rank if self.replica is not None else None
-
-    def units(self) -> tuple[int, ...]:
-        """The members of the current group as the planner sees them (workers, or their replicas)."""
-        assert self.group is not None
-        return tuple(self.layout.replica_of(w) for w in self.group.members)
+        return self.members.unit
 
     @property
     def leader(self) -> bool:
-        """This worker is (a rank of) the group's first member: it writes checkpoints."""
-        assert self.group is not None
-        return self.group.rank == 0
+        return self.members.leader
 
     @property
     def publisher(self) -> bool:
-        """This worker publishes the group's records (the leader; of a replica, its first rank)."""
-        return self.group is not None and self.leader and (self.replica is None or self.replica.rank == 0)
+        return self.members.publisher
 
     def _model_tensors(self) -> tuple[list[int], list[int], list[str]]:
         n = len(self.params)
@@ -233,170 +197,16 @@ class StepProtocol:
         every = [entry for stage in stages for entry in stage]
         return list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every]
 
-    def _combine_max(self, tensor: torch.Tensor) -> None:
-        if self.replica is not None:
-            self.replica.all_reduce(tensor, torch.distributed.ReduceOp.MAX)
-
-    def _combine_sum(self, tensor: torch.Tensor) -> None:
-        if self.replica is not None:
-            self.replica.all_reduce(tensor)
-
-    def _agreed(self, ok: bool) -> bool:
-        """``ok`` agreed over the ranks of this worker's replica (itself for a replica of one rank)."""
-        return ok if self.replica is None else self.replica.agree(ok)
-
-    def interrupted(self) -> bool:
-        """True when a member of the current group was removed or its group must be re-formed (a newer epoch
-        says so), or the run is being stopped (cached, cheap). A join does not interrupt: the group's
-        collectives complete, and the joiner is taken in at the next step boundary."""
-        assert self.group is not None
-        group, client = self.group, self.client
-        if client.stopped is not None or client.removed_since(group.epoch, group.members):
-            return True
-        if client.latest_epoch <= group.epoch:
-            return False
-        # While recovering, any newer epoch interrupts: members may skip an epoch that is already superseded,
-        # so a collective on it might never be matched. A member that finished recovering just before the
-        # others were interrupted is in the new group's collectives alone: it learns that a member has left
-        # the group for a newer epoch (each says so before forming one) and follows.
-        return self.recovering or client.left_for_newer(group.epoch, group.members)
-
-    def _wait(self, pending: list[Pending]) -> None:
-        """Wait for ``pending``; Interrupted unless it completed (on every rank of the replica)."""
-        status = wait_all(pending, self.cfg.op_timeout_s, self.interrupted)
-        if status is WaitStatus.TIMED_OUT:
-            self._report_timeout()
-        if not self._agreed(bool(status)):
-            raise Interrupted
-
-    def _report_timeout(self) -> None:
-        """A collective of the current group timed out while nobody was removed: tell the coordinator, which
-        sees every heartbeat and decides (retry with a fresh group, then exclude who stalls again)."""
-        assert self.group is not None
-        self.client.report_timeout(self.group.epoch)
-
-    def _epoch_published(self, epoch: int, members: tuple[int, ...]) -> None:
-        """The watcher read a newer epoch: form its group ahead if this worker will need it. A rank of a
-        replica that the epoch removes leaves at once (its replica-mate died: FSDP's or the pipeline's
-        collectives may be blocked on it, and only ending the process bounds them)."""
-        if self.replica is not None and self.group is not None and self.wid not in members:
-            self.replica.down(f"epoch {epoch} does not include it")
-        if self.group is None or epoch > self.group.epoch:
-            self.former.offer(epoch, self.layout.coordinate(members, self.layout.rank_of(self.wid)))
-
-    def form_next_group(self) -> None:
-        """Wait for an epoch newer than the current group's that includes this worker and build its group
-        (with replicas: the group of this rank's index, and every rank of the replica in the same epoch); if
-        that epoch is superseded while its group forms (another member died), move on to the newest."""
-        client = self.client
-        after = self.group.epoch if self.group is not None else 0
-        # No collective of the current group runs again: a NCCL one may be spinning on a dead peer's GPU.
-        abort_group(self.group)
-        while True:
-            epoch = self._next_epoch(after)
-            client.announce_forming(epoch.epoch)
-            members = self.layout.coordinate(epoch.members, self.layout.rank_of(self.wid))
-            group, status = self.former.take(epoch.epoch) or form_group(
-                client.new_connection(),  # its own: an abandoned rendezvous may block in a store wait
-                epoch.epoch,
-                members,
-                self.wid,
-                self.backend,
-                self.cfg.op_timeout_s,
-                self.device,
-                lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
-                self.coordinate,
-            )
-            if group is not None:
-                # The old group's destructor may block until its abandoned collectives time out: not here.
-                retire_group(self.group, self.cfg.op_timeout_s + 1.0)
-                self.group = group
-            if status is WaitStatus.TIMED_OUT:
-                client.report_timeout(epoch.epoch)  # the rendezvous timed out: a live member never came
-            if self._agreed(group is not None):
-                return
-            after = epoch.epoch
-
-    def _next_epoch(self, after: int) -> Epoch:
-        """The newest epoch after ``after`` that includes this worker; the ranks of a replica take the newest
-        any of them has seen. StopRun if there is none (the run stops, or this worker was excluded)."""
-        client = self.client
-        epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
-        if self.replica is not None:
-            number = torch.tensor([float(epoch.epoch) if epoch is not None else 0.0], dtype=torch.float64)
-            self.replica.all_reduce(number, torch.distributed.ReduceOp.MAX)
-            agreed = int(number.item())
-            if agreed > 0 and (epoch is None or epoch.epoch != agreed):
-                record = client.epoch_record(agreed)
-                epoch = record if self.wid in record.members else None
-        if epoch is None:
-            refused = client.refusal()
-            if refused is not None:
-                raise StopRun(refused, fatal=False)
-            reason = client.stop_reason()
-            if reason is None and client.current_epoch() > after:
-                raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
-            raise StopRun(reason or "no new membership epoch was published in time")
-        return epoch
-
     def publish(self, kind: RecordKind, **fields: Any) -> None:
-        """Publish a metrics record (the group's leader only, so each is written once)."""
-        if self.publisher:
-            record = make(kind, time.time(), **fields)
-            self.recent.append(record)
-            self.client.publish_metrics(record)
+        self.members.publish(kind, **fields)
 
     def append_undrained(self, closing: dict[str, Any]) -> None:
-        """The coordinator died: append the recent records it never wrote, then ``closing``, to metrics.jsonl."""
-        try:
-            append_records(self.run_dir, [*self.recent, closing])
-        except OSError as e:
-            log.warning("could not append to the metrics of %s: %s", self.run_dir, e)
+        self.members.append_undrained(closing)
+
+    def _combine_sum(self, tensor: torch.Tensor) -> None:
+        self.members.combine_sum(tensor)
 
     # -- state ------------------------------------------------------------------------------------
-    def sync_state(self) -> bool:
-        """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was cut
-        short while others committed) receives the state of the lowest-ranked member that is ahead, as the
-        checkpoint schema's bytes (a rank of a replica: its shard of the state, from the rank of the same
-        index). True if this worker was behind."""
-        assert self.group is not None
-        steps = torch.zeros(self.group.size, dtype=torch.float64)
-        steps[self.group.rank] = self.state.step
-        self.state_bytes = 0
-        self._wait([allreduce_async(self.group, steps)])
-        ahead = float(steps.max())
-        if float(steps.min()) == ahead:
-            return False
-        src = int((steps == ahead).nonzero()[0])
-        behind = self.state.step < ahead
-        local = self.replica is not None
-        payload = ckpt.encode(self.state.snapshot(local=local)) if self.group.rank == src else b""
-        checksum = self.state.checksum() if self.group.rank == src else ""
-        header = torch.zeros(2 + 64, dtype=torch.float64)
-        if self.group.rank == src:
-            header[0], header[1] = len(payload), ahead
-            header[2:] = torch.tensor(list(bytes.fromhex(checksum)) + [0] * 32, dtype=torch.float64)
-        self._wait([broadcast_async(self.group, header, src)])
-        self.state_bytes = int(header[0])  # what one member sent to those behind (a rank: its shard)
-        if self.group.rank != src:
-            self.injector.inject(Phase.RECEIVE, step=int(header[1]))
-        data = torch.zeros(int(header[0]), dtype=torch.uint8)
-        if self.group.rank == src:
-            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._wait([broadcast_async(self.group, data, src)])
-        if behind:
-            state = ckpt.decode(data.numpy().tobytes())
-            self.state.restore(state, local=local)
-            expected = bytes(int(x) for x in header[2:34].tolist()).hex()
-            if self.state.checksum() != expected:
-                raise InvariantViolation(
-                    f"step {self.state.step}: after receiving the state from member {self.group.members[src]} "
-                    f"the parameters' checksum is {self.state.checksum()[:12]}, the sender's {expected[:12]}",
-                    shared=False,
-                )
-            self.begin_step()
-        return behind
-
     def load_checkpoint(self) -> None:
         """Load the newest good checkpoint (``--resume``, on the leader: every rank of the leading replica)."""
         sharded = self.replica is not None
@@ -458,7 +268,7 @@ class StepProtocol:
         """The assignment of ``todo`` (default: all M ids) of the current step over the group's members;
         every member computes the same one. Sets the ids this worker runs in efficient mode (MeCeFO)."""
         assert self.group is not None
-        members = self.units()
+        members = self.members.units()
         if self.cfg.policy.mecefo:
             ring = sorted(set(self.ring) | set(members))
             spread = self.cfg.policy is RecoveryPolicy.MECEFO_SPREAD
@@ -587,7 +397,7 @@ class StepProtocol:
             overflow=flags.overflow,
             seconds=self.my_speed if first else 0.0,
             bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.wid,
+            bad_worker=self.members.wid,
             epoch=self.group.epoch if first else 0,
             newest_epoch=self.client.latest_epoch if self.leader and first else 0,
             member=first,
@@ -599,9 +409,9 @@ class StepProtocol:
         self.injector.inject(Phase.REDUCTION)
         self.injector.stall(self.state.step)
         self.reducer.launch_extras(extras)
-        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.interrupted)
+        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.members.interrupted)
         if status is WaitStatus.TIMED_OUT:
-            self._report_timeout()
+            self.members.report_timeout()
         if self.replica is not None:
             reduced = self._replica_outcome(reduced)
         if reduced is None:
@@ -684,8 +494,8 @@ class StepProtocol:
         observed = torch.zeros(len(self.numels), dtype=torch.float64)
         observed[self.index] = torch.tensor(self.reducer.observed, dtype=torch.float64)
         pending = allreduce_async(self.group, observed, max_op=True)
-        self._wait([pending])
-        self._combine_max(observed)  # a pipeline stage saw its own tensors only
+        self.members.wait([pending])
+        self.members.combine_max(observed)  # a pipeline stage saw its own tensors only
         grown = self.state.scale.grow(observed.tolist())
         self.redos += 1
         log.warning(
@@ -720,12 +530,12 @@ class StepProtocol:
             overflow=0,
             seconds=0.0,
             bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.wid,
+            bad_worker=self.members.wid,
             epoch=self.group.epoch if first else 0,
             member=first,
         )
-        self._combine_sum(diagnosis)
-        self._wait([allreduce_async(self.group, diagnosis)])
+        self.members.combine_sum(diagnosis)
+        self.members.wait([allreduce_async(self.group, diagnosis)])
         self._diagnosis = self.side.decode(diagnosis)
         return True
 
@@ -783,7 +593,7 @@ class StepProtocol:
             "efficient": sum(reduced.efficient),
             "overflow_redos": self.redos,
         }
-        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.units()}
+        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.members.units()}
         self.switch_epoch = reduced.newest_epoch
         if self._nonfinite:
             outcome = self._skip(step, reduced, loss, lr, common)
@@ -795,7 +605,7 @@ class StepProtocol:
             if optimizer is not None:
                 optimizer.step()
             if self.state.scale is not None:
-                self.state.scale.track(peaks(self._local_grads(), self.index, self.numels, self._combine_max))
+                self.state.scale.track(peaks(self._local_grads(), self.index, self.numels, self.members.combine_max))
             self.state.nonfinite_streak = 0
             outcome = StepOutcome(loss, grad_norm, lr, **common)
         self.state.last = outcome
@@ -816,10 +626,15 @@ class StepProtocol:
         however the model is split (``gradnorm.exact_clip``); fp32: torch's for a whole model."""
         if self.exact:
             return exact_clip(
-                self._local_grads(), self.index, self.numels, max_norm, self._combine_max, self._combine_sum
+                self._local_grads(),
+                self.index,
+                self.numels,
+                max_norm,
+                self.members.combine_max,
+                self.members.combine_sum,
             )
         if self.replica is not None:
-            return float_clip(self._local_grads(), max_norm, self._combine_sum)
+            return float_clip(self._local_grads(), max_norm, self.members.combine_sum)
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         return float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True))
@@ -923,7 +738,7 @@ class StepProtocol:
                 ckpt.check(self.run_dir, self.state.step)
             except ValueError:
                 whole = False
-            if not self._agreed(whole):  # a replica's ranks write it together
+            if not self.members.agreed(whole):  # a replica's ranks write it together
                 log.warning("the checkpoint of step %d is missing or damaged: writing it", self.state.step)
                 self.write_checkpoint()
 
@@ -956,11 +771,11 @@ class StepProtocol:
         collectives after every membership change (start, failure, join), wherever it was, so the collectives
         always match."""
         old_members = self.group.members if self.group is not None else ()
-        self.recovering = True
+        self.members.recovering = True
         try:
             return self._recover(old_members)
         finally:
-            self.recovering = False
+            self.members.recovering = False
 
     def _recover(self, old_members: tuple[int, ...]) -> list[int]:
         while True:
@@ -970,7 +785,7 @@ class StepProtocol:
                 if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
                     reason = "membership changed; the restart policy restarts from the last checkpoint"
                     raise StopRun(reason, fatal=False)
-                self.form_next_group()
+                self.members.form_next_group()
                 assert self.group is not None
                 # Formed ahead (GroupFormer), the group may be older than this recovery.
                 formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
@@ -979,10 +794,12 @@ class StepProtocol:
                     if self.leader:
                         self.load_checkpoint()
                         self.begin_step()
-                was_behind = self.sync_state()
+                was_behind = self.members.sync_state()
+                if was_behind:
+                    self.begin_step()
                 held = torch.zeros(self.M, dtype=torch.float64)
                 held[self.done] = 1.0
-                self._wait([allreduce_async(self.group, held)])
+                self.members.wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
             assert self.group is not None
@@ -1007,7 +824,7 @@ class StepProtocol:
                     missing=missing,
                     time_reformed=self.group.formed_at,
                     time_recovered=time.time(),
-                    state_bytes=self.state_bytes,
+                    state_bytes=self.members.state_bytes,
                 )
             died = not set(old_members) <= set(self.group.members)
             lost_mid_step = old_epoch > 0 and died and len(missing) < self.M
@@ -1049,7 +866,7 @@ class StepProtocol:
         next step for when it starts) if a failure interrupted it."""
         assert self.group is not None
         try:
-            self._wait([allreduce_async(self.group, tensor)])
+            self.members.wait([allreduce_async(self.group, tensor)])
             return True
         except Interrupted:
             pass
