@@ -40,6 +40,7 @@ from unbroken.core.records import RecordKind
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import datacheck
+from unbroken.ft.ckptio import Checkpoints
 from unbroken.ft.comm import (
     GradientReducer,
     Group,
@@ -105,7 +106,6 @@ class StepProtocol:
         self.replica = replica
         self.layout = replica.layout if replica is not None else ReplicaLayout()
         self.cfg = cfg
-        self.total = total  # the run's steps: the state after the last one is the final checkpoint
         self.M = cfg.microbatches
         self.client = client
         self.state = state
@@ -142,6 +142,7 @@ class StepProtocol:
             prepare_fsdp(state.model, self.reducer)
         self._any_nonfinite = False  # a replica of several ranks, fp32: some rank's reduced shard is not finite
         self.members = Membership(cfg, client, state, injector, backend, device, self.layout, replica, run_dir)
+        self.checkpoints = Checkpoints(cfg, self.members, state, injector, run_dir, total)
         client.on_epoch = self.members.epoch_published
         self.resume_pending = False
         # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
@@ -207,35 +208,6 @@ class StepProtocol:
         self.members.combine_sum(tensor)
 
     # -- state ------------------------------------------------------------------------------------
-    def load_checkpoint(self) -> None:
-        """Load the newest good checkpoint (``--resume``, on the leader: every rank of the leading replica)."""
-        sharded = self.replica is not None
-        loaded = ckpt.load_latest(self.run_dir, read_sharded=not sharded)
-        if loaded is None:
-            raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
-        for line in loaded.skipped:
-            self.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
-        try:
-            if loaded.sharded and self.replica is not None:
-                assert self.state.model is not None
-                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, self.replica)
-                self.state.restore(rest, tensors=False)
-            elif self.replica is not None:
-                raise ValueError(
-                    "is the checkpoint of replicas of one rank (one file); replicas of several ranks resume from a "
-                    "sharded one (resume with parallel.shard = parallel.pipeline = 1)"
-                )
-            elif loaded.sharded:
-                assert self.state.model is not None
-                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, None)
-                self.state.restore(rest, tensors=False)
-            else:
-                self.state.restore(loaded.state)
-        except ValueError as e:
-            raise StopRun(f"checkpoint {loaded.path.name}: {e}") from None
-        self.publish(RecordKind.RESUME, step=loaded.step, path=str(loaded.path))
-        log.info("resumed from %s (step %d)", loaded.path, loaded.step)
-
     def republish_last_step(self) -> None:
         """The last committed step's record may have been lost with the old leader (killed between its commit
         and its publish): the new leader publishes it again, marked ``republished``."""
@@ -715,53 +687,11 @@ class StepProtocol:
         return fields
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def checkpoint_due(self, next_step: int) -> bool:
-        """Whether the state at ``next_step`` (after committing ``next_step - 1``) is to be saved: every
-        ``checkpoint.every`` steps, and always at the end of the run."""
-        every = self.cfg.checkpoint_every
-        return next_step == self.total or (every > 0 and next_step > 0 and next_step % every == 0)
-
     def save_checkpoint_if_due(self) -> None:
-        """After a commit: the leader saves the state if a checkpoint is due (a phase of no collective: if the
-        leader dies while writing, the others find out at their next collective and, once re-formed, the
-        new leader writes it, ``ensure_checkpoint``)."""
-        if self.group is not None and self.leader and self.checkpoint_due(self.state.step):
-            self.write_checkpoint()
-
-    def ensure_checkpoint(self) -> None:
-        """On the leader of a new group: if the current state's checkpoint is due but not on disk and whole (its
-        writer died half-way), write it now, replacing the dead writer's temporary files."""
-        assert self.group is not None
-        if self.leader and self.state.step > 0 and self.checkpoint_due(self.state.step):
-            whole = True
-            try:
-                ckpt.check(self.run_dir, self.state.step)
-            except ValueError:
-                whole = False
-            if not self.members.agreed(whole):  # a replica's ranks write it together
-                log.warning("the checkpoint of step %d is missing or damaged: writing it", self.state.step)
-                self.write_checkpoint()
+        self.checkpoints.save_if_due()
 
     def write_checkpoint(self) -> None:
-        step = self.state.step
-        t0 = time.perf_counter()
-        midway = lambda: self.injector.inject(Phase.CHECKPOINT, step=step)  # noqa: E731
-        if self.replica is not None:  # sharded, by the ranks of the leading replica together
-            assert self.state.model is not None
-            path = ckpt.save_sharded(
-                self.run_dir,
-                step,
-                self.state.model,
-                self.state.optimizer,
-                self.state.snapshot(local=True),
-                self.replica,
-                self.cfg.checkpoint_keep,
-                midway,
-            )
-        else:
-            ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
-            path = ckpt.save_checkpoint(self.run_dir, step, self.state.snapshot(), self.cfg.checkpoint_keep, midway)
-        self.publish(RecordKind.CHECKPOINT, step=step, path=str(path), seconds=time.perf_counter() - t0)
+        self.checkpoints.write()
 
     # -- recovery -----------------------------------------------------------------------------------
     def recover(self) -> list[int]:
@@ -792,7 +722,7 @@ class StepProtocol:
                 if self.resume_pending:
                     self.resume_pending = False
                     if self.leader:
-                        self.load_checkpoint()
+                        self.checkpoints.load()
                         self.begin_step()
                 was_behind = self.members.sync_state()
                 if was_behind:
@@ -805,7 +735,7 @@ class StepProtocol:
             assert self.group is not None
             if was_behind or (old_members and old_members[0] not in self.group.members):
                 self.republish_last_step()
-            self.ensure_checkpoint()
+            self.checkpoints.ensure()
             counts = [int(c) for c in held.tolist()]
             if any(c > 1 for c in counts):
                 raise InvariantViolation(
@@ -886,7 +816,7 @@ class StepProtocol:
                 break
         assert self.group is not None
         if self.leader:
-            self.ensure_checkpoint()
+            self.checkpoints.ensure()
             checksums = {
                 str(w): bytes(int(x) for x in digests[rank].tolist()).hex() for rank, w in enumerate(self.group.members)
             }
