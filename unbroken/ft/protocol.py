@@ -35,7 +35,6 @@ from unbroken.core import ckptfiles
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.core.records import RecordKind
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
@@ -65,6 +64,7 @@ from unbroken.ft.protocoldefs import (
 )
 from unbroken.ft.sidevec import Reduced, SideVector
 from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.stepplan import StepPlan
 
 if TYPE_CHECKING:
     from unbroken.ft.replica import Replica
@@ -113,7 +113,6 @@ class StepProtocol:
         self.injector = injector
         self.backend = backend
         self.device = device
-        self.ring = ring  # the configured workers in ring order (MeCeFO's neighbours)
         self.params = list(state.model.parameters())
         self.names = [n for n, _ in state.model.named_parameters()]
         # This rank's tensors among the whole model's (a pipeline stage holds some of them): their positions,
@@ -142,6 +141,7 @@ class StepProtocol:
             prepare_fsdp(state.model, self.reducer)
         self._any_nonfinite = False  # a replica of several ranks, fp32: some rank's reduced shard is not finite
         self.members = Membership(cfg, client, state, injector, backend, device, self.layout, replica, run_dir)
+        self.plan = StepPlan(cfg, state, ring, whole=replica is None)
         self.checkpoints = Checkpoints(cfg, self.members, state, injector, run_dir, total)
         client.on_epoch = self.members.epoch_published
         self.resume_pending = False
@@ -149,18 +149,6 @@ class StepProtocol:
         # they all take in joiners at the same step boundary (a join interrupts no collective).
         self.switch_epoch = 0
         self.pending_todo: list[int] | None = None
-        self.efficient_ids: frozenset[int] = frozenset()
-        self.quotas: dict[int, int] = {}
-        self.my_speed = 0.0
-        # The data check (``datacheck``): this step's probe, if any, and the fingerprints this worker computed
-        # for it ([0] as the microbatch's computer, [1] as the prober); one probe per membership epoch.
-        self.probe: datacheck.Probe | None = None
-        self.probe_fps = [0.0, 0.0]
-        self.probed_epoch = -1
-        self._begin_local()
-        # per step
-        self.recoveries = self.redos = 0
-        self.recomputed = 0
         self.reduced: Reduced | None = None
         self._nonfinite = False
         self._diagnosis: Reduced | None = None
@@ -198,6 +186,14 @@ class StepProtocol:
         every = [entry for stage in stages for entry in stage]
         return list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every]
 
+    @property
+    def probe(self) -> datacheck.Probe | None:
+        return self.plan.probe
+
+    @property
+    def probe_fps(self) -> list[float]:
+        return self.plan.probe_fps
+
     def publish(self, kind: RecordKind, **fields: Any) -> None:
         self.members.publish(kind, **fields)
 
@@ -218,49 +214,19 @@ class StepProtocol:
         self.publish(RecordKind.STEP, **fields, republished=True)
 
     # -- the step -----------------------------------------------------------------------------------
-    def _begin_local(self) -> None:
-        self.done: list[int] = []
-        self.done_efficient: list[int] = []
-        self.local_losses: dict[int, float | torch.Tensor] = {}
-        self.local_tokens: dict[int, int] = {}
-        self.step_owners: dict[int, int] = {}  # microbatch id -> the member the step's plan gave it to
-
-    def _note_owners(self, plan: Assignment) -> None:
-        self.step_owners = {j: w for w, ids in plan.ids.items() for j in ids}
-
     def begin_step(self) -> None:
         """Fresh local state for the current step: no microbatch done, empty accumulators."""
-        self._begin_local()
+        self.plan.begin()
         self.reducer.reset_local()
         if self.state.scale is not None:
             exponents = self.state.scale.exponents()
             self.reducer.set_exponents([exponents[i] for i in self.index], self.state.scale.limit)
 
-    def plan(self, todo: list[int] | None = None) -> Assignment:
-        """The assignment of ``todo`` (default: all M ids) of the current step over the group's members;
-        every member computes the same one. Sets the ids this worker runs in efficient mode (MeCeFO)."""
-        assert self.group is not None
-        members = self.members.units()
-        if self.cfg.policy.mecefo:
-            ring = sorted(set(self.ring) | set(members))
-            spread = self.cfg.policy is RecoveryPolicy.MECEFO_SPREAD
-            plan = mecefo_plan(self.state.step, ring, members, self.M, todo, spread=spread)
-        else:
-            ids = range(self.M) if todo is None else todo
-            plan = plan_ids(self.state.step, members, ids, self.M, self.cfg.workload, self.state.speeds)
-        self.efficient_ids = plan.efficient
-        eb = self.state.efficient
-        if eb is not None:
-            # Every member sees the same plan, so the same `needed`: the bases of a tau-window come from the
-            # weights of its first step with an efficient microbatch anywhere (none while nobody is down),
-            # computed by every member in the background; a joiner receives them, with their step, in the state.
-            eb.refresh(self.state.step, needed=bool(plan.efficient))
-        return plan
-
     def start_step(self) -> list[int]:
         """The ids this worker computes first in the current step (after any recovery due now)."""
-        assert self.group is not None
-        self.recoveries = self.recomputed = self.redos = 0
+        group = self.group
+        assert group is not None
+        self.plan.reset_counts()
         self.reduced = None
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
@@ -268,32 +234,22 @@ class StepProtocol:
         # A join agreed in the last reduction (the same value on every rank), or a death between steps. The ranks of
         # a replica may see a death at different moments, so they do not act on it here: they start the step, and
         # its reduction (interrupted on every rank index) recovers.
-        removed = self.replica is None and self.client.removed_since(self.group.epoch, self.group.members)
-        if removed or self.switch_epoch > self.group.epoch:
+        removed = self.replica is None and self.client.removed_since(group.epoch, group.members)
+        if removed or self.switch_epoch > group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
-            self.recoveries += 1
+            self.plan.recoveries += 1
             if self.cfg.policy is RecoveryPolicy.DROP:
                 # The others may have started this step with the group's plan: under drop only the dead members'
                 # share is lost, so this worker still owes its own.
-                self._note_owners(self.plan())
+                self.plan.note_owners(self.plan.make(self.members.units()))
             return self.recover()
         self.injector.inject(Phase.START)
-        plan = self.plan()
-        self._note_owners(plan)
-        self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
-        self._plan_probe(plan)
+        plan = self.plan.make(self.members.units())
+        self.plan.adopt(plan, group.epoch)
         return list(plan.ids_for(self.unit))
 
-    def _plan_probe(self, plan: Assignment) -> None:
-        """A step planned afresh (all M ids): its data check's probe, at the first such step of each epoch."""
-        assert self.group is not None
-        self.probe, self.probe_fps = None, [0.0, 0.0]
-        if self.replica is None and self.probed_epoch != self.group.epoch:
-            self.probed_epoch = self.group.epoch
-            self.probe = datacheck.choose_probe(plan)
-
     def is_efficient(self, microbatch: int) -> bool:
-        return microbatch in self.efficient_ids
+        return self.plan.is_efficient(microbatch)
 
     def before_last_microbatch(self, microbatch: int) -> None:
         """Overlap the reduction with the last local backward of the step (under FSDP: of its last round, each
@@ -308,43 +264,19 @@ class StepProtocol:
         self.reducer.padding = padding
 
     def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
-        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator).
-        ``loss`` may stay a tensor on the device (read back with the step's others at the reduction);
-        ``seconds`` is None where the microbatch's time is not known alone (a GPU: ``note_speed`` per round)."""
+        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
         if self.exact and self.reducer.armed != microbatch:
             self.reducer.fold(microbatch)
-        self.local_losses[microbatch] = loss
-        self.local_tokens[microbatch] = tokens
-        if self.replica is None:
-            self.done.append(microbatch)
-        if microbatch in self.efficient_ids:
-            self.done_efficient.append(microbatch)
-        if seconds is not None:
-            self.note_speed(seconds)
+        self.plan.after_backward(microbatch, loss, tokens, seconds)
 
     def note_speed(self, seconds: float) -> None:
-        """This worker computed a microbatch in ``seconds`` (a moving average: the planner's speeds)."""
-        self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
-
-    def _loss_values(self) -> dict[int, float]:
-        """The local microbatches' losses as numbers: those still on the device read back in one transfer."""
-        on_device = {j: v for j, v in self.local_losses.items() if isinstance(v, torch.Tensor)}
-        if on_device:
-            values = torch.stack([v.float().reshape(()) for v in on_device.values()]).tolist()
-            self.local_losses.update(zip(on_device, values, strict=True))
-        return {j: float(v) for j, v in self.local_losses.items()}
+        self.plan.note_speed(seconds)
 
     def round_done(self, microbatches: list[int], seconds: float = 0.0) -> None:
-        """A replica of several ranks: ``microbatches`` are in every rank's accumulator now (an FSDP round's
-        reduce-scatter ended, or a pipelined batch went through every stage); ``seconds`` per microbatch."""
-        self.done.extend(microbatches)
-        if seconds > 0:
-            self.note_speed(seconds)
+        self.plan.round_done(microbatches, seconds)
 
     def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
-        """A pipeline's last stage: the losses (and tokens) of the microbatches it ran."""
-        self.local_losses.update(losses)
-        self.local_tokens.update(tokens)
+        self.plan.pipelined(losses, tokens)
 
     def reduce(self) -> Reduced:
         """Reduce the local contribution and the side vector over the group; raises Interrupted."""
@@ -353,7 +285,7 @@ class StepProtocol:
         # (non-finite, overflow) the side vector carries.
         self.reducer.launch_gradients(self.group)
         flags = self.reducer.flags
-        done = list(self.done)
+        done = list(self.plan.done)
         if self.injector.duplicates(self.state.step) and done:
             done.append(done[0])  # an injected accounting fault: one id reported twice
         # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw;
@@ -361,19 +293,19 @@ class StepProtocol:
         first = self.replica is None or self.replica.rank == 0
         extras = self.side.encode(
             worker=self.unit,
-            losses=self._loss_values(),
-            tokens=self.local_tokens,
+            losses=self.plan.loss_values(),
+            tokens=self.plan.local_tokens,
             done=done if first else [],
-            efficient=self.done_efficient,
+            efficient=self.plan.done_efficient,
             nonfinite=flags.nonfinite_ids,
             overflow=flags.overflow,
-            seconds=self.my_speed if first else 0.0,
+            seconds=self.plan.my_speed if first else 0.0,
             bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
             bad_worker=self.members.wid,
             epoch=self.group.epoch if first else 0,
             newest_epoch=self.client.latest_epoch if self.leader and first else 0,
             member=first,
-            probe=(self.probe_fps[0], self.probe_fps[1]),
+            probe=(self.plan.probe_fps[0], self.plan.probe_fps[1]),
         )
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
@@ -443,13 +375,13 @@ class StepProtocol:
                     self.normalise_attention(counted - sum(reduced.efficient), counted)
             return None
         todo = self.recover()
-        self.recoveries += 1
+        self.plan.recoveries += 1
         return todo
 
     def _check_data(self, reduced: Reduced) -> None:
         """The data check: the probed microbatch's inputs on its computer and on the prober must agree (every
         member sees the same sums; each warns in its log, the leader publishes the record)."""
-        probe = self.probe
+        probe = self.plan.probe
         line = datacheck.mismatch(self.state.step, probe, *reduced.probe) if probe is not None else None
         if probe is None or line is None:
             return
@@ -469,7 +401,7 @@ class StepProtocol:
         self.members.wait([pending])
         self.members.combine_max(observed)  # a pipeline stage saw its own tensors only
         grown = self.state.scale.grow(observed.tolist())
-        self.redos += 1
+        self.plan.redos += 1
         log.warning(
             "step %d: fixed-point overflow in %d tensors (first: %s); redoing the step with larger bounds",
             self.state.step,
@@ -477,8 +409,8 @@ class StepProtocol:
             self.all_names[grown[0]] if grown else "-",
         )
         self.begin_step()
-        plan = self.plan()
-        self._note_owners(plan)
+        plan = self.plan.make(self.members.units())
+        self.plan.note_owners(plan)
         return list(plan.ids_for(self.unit))
 
     def _reduced_nonfinite(self, reduced: Reduced) -> bool:
@@ -489,7 +421,7 @@ class StepProtocol:
         if not found:
             return False
         assert self.group is not None
-        self.reducer.check_nonfinite(list(self.local_losses))
+        self.reducer.check_nonfinite(list(self.plan.local_losses))
         flags = self.reducer.flags
         first = self.replica is None or self.replica.rank == 0
         diagnosis = self.side.encode(
@@ -559,11 +491,11 @@ class StepProtocol:
         loss = sum(reduced.loss[j] for j in range(self.M) if reduced.counted[j] > 0) / max(1, counted)
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else math.nan
         common = {
-            "recomputed": self.recomputed,
+            "recomputed": self.plan.recomputed,
             "dropped": self.M - counted,
-            "recoveries": self.recoveries,
+            "recoveries": self.plan.recoveries,
             "efficient": sum(reduced.efficient),
-            "overflow_redos": self.redos,
+            "overflow_redos": self.plan.redos,
         }
         self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.members.units()}
         self.switch_epoch = reduced.newest_epoch
@@ -681,7 +613,7 @@ class StepProtocol:
             fields |= step_throughput(self.last_tokens, seconds, workers, gpus, self.flops_per_token, self.peak_tflops)
             fields["counted"] = int(sum(self.last_counts))
             fields["counted_once"] = all(c == 1 for c in self.last_counts)
-            fields["quotas"] = {str(w): n for w, n in self.quotas.items()}
+            fields["quotas"] = {str(w): n for w, n in self.plan.quotas.items()}
             # each member's seconds per microbatch, agreed in this step's reduction (the status view's speeds)
             fields["speeds"] = {str(w): s for w, s in self.state.speeds.items()}
         return fields
@@ -728,7 +660,7 @@ class StepProtocol:
                 if was_behind:
                     self.begin_step()
                 held = torch.zeros(self.M, dtype=torch.float64)
-                held[self.done] = 1.0
+                held[self.plan.done] = 1.0
                 self.members.wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
@@ -762,16 +694,14 @@ class StepProtocol:
                 # Someone died mid-step: their microbatches are lost; a live member that had not computed its
                 # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
                 # and a step nobody had started yet is planned as usual.)
-                return [j for j in missing if self.step_owners.get(j) == self.unit]
+                return [j for j in missing if self.plan.step_owners.get(j) == self.unit]
             if lost_mid_step:
                 # The step's ids computed again because a member died (the same count on every member: the step's
                 # record says it whichever member publishes it).
-                self.recomputed += len(missing)
-            plan = self.plan(missing)
+                self.plan.recomputed += len(missing)
+            plan = self.plan.make(self.members.units(), missing)
             if len(missing) == self.M:
-                self._note_owners(plan)
-                self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
-                self._plan_probe(plan)
+                self.plan.adopt(plan, self.group.epoch)
             return list(plan.ids_for(self.unit))
 
     def join(self, resume: bool, late: bool) -> None:
