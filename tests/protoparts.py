@@ -22,7 +22,10 @@ from unbroken.core.layout import ReplicaLayout
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
 from unbroken.ft.protocoldefs import ProtocolConfig
+from unbroken.ft.reduction import StepReduction
+from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import TrainingState
+from unbroken.ft.stepplan import StepPlan
 
 M = 4  # the microbatches of a step in these tests
 
@@ -106,3 +109,44 @@ def member(
     if formed:
         members.form_next_group()
     return members
+
+
+def loss_of(model: nn.Module, microbatch: int) -> torch.Tensor:
+    """Microbatch ``microbatch``'s loss, its data a pure function of the id."""
+    gen = torch.Generator().manual_seed(microbatch)
+    return nn.functional.mse_loss(model(torch.randn(16, 8, generator=gen)), torch.randn(16, 4, generator=gen))
+
+
+class OneWorker:
+    """The parts a step's reduction uses, for one worker alone: its membership, plan and reduction."""
+
+    def __init__(self, run_dir: Path, cfg: ProtocolConfig, client: Client | None = None, seed: int = 0) -> None:
+        self.state: TrainingState = mlp_state(seed)
+        self.members = member(cfg, self.state, run_dir, client)
+        self.plan = StepPlan(cfg, self.state, ring=(0,), whole=True)
+        self.reduction = StepReduction(cfg, self.members, self.plan, self.state, no_faults())
+
+    def compute(self, order: list[int], factors: dict[int, float] | None = None) -> None:
+        """Begin the step and back-propagate the microbatches in ``order`` (their losses times ``factors``), as
+        ``StepProtocol`` calls the parts."""
+        model = self.state.model
+        assert model is not None
+        self.plan.begin()
+        self.reduction.begin()
+        for k, j in enumerate(order):
+            if k == len(order) - 1:
+                self.reduction.arm(j)
+            self.reduction.before_backward(j)
+            loss = loss_of(model, j) * (factors or {}).get(j, 1.0)
+            (loss / M).backward()
+            self.reduction.after_backward(j)
+            self.plan.after_backward(j, loss.detach(), 16, None)
+
+    def reduce(self) -> Reduced:
+        reduced = self.reduction.reduce()
+        self.reduction.check_invariants(reduced)
+        return reduced
+
+    def grads(self) -> list[torch.Tensor]:
+        assert self.state.model is not None
+        return [p.grad.clone() for p in self.state.model.parameters() if p.grad is not None]

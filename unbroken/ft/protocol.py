@@ -32,7 +32,7 @@ import torch
 
 from unbroken.control.client import CoordinatorClient
 from unbroken.core import ckptfiles
-from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction
+from unbroken.core.config import NonfinitePolicy, RecoveryPolicy
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind
@@ -43,12 +43,9 @@ from unbroken.ft.ckptio import Checkpoints
 from unbroken.ft.comm import (
     GradientReducer,
     Group,
-    WaitStatus,
     allreduce_async,
     local_tensor,
 )
-from unbroken.ft.exact import FixedPointScale
-from unbroken.ft.foldkernel import extremes
 from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
@@ -62,7 +59,8 @@ from unbroken.ft.protocoldefs import (
     ProtocolConfig,
     StopRun,
 )
-from unbroken.ft.sidevec import Reduced, SideVector
+from unbroken.ft.reduction import StepReduction
+from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import StepOutcome, TrainingState
 from unbroken.ft.stepplan import StepPlan
 
@@ -113,35 +111,9 @@ class StepProtocol:
         self.injector = injector
         self.backend = backend
         self.device = device
-        self.params = list(state.model.parameters())
-        self.names = [n for n, _ in state.model.named_parameters()]
-        # This rank's tensors among the whole model's (a pipeline stage holds some of them): their positions,
-        # and every tensor's size and name, in the model's order.
-        self.index, self.numels, self.all_names = self._model_tensors()
-        self.exact = cfg.reduction is Reduction.EXACT
-        if self.exact:
-            state.scale = FixedPointScale(len(self.numels), self.M)
-        self.side = SideVector(self.M)
-        buckets = None
-        if replica is not None:
-            from unbroken.ft.fsdp import fsdp_buckets
-
-            buckets = fsdp_buckets(state.model, self.params)
-        self.reducer = GradientReducer(
-            self.params,
-            cfg.bucket_bytes,
-            self.side.size,
-            exact=self.exact,
-            first_bucket_bytes=cfg.first_bucket_bytes,
-            buckets=buckets,
-        )
-        if buckets is not None:
-            from unbroken.ft.fsdp import prepare_fsdp
-
-            prepare_fsdp(state.model, self.reducer)
-        self._any_nonfinite = False  # a replica of several ranks, fp32: some rank's reduced shard is not finite
         self.members = Membership(cfg, client, state, injector, backend, device, self.layout, replica, run_dir)
         self.plan = StepPlan(cfg, state, ring, whole=replica is None)
+        self.reduction = StepReduction(cfg, self.members, self.plan, state, injector)
         self.checkpoints = Checkpoints(cfg, self.members, state, injector, run_dir, total)
         client.on_epoch = self.members.epoch_published
         self.resume_pending = False
@@ -149,9 +121,6 @@ class StepProtocol:
         # they all take in joiners at the same step boundary (a join interrupts no collective).
         self.switch_epoch = 0
         self.pending_todo: list[int] | None = None
-        self.reduced: Reduced | None = None
-        self._nonfinite = False
-        self._diagnosis: Reduced | None = None
         self.last_counts: list[int] = [1] * self.M
         self.last_tokens = 0
         # For the step records' MFU (core.throughput): the model's training FLOPs per token (given by the user's
@@ -176,15 +145,9 @@ class StepProtocol:
     def publisher(self) -> bool:
         return self.members.publisher
 
-    def _model_tensors(self) -> tuple[list[int], list[int], list[str]]:
-        n = len(self.params)
-        mine = [(name, p.numel()) for name, p in zip(self.names, self.params, strict=True)]
-        if self.replica is None or self.layout.pipeline == 1:
-            return list(range(n)), [numel for _, numel in mine], list(self.names)
-        stages = self.replica.gather(mine)  # in stage order: the model's order
-        start = sum(len(stages[r]) for r in range(self.replica.rank))
-        every = [entry for stage in stages for entry in stage]
-        return list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every]
+    @property
+    def reducer(self) -> GradientReducer:
+        return self.reduction.reducer
 
     @property
     def probe(self) -> datacheck.Probe | None:
@@ -217,17 +180,14 @@ class StepProtocol:
     def begin_step(self) -> None:
         """Fresh local state for the current step: no microbatch done, empty accumulators."""
         self.plan.begin()
-        self.reducer.reset_local()
-        if self.state.scale is not None:
-            exponents = self.state.scale.exponents()
-            self.reducer.set_exponents([exponents[i] for i in self.index], self.state.scale.limit)
+        self.reduction.begin()
 
     def start_step(self) -> list[int]:
         """The ids this worker computes first in the current step (after any recovery due now)."""
         group = self.group
         assert group is not None
         self.plan.reset_counts()
-        self.reduced = None
+        self.reduction.reduced = None
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
             return todo
@@ -252,21 +212,14 @@ class StepProtocol:
         return self.plan.is_efficient(microbatch)
 
     def before_last_microbatch(self, microbatch: int) -> None:
-        """Overlap the reduction with the last local backward of the step (under FSDP: of its last round, each
-        unit's bucket starting once FSDP has reduce-scattered it)."""
-        assert self.group is not None
-        self.reducer.arm(self.group, microbatch)
+        self.reduction.arm(microbatch)
 
     def before_backward(self, microbatch: int, padding: bool = False) -> None:
-        """The backward of ``microbatch`` comes next (``padding``: a rank of a replica with nothing left in a
-        round, whose gradient must count for nothing)."""
-        self.reducer.current = microbatch
-        self.reducer.padding = padding
+        self.reduction.before_backward(microbatch, padding)
 
     def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
         """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
-        if self.exact and self.reducer.armed != microbatch:
-            self.reducer.fold(microbatch)
+        self.reduction.after_backward(microbatch)
         self.plan.after_backward(microbatch, loss, tokens, seconds)
 
     def note_speed(self, seconds: float) -> None:
@@ -278,215 +231,42 @@ class StepProtocol:
     def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
         self.plan.pipelined(losses, tokens)
 
-    def reduce(self) -> Reduced:
-        """Reduce the local contribution and the side vector over the group; raises Interrupted."""
-        assert self.group is not None
-        # Every gradient first: launching them finishes the exact fold of the last microbatch, whose flags
-        # (non-finite, overflow) the side vector carries.
-        self.reducer.launch_gradients(self.group)
-        flags = self.reducer.flags
-        done = list(self.plan.done)
-        if self.injector.duplicates(self.state.step) and done:
-            done.append(done[0])  # an injected accounting fault: one id reported twice
-        # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw;
-        # its first rank alone counts its ids and speaks for it (one member of the group).
-        first = self.replica is None or self.replica.rank == 0
-        extras = self.side.encode(
-            worker=self.unit,
-            losses=self.plan.loss_values(),
-            tokens=self.plan.local_tokens,
-            done=done if first else [],
-            efficient=self.plan.done_efficient,
-            nonfinite=flags.nonfinite_ids,
-            overflow=flags.overflow,
-            seconds=self.plan.my_speed if first else 0.0,
-            bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.members.wid,
-            epoch=self.group.epoch if first else 0,
-            newest_epoch=self.client.latest_epoch if self.leader and first else 0,
-            member=first,
-            probe=(self.plan.probe_fps[0], self.plan.probe_fps[1]),
-        )
-        # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
-        # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
-        # after the survivors had already finished and committed the step).
-        self.injector.inject(Phase.REDUCTION)
-        self.injector.stall(self.state.step)
-        self.reducer.launch_extras(extras)
-        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.members.interrupted)
-        if status is WaitStatus.TIMED_OUT:
-            self.members.report_timeout()
-        if self.replica is not None:
-            reduced = self._replica_outcome(reduced)
-        if reduced is None:
-            self.reducer.disarm()
-            raise Interrupted
-        return self.side.decode(reduced)
-
-    def _replica_outcome(self, reduced: torch.Tensor | None) -> torch.Tensor | None:
-        """A rank of a replica of several ranks: the sum over its replica-mates of the side vectors each rank
-        index reduced across the replicas (each carried its own rank's part), and whether every rank index was
-        reduced (None unless it was: the replica commits only then) and, in fp32, whether any reduced shard is
-        not finite; one collective inside the replica for all three."""
-        assert self.replica is not None
-        done = reduced is not None
-        vector = torch.zeros(self.side.size + 2, dtype=torch.float64)
-        if reduced is not None:
-            vector[: self.side.size] = reduced
-            vector[-1] = 1.0 if not self.exact and self._shard_not_finite() else 0.0
-        vector[-2] = 1.0 if done else 0.0
-        self.replica.all_reduce(vector)
-        if int(vector[-2]) != self.replica.size:
-            return None
-        self._any_nonfinite = bool(vector[-1] > 0)
-        return vector[: self.side.size]
-
-    def _shard_not_finite(self) -> bool:
-        """fp32 mode: whether the reduced gradient this worker holds (the same bits on every member) has a NaN or
-        an infinity. A sum is one pass (a tenth of vector_norm(inf)'s time here); only a non-finite sum (which
-        finite values too large to add up also give) needs a closer look."""
-        if math.isfinite(float(self.reducer.flat.sum())):
-            return False
-        low, high = extremes(self.reducer.flat)
-        return not (math.isfinite(low) and math.isfinite(high))
-
     def reduce_step(self) -> list[int] | None:
         """After this worker's microbatches: reduce. None when the step's gradient is reduced (and, unless it
         is not finite, in ``param.grad``); else the ids to compute next (after a recovery, or all of this
         worker's again after a fixed-point overflow)."""
+        reduction = self.reduction
         try:
-            reduced = self.reduce()
-            self.check_invariants(reduced)
-            if self.exact and reduced.overflow > 0 and not any(reduced.nonfinite):
-                return self._grow_scale()
-            nonfinite = any(reduced.nonfinite) if self.exact else self._reduced_nonfinite(reduced)
+            reduced = reduction.reduce()
+            reduction.check_invariants(reduced)
+            if reduction.overflowed(reduced):
+                return self._redo_step()
+            nonfinite = reduction.nonfinite_found(reduced)
         except Interrupted:
             # Recover outside the handler: the exception's traceback holds the abandoned collectives, which
             # keep the old group's connections open, so peers still waiting on them would hang.
             pass
         else:
-            self.reduced = reduced
-            self._nonfinite = nonfinite
-            self._check_data(reduced)
-            if not nonfinite:
-                counted = sum(reduced.counted)
-                self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
-                if sum(reduced.efficient):
-                    self.normalise_attention(counted - sum(reduced.efficient), counted)
+            reduction.accept(reduced, nonfinite)
             return None
         todo = self.recover()
         self.plan.recoveries += 1
         return todo
 
-    def _check_data(self, reduced: Reduced) -> None:
-        """The data check: the probed microbatch's inputs on its computer and on the prober must agree (every
-        member sees the same sums; each warns in its log, the leader publishes the record)."""
-        probe = self.plan.probe
-        line = datacheck.mismatch(self.state.step, probe, *reduced.probe) if probe is not None else None
-        if probe is None or line is None:
-            return
-        log.warning("%s", line)
-        workers = [probe.owner, probe.prober]
-        self.publish(
-            RecordKind.IMPURE_DATA, step=self.state.step, microbatch=probe.microbatch, workers=workers, reason=line
-        )
-
-    def _grow_scale(self) -> list[int]:
-        """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
-        microbatches (MAX-reduced), grow the bounds above it, and redo the step."""
-        assert self.group is not None and self.state.scale is not None
-        observed = torch.zeros(len(self.numels), dtype=torch.float64)
-        observed[self.index] = torch.tensor(self.reducer.observed, dtype=torch.float64)
-        pending = allreduce_async(self.group, observed, max_op=True)
-        self.members.wait([pending])
-        self.members.combine_max(observed)  # a pipeline stage saw its own tensors only
-        grown = self.state.scale.grow(observed.tolist())
+    def _redo_step(self) -> list[int]:
+        """A fixed-point overflow: grow the scale (agreed over the group), then compute the step again."""
+        self.reduction.grow_scale()
         self.plan.redos += 1
-        log.warning(
-            "step %d: fixed-point overflow in %d tensors (first: %s); redoing the step with larger bounds",
-            self.state.step,
-            len(grown),
-            self.all_names[grown[0]] if grown else "-",
-        )
         self.begin_step()
         plan = self.plan.make(self.members.units())
         self.plan.note_owners(plan)
         return list(plan.ids_for(self.unit))
 
-    def _reduced_nonfinite(self, reduced: Reduced) -> bool:
-        """fp32 mode: whether the reduced gradient (the same bits on every member) holds a NaN or an infinity;
-        if so, find out from every member's local gradient who and what (one more small reduction)."""
-        # A replica's ranks each reduced their own shard: they told each other with the side vector's reduction.
-        found = self._any_nonfinite if self.replica is not None else self._shard_not_finite()
-        if not found:
-            return False
-        assert self.group is not None
-        self.reducer.check_nonfinite(list(self.plan.local_losses))
-        flags = self.reducer.flags
-        first = self.replica is None or self.replica.rank == 0
-        diagnosis = self.side.encode(
-            worker=self.unit,
-            losses={},
-            tokens={},
-            done=[],
-            efficient=[],
-            nonfinite=flags.nonfinite_ids,
-            overflow=0,
-            seconds=0.0,
-            bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.members.wid,
-            epoch=self.group.epoch if first else 0,
-            member=first,
-        )
-        self.members.combine_sum(diagnosis)
-        self.members.wait([allreduce_async(self.group, diagnosis)])
-        self._diagnosis = self.side.decode(diagnosis)
-        return True
-
-    def check_invariants(self, reduced: Reduced) -> None:
-        """The checks that guard the training state (explicit: they hold under ``python -O`` too)."""
-        assert self.group is not None
-        step, counted = self.state.step, reduced.counted
-        if self.cfg.policy is RecoveryPolicy.DROP:
-            bad = [j for j, c in enumerate(counted) if c > 1]
-            if bad or sum(counted) < 1:
-                raise InvariantViolation(
-                    f"step {step}: microbatch counts {counted} (members {list(self.group.members)}, epoch "
-                    f"{self.group.epoch}): under drop each id is counted at most once and one at least"
-                )
-        else:
-            bad = [j for j, c in enumerate(counted) if c != 1]
-            if bad:
-                raise InvariantViolation(
-                    f"step {step}: microbatch ids {bad} were counted {[counted[j] for j in bad]} times "
-                    f"(members {list(self.group.members)}, epoch {self.group.epoch}); each must be counted "
-                    "exactly once"
-                )
-        if reduced.members != self.group.size or reduced.epoch_sum != self.group.epoch * self.group.size:
-            raise InvariantViolation(
-                f"step {step}: the members disagree on the epoch: {reduced.members} contributions summing to "
-                f"epoch {reduced.epoch_sum}, expected {self.group.size} of epoch {self.group.epoch}"
-            )
-
-    @torch.no_grad()
-    def normalise_attention(self, contributed: int, counted: int) -> None:
-        """MeCeFO: attention parameters got gradients only from the exact microbatches; average over those
-        (``contributed``) instead of over every counted one. With none, their gradient is zero this step."""
-        eb = self.state.efficient
-        assert eb is not None
-        for p in eb.attention_parameters():
-            if p.grad is None:
-                continue
-            if contributed > 0:
-                p.grad.mul_(counted / contributed)
-            else:
-                p.grad.zero_()
-
     def commit(self, optimizer: torch.optim.Optimizer | None, clip_grad_norm: float, seconds: float) -> StepOutcome:
         """The step's explicit end: the optimizer steps (the gradient is finite and every invariant held) or
         the step is skipped on every member alike; then the step advances, and the checkpoint if one is due."""
-        assert self.reduced is not None and self.group is not None
-        step, reduced = self.state.step, self.reduced
+        assert self.reduction.reduced is not None and self.group is not None
+        step, reduced = self.state.step, self.reduction.reduced
         counted = sum(reduced.counted)
         loss = sum(reduced.loss[j] for j in range(self.M) if reduced.counted[j] > 0) / max(1, counted)
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else math.nan
@@ -499,7 +279,7 @@ class StepProtocol:
         }
         self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.members.units()}
         self.switch_epoch = reduced.newest_epoch
-        if self._nonfinite:
+        if self.reduction.nonfinite:
             outcome = self._skip(step, reduced, loss, lr, common)
         else:
             self.injector.inject(Phase.OPTIMIZER)
@@ -509,7 +289,8 @@ class StepProtocol:
             if optimizer is not None:
                 optimizer.step()
             if self.state.scale is not None:
-                self.state.scale.track(peaks(self._local_grads(), self.index, self.numels, self.members.combine_max))
+                t = self.reduction.tensors
+                self.state.scale.track(peaks(self._local_grads(), t.index, t.numels, self.members.combine_max))
             self.state.nonfinite_streak = 0
             outcome = StepOutcome(loss, grad_norm, lr, **common)
         self.state.last = outcome
@@ -523,32 +304,28 @@ class StepProtocol:
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's part of every gradient (an empty tensor for a parameter without one)."""
         empty = torch.zeros(0)
-        return [empty if p.grad is None else local_tensor(p.grad) for p in self.params]
+        return [empty if p.grad is None else local_tensor(p.grad) for p in self.reduction.tensors.params]
 
     def _clip(self, max_norm: float) -> float:
         """The gradient's global norm, clipped to ``max_norm`` (0: not clipped). Exact mode: the same bits
         however the model is split (``gradnorm.exact_clip``); fp32: torch's for a whole model."""
-        if self.exact:
+        t, members = self.reduction.tensors, self.members
+        if self.reduction.exact:
             return exact_clip(
-                self._local_grads(),
-                self.index,
-                self.numels,
-                max_norm,
-                self.members.combine_max,
-                self.members.combine_sum,
+                self._local_grads(), t.index, t.numels, max_norm, members.combine_max, members.combine_sum
             )
-        if self.replica is not None:
-            return float_clip(self._local_grads(), max_norm, self.members.combine_sum)
+        if members.replica is not None:
+            return float_clip(self._local_grads(), max_norm, members.combine_sum)
         if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True))
+            return float(torch.nn.utils.clip_grad_norm_(t.params, max_norm, foreach=True))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in t.params if p.grad is not None], foreach=True))
 
     def _skip(self, step: int, reduced: Reduced, loss: float, lr: float, common: dict[str, int]) -> StepOutcome:
-        found = reduced if self.exact else self._diagnosis
+        found = reduced if self.reduction.exact else self.reduction.diagnosis
         assert found is not None
         ids = [j for j, n in enumerate(found.nonfinite) if n]
         workers = sorted(found.bad_param)
-        param = self.all_names[min(found.bad_param.values())] if found.bad_param else "?"
+        param = self.reduction.tensors.names[min(found.bad_param.values())] if found.bad_param else "?"
         what = (
             f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
             f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
