@@ -8,10 +8,13 @@ commit: only when the reduced counts show each of the M ids exactly once (``drop
 members agree on the epoch, and the gradient is finite; otherwise the step is redone (fixed-point overflow),
 skipped on every member alike (a non-finite gradient) or the run stops cleanly (a broken invariant).
 
-It knows the registered state (``state.TrainingState``), the collectives (``comm``), the side vector
-(``sidevec``), the coordinator (through ``control.client``) and the fault injector (``inject``); it knows
-nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object, not a
-process: unit tests drive several of them from threads of one process on real gloo groups.
+``StepProtocol`` is that sequence; each part is a collaborator that owns its state and can be read alone:
+``membership`` (the group, the waits on its collectives, the next epoch's group, the state transfer, the
+records), ``stepplan`` (the step's plan and this worker's accounting), ``reduction`` (the reduced gradient
+and side vector, and the checks on them), ``commit`` (the optimizer step or the skip, the step record) and
+``ckptio`` (checkpoints); the settings and the ways a worker stops are ``protocoldefs``'s (imported here too).
+It knows nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object,
+not a process: unit tests drive several of them from threads of one process on real gloo groups.
 
 With replicas of several ranks (``replica``: FSDP shards or pipeline stages, docs/parallel.md) the member
 that plans, counts and commits is the replica; each rank runs the protocol on the group of its rank index
@@ -23,7 +26,6 @@ leaves as one: every wait on a collective ends in such an agreement.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,22 +33,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.control.client import CoordinatorClient
-from unbroken.core import ckptfiles
-from unbroken.core.config import NonfinitePolicy, RecoveryPolicy
+from unbroken.core.config import RecoveryPolicy
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind
-from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import datacheck
 from unbroken.ft.ckptio import Checkpoints
-from unbroken.ft.comm import (
-    GradientReducer,
-    Group,
-    allreduce_async,
-    local_tensor,
-)
-from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
+from unbroken.ft.comm import GradientReducer, Group, allreduce_async
+from unbroken.ft.commit import StepCommit
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
 from unbroken.ft.protocoldefs import (
@@ -60,7 +55,6 @@ from unbroken.ft.protocoldefs import (
     StopRun,
 )
 from unbroken.ft.reduction import StepReduction
-from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import StepOutcome, TrainingState
 from unbroken.ft.stepplan import StepPlan
 
@@ -102,33 +96,26 @@ class StepProtocol:
     ) -> None:
         assert state.model is not None
         self.replica = replica
-        self.layout = replica.layout if replica is not None else ReplicaLayout()
         self.cfg = cfg
         self.M = cfg.microbatches
         self.client = client
         self.state = state
         self.run_dir = run_dir
         self.injector = injector
-        self.backend = backend
         self.device = device
-        self.members = Membership(cfg, client, state, injector, backend, device, self.layout, replica, run_dir)
+        layout = replica.layout if replica is not None else ReplicaLayout()
+        self.members = Membership(cfg, client, state, injector, backend, device, layout, replica, run_dir)
         self.plan = StepPlan(cfg, state, ring, whole=replica is None)
         self.reduction = StepReduction(cfg, self.members, self.plan, state, injector)
+        self.committer = StepCommit(
+            cfg, self.members, self.plan, self.reduction.tensors, state, injector, device, run_dir
+        )
         self.checkpoints = Checkpoints(cfg, self.members, state, injector, run_dir, total)
         client.on_epoch = self.members.epoch_published
-        self.resume_pending = False
-        # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
-        # they all take in joiners at the same step boundary (a join interrupts no collective).
-        self.switch_epoch = 0
-        self.pending_todo: list[int] | None = None
-        self.last_counts: list[int] = [1] * self.M
-        self.last_tokens = 0
-        # For the step records' MFU (core.throughput): the model's training FLOPs per token (given by the user's
-        # loop, 0: unknown) and one device's peak TFLOP/s (0: unknown, e.g. the CPU).
-        self.flops_per_token = 0.0
-        self.peak_tflops = 0.0
+        self.resume_pending = False  # --resume: the leader loads the newest checkpoint in its first recovery
+        self.pending_todo: list[int] | None = None  # this worker's share of a step, planned while it recovered
 
-    # -- the parts, as the user's loop (api) and the process reach them ------------------------------
+    # -- the parts, as the user's loop (api) and the process reach them -----------------------------
     @property
     def group(self) -> Group | None:
         return self.members.group
@@ -157,6 +144,22 @@ class StepProtocol:
     def probe_fps(self) -> list[float]:
         return self.plan.probe_fps
 
+    @property
+    def flops_per_token(self) -> float:
+        return self.committer.flops_per_token
+
+    @flops_per_token.setter
+    def flops_per_token(self, value: float) -> None:
+        self.committer.flops_per_token = value
+
+    @property
+    def peak_tflops(self) -> float:
+        return self.committer.peak_tflops
+
+    @peak_tflops.setter
+    def peak_tflops(self, value: float) -> None:
+        self.committer.peak_tflops = value
+
     def publish(self, kind: RecordKind, **fields: Any) -> None:
         self.members.publish(kind, **fields)
 
@@ -165,48 +168,6 @@ class StepProtocol:
 
     def _combine_sum(self, tensor: torch.Tensor) -> None:
         self.members.combine_sum(tensor)
-
-    # -- state ------------------------------------------------------------------------------------
-    def republish_last_step(self) -> None:
-        """The last committed step's record may have been lost with the old leader (killed between its commit
-        and its publish): the new leader publishes it again, marked ``republished``."""
-        last = self.state.last
-        if self.group is None or not self.leader or self.state.step < 1 or math.isnan(last.loss):
-            return
-        fields = self._step_fields(self.state.step - 1, last, math.nan, fresh=False)
-        self.publish(RecordKind.STEP, **fields, republished=True)
-
-    # -- the step -----------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Fresh local state for the current step: no microbatch done, empty accumulators."""
-        self.plan.begin()
-        self.reduction.begin()
-
-    def start_step(self) -> list[int]:
-        """The ids this worker computes first in the current step (after any recovery due now)."""
-        group = self.group
-        assert group is not None
-        self.plan.reset_counts()
-        self.reduction.reduced = None
-        if self.pending_todo is not None:
-            todo, self.pending_todo = self.pending_todo, None
-            return todo
-        # A join agreed in the last reduction (the same value on every rank), or a death between steps. The ranks of
-        # a replica may see a death at different moments, so they do not act on it here: they start the step, and
-        # its reduction (interrupted on every rank index) recovers.
-        removed = self.replica is None and self.client.removed_since(group.epoch, group.members)
-        if removed or self.switch_epoch > group.epoch:
-            # A death between steps, or a join the group agreed on in the last reduction.
-            self.plan.recoveries += 1
-            if self.cfg.policy is RecoveryPolicy.DROP:
-                # The others may have started this step with the group's plan: under drop only the dead members'
-                # share is lost, so this worker still owes its own.
-                self.plan.note_owners(self.plan.make(self.members.units()))
-            return self.recover()
-        self.injector.inject(Phase.START)
-        plan = self.plan.make(self.members.units())
-        self.plan.adopt(plan, group.epoch)
-        return list(plan.ids_for(self.unit))
 
     def is_efficient(self, microbatch: int) -> bool:
         return self.plan.is_efficient(microbatch)
@@ -230,6 +191,44 @@ class StepProtocol:
 
     def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
         self.plan.pipelined(losses, tokens)
+
+    def save_checkpoint_if_due(self) -> None:
+        self.checkpoints.save_if_due()
+
+    def write_checkpoint(self) -> None:
+        self.checkpoints.write()
+
+    # -- the step -----------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Fresh local state for the current step: no microbatch done, empty accumulators."""
+        self.plan.begin()
+        self.reduction.begin()
+
+    def start_step(self) -> list[int]:
+        """The ids this worker computes first in the current step (after any recovery due now)."""
+        group = self.group
+        assert group is not None
+        self.plan.reset_counts()
+        self.reduction.reduced = None
+        if self.pending_todo is not None:
+            todo, self.pending_todo = self.pending_todo, None
+            return todo
+        # A join agreed in the last reduction (the same value on every rank), or a death between steps. The ranks of
+        # a replica may see a death at different moments, so they do not act on it here: they start the step, and
+        # its reduction (interrupted on every rank index) recovers.
+        removed = self.replica is None and self.client.removed_since(group.epoch, group.members)
+        if removed or self.committer.switch_epoch > group.epoch:
+            # A death between steps, or a join the group agreed on in the last reduction.
+            self.plan.recoveries += 1
+            if self.cfg.policy is RecoveryPolicy.DROP:
+                # The others may have started this step with the group's plan: under drop only the dead members'
+                # share is lost, so this worker still owes its own.
+                self.plan.note_owners(self.plan.make(self.members.units()))
+            return self.recover()
+        self.injector.inject(Phase.START)
+        plan = self.plan.make(self.members.units())
+        self.plan.adopt(plan, group.epoch)
+        return list(plan.ids_for(self.unit))
 
     def reduce_step(self) -> list[int] | None:
         """After this worker's microbatches: reduce. None when the step's gradient is reduced (and, unless it
@@ -264,143 +263,11 @@ class StepProtocol:
 
     def commit(self, optimizer: torch.optim.Optimizer | None, clip_grad_norm: float, seconds: float) -> StepOutcome:
         """The step's explicit end: the optimizer steps (the gradient is finite and every invariant held) or
-        the step is skipped on every member alike; then the step advances, and the checkpoint if one is due."""
-        assert self.reduction.reduced is not None and self.group is not None
-        step, reduced = self.state.step, self.reduction.reduced
-        counted = sum(reduced.counted)
-        loss = sum(reduced.loss[j] for j in range(self.M) if reduced.counted[j] > 0) / max(1, counted)
-        lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else math.nan
-        common = {
-            "recomputed": self.plan.recomputed,
-            "dropped": self.M - counted,
-            "recoveries": self.plan.recoveries,
-            "efficient": sum(reduced.efficient),
-            "overflow_redos": self.plan.redos,
-        }
-        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.members.units()}
-        self.switch_epoch = reduced.newest_epoch
-        if self.reduction.nonfinite:
-            outcome = self._skip(step, reduced, loss, lr, common)
-        else:
-            self.injector.inject(Phase.OPTIMIZER)
-            grad_norm = self._clip(clip_grad_norm)
-            if self.state.efficient is not None:
-                self.state.efficient.wait()  # the bases have read the weights (torch optimizers also do this)
-            if optimizer is not None:
-                optimizer.step()
-            if self.state.scale is not None:
-                t = self.reduction.tensors
-                self.state.scale.track(peaks(self._local_grads(), t.index, t.numels, self.members.combine_max))
-            self.state.nonfinite_streak = 0
-            outcome = StepOutcome(loss, grad_norm, lr, **common)
-        self.state.last = outcome
-        self.state.step = step + 1
-        self.last_counts = reduced.counted
-        self.last_tokens = sum(t for j, t in enumerate(reduced.tokens) if reduced.counted[j] > 0)
-        self.publish(RecordKind.STEP, **self._step_fields(step, outcome, seconds))
+        the step is skipped on every member alike; then the step advances (the caller saves the checkpoint if
+        one is due, ``save_checkpoint_if_due``)."""
+        outcome = self.committer.commit(self.reduction, optimizer, clip_grad_norm, seconds)
         self.begin_step()
         return outcome
-
-    def _local_grads(self) -> list[torch.Tensor]:
-        """This rank's part of every gradient (an empty tensor for a parameter without one)."""
-        empty = torch.zeros(0)
-        return [empty if p.grad is None else local_tensor(p.grad) for p in self.reduction.tensors.params]
-
-    def _clip(self, max_norm: float) -> float:
-        """The gradient's global norm, clipped to ``max_norm`` (0: not clipped). Exact mode: the same bits
-        however the model is split (``gradnorm.exact_clip``); fp32: torch's for a whole model."""
-        t, members = self.reduction.tensors, self.members
-        if self.reduction.exact:
-            return exact_clip(
-                self._local_grads(), t.index, t.numels, max_norm, members.combine_max, members.combine_sum
-            )
-        if members.replica is not None:
-            return float_clip(self._local_grads(), max_norm, members.combine_sum)
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(t.params, max_norm, foreach=True))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in t.params if p.grad is not None], foreach=True))
-
-    def _skip(self, step: int, reduced: Reduced, loss: float, lr: float, common: dict[str, int]) -> StepOutcome:
-        found = reduced if self.reduction.exact else self.reduction.diagnosis
-        assert found is not None
-        ids = [j for j, n in enumerate(found.nonfinite) if n]
-        workers = sorted(found.bad_param)
-        param = self.reduction.tensors.names[min(found.bad_param.values())] if found.bad_param else "?"
-        what = (
-            f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
-            f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
-            f"{', '.join(map(str, workers)) or '?'}), first in parameter {param}"
-        )
-        if self.cfg.nonfinite is NonfinitePolicy.STOP:
-            raise StopRun(
-                f"{what}; stopped (train.nonfinite = stop); {self._last_checkpoint_words()}",
-                fatal=True,
-                code=EXIT_NONFINITE,
-                shared=True,
-            )
-        self.state.nonfinite_streak += 1
-        self.publish(
-            RecordKind.NONFINITE_SKIP,
-            step=step,
-            microbatches=ids,
-            workers=workers,
-            parameter=param,
-            streak=self.state.nonfinite_streak,
-        )
-        log.warning("%s; skipping the step on every member (%d in a row)", what, self.state.nonfinite_streak)
-        if self.state.nonfinite_streak >= self.cfg.max_nonfinite_skips:
-            raise StopRun(
-                f"{what}; {self.state.nonfinite_streak} consecutive steps skipped for non-finite gradients "
-                f"(train.max_nonfinite_skips = {self.cfg.max_nonfinite_skips}); {self._last_checkpoint_words()}",
-                fatal=True,
-                code=EXIT_NONFINITE,
-                shared=True,
-            )
-        return StepOutcome(loss, math.nan, lr, skipped=True, **common)
-
-    def _last_checkpoint_words(self) -> str:
-        return ckptfiles.last_checkpoint_words(self.run_dir)
-
-    def _step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
-        """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
-        record has no counts, tokens or timing of its own)."""
-        assert self.group is not None
-        fields: dict[str, Any] = {
-            "step": step,
-            "loss": outcome.loss,
-            "lr": outcome.lr,
-            "grad_norm": outcome.grad_norm,
-            "step_time_s": seconds,
-            "tokens": self.last_tokens if fresh else 0,
-            "tokens_per_s": self.last_tokens / seconds if fresh and seconds > 0 else math.nan,
-            "alive": self.group.size,
-            "epoch": self.group.epoch,
-            "microbatches": self.M,
-            "committed": not outcome.skipped,
-            "skipped": outcome.skipped,
-            "recomputed": outcome.recomputed,
-            "dropped": outcome.dropped,
-            "recoveries": outcome.recoveries,
-            "efficient": outcome.efficient,
-            "overflow_redos": outcome.overflow_redos,
-        }
-        if fresh:
-            workers = self.group.size * self.layout.size
-            gpus = gpus_in_use(workers, self.cfg.workers_per_gpu) if self.device.type == "cuda" else 0
-            fields |= step_throughput(self.last_tokens, seconds, workers, gpus, self.flops_per_token, self.peak_tflops)
-            fields["counted"] = int(sum(self.last_counts))
-            fields["counted_once"] = all(c == 1 for c in self.last_counts)
-            fields["quotas"] = {str(w): n for w, n in self.plan.quotas.items()}
-            # each member's seconds per microbatch, agreed in this step's reduction (the status view's speeds)
-            fields["speeds"] = {str(w): s for w, s in self.state.speeds.items()}
-        return fields
-
-    # -- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint_if_due(self) -> None:
-        self.checkpoints.save_if_due()
-
-    def write_checkpoint(self) -> None:
-        self.checkpoints.write()
 
     # -- recovery -----------------------------------------------------------------------------------
     def recover(self) -> list[int]:
@@ -417,6 +284,7 @@ class StepProtocol:
             self.members.recovering = False
 
     def _recover(self, old_members: tuple[int, ...]) -> list[int]:
+        members = self.members
         while True:
             t0 = time.monotonic()
             old_epoch = self.group.epoch if self.group is not None else 0
@@ -424,7 +292,7 @@ class StepProtocol:
                 if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
                     reason = "membership changed; the restart policy restarts from the last checkpoint"
                     raise StopRun(reason, fatal=False)
-                self.members.form_next_group()
+                members.form_next_group()
                 assert self.group is not None
                 # Formed ahead (GroupFormer), the group may be older than this recovery.
                 formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
@@ -433,22 +301,23 @@ class StepProtocol:
                     if self.leader:
                         self.checkpoints.load()
                         self.begin_step()
-                was_behind = self.members.sync_state()
+                was_behind = members.sync_state()
                 if was_behind:
                     self.begin_step()
                 held = torch.zeros(self.M, dtype=torch.float64)
                 held[self.plan.done] = 1.0
-                self.members.wait([allreduce_async(self.group, held)])
+                members.wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
-            assert self.group is not None
-            if was_behind or (old_members and old_members[0] not in self.group.members):
-                self.republish_last_step()
+            group = self.group
+            assert group is not None
+            if was_behind or (old_members and old_members[0] not in group.members):
+                self.committer.republish_last_step()
             self.checkpoints.ensure()
             counts = [int(c) for c in held.tolist()]
             if any(c > 1 for c in counts):
                 raise InvariantViolation(
-                    f"step {self.state.step}: after re-forming epoch {self.group.epoch}, microbatch ids "
+                    f"step {self.state.step}: after re-forming epoch {group.epoch}, microbatch ids "
                     f"{[j for j, c in enumerate(counts) if c > 1]} are held by more than one member"
                 )
             missing = [j for j, c in enumerate(counts) if c == 0]
@@ -457,15 +326,15 @@ class StepProtocol:
                     RecordKind.RECOVERY,
                     step=self.state.step,
                     from_epoch=old_epoch,
-                    epoch=self.group.epoch,
-                    alive=self.group.size,
+                    epoch=group.epoch,
+                    alive=group.size,
                     reform_s=formed - t0,
                     missing=missing,
-                    time_reformed=self.group.formed_at,
+                    time_reformed=group.formed_at,
                     time_recovered=time.time(),
-                    state_bytes=self.members.state_bytes,
+                    state_bytes=members.state_bytes,
                 )
-            died = not set(old_members) <= set(self.group.members)
+            died = not set(old_members) <= set(group.members)
             lost_mid_step = old_epoch > 0 and died and len(missing) < self.M
             if lost_mid_step and self.cfg.policy is RecoveryPolicy.DROP:
                 # Someone died mid-step: their microbatches are lost; a live member that had not computed its
@@ -476,9 +345,9 @@ class StepProtocol:
                 # The step's ids computed again because a member died (the same count on every member: the step's
                 # record says it whichever member publishes it).
                 self.plan.recomputed += len(missing)
-            plan = self.plan.make(self.members.units(), missing)
+            plan = self.plan.make(members.units(), missing)
             if len(missing) == self.M:
-                self.plan.adopt(plan, self.group.epoch)
+                self.plan.adopt(plan, group.epoch)
             return list(plan.ids_for(self.unit))
 
     def join(self, resume: bool, late: bool) -> None:
