@@ -122,9 +122,9 @@ class OneWorker:
 
     def __init__(self, run_dir: Path, cfg: ProtocolConfig, client: Client | None = None, seed: int = 0) -> None:
         self.state: TrainingState = mlp_state(seed)
-        self.members = member(cfg, self.state, run_dir, client)
+        self.membership = member(cfg, self.state, run_dir, client)
         self.plan = StepPlan(cfg, self.state, ring=(0,), whole=True)
-        self.reduction = StepReduction(cfg, self.members, self.plan, self.state, no_faults())
+        self.reduction = StepReduction(cfg, self.membership, self.plan, self.state, no_faults())
 
     def compute(self, order: list[int], factors: dict[int, float] | None = None) -> None:
         """Begin the step and back-propagate the microbatches in ``order`` (their losses times ``factors``), as

@@ -27,7 +27,7 @@ class Committing(OneWorker):
         super().__init__(run_dir, cfg, client)
         self.committer = StepCommit(
             cfg,
-            self.members,
+            self.membership,
             self.plan,
             self.reduction.tensors,
             self.state,
@@ -37,7 +37,7 @@ class Committing(OneWorker):
         )
 
     def step(self, clip_grad_norm: float = 0.0) -> StepOutcome:
-        self.plan.adopt(self.plan.make(self.members.units()), epoch=1)
+        self.plan.adopt(self.plan.make(self.membership.units()), epoch=1)
         self.compute(list(range(M)))
         reduced = self.reduce()
         self.reduction.accept(reduced, self.reduction.nonfinite_found(reduced))

@@ -36,14 +36,14 @@ class Checkpoints:
     def __init__(
         self,
         cfg: ProtocolConfig,
-        members: Membership,
+        membership: Membership,
         state: TrainingState,
         injector: FaultInjector,
         run_dir: Path,
         total: int,
     ) -> None:
         self.cfg = cfg
-        self.members = members
+        self.membership = membership
         self.state = state
         self.injector = injector
         self.run_dir = run_dir
@@ -57,20 +57,20 @@ class Checkpoints:
         """After a commit: the leader saves the state if a checkpoint is due (a phase of no collective: if the
         leader dies while writing, the others find out at their next collective and, once re-formed, the
         new leader writes it, ``ensure``)."""
-        if self.members.group is not None and self.members.leader and self.due(self.state.step):
+        if self.membership.group is not None and self.membership.leader and self.due(self.state.step):
             self.write()
 
     def ensure(self) -> None:
         """On the leader of a new group: if the current state's checkpoint is due but not on disk and whole (its
         writer died half-way), write it now, replacing the dead writer's temporary files."""
-        assert self.members.group is not None
-        if self.members.leader and self.state.step > 0 and self.due(self.state.step):
+        assert self.membership.group is not None
+        if self.membership.leader and self.state.step > 0 and self.due(self.state.step):
             whole = True
             try:
                 ckpt.check(self.run_dir, self.state.step)
             except ValueError:
                 whole = False
-            if not self.members.agreed(whole):  # a replica's ranks write it together
+            if not self.membership.agreed(whole):  # a replica's ranks write it together
                 log.warning("the checkpoint of step %d is missing or damaged: writing it", self.state.step)
                 self.write()
 
@@ -79,7 +79,7 @@ class Checkpoints:
         step = self.state.step
         t0 = time.perf_counter()
         midway = lambda: self.injector.inject(Phase.CHECKPOINT, step=step)  # noqa: E731
-        replica = self.members.replica
+        replica = self.membership.replica
         if replica is not None:  # sharded, by the ranks of the leading replica together
             assert self.state.model is not None
             path = ckpt.save_sharded(
@@ -95,17 +95,17 @@ class Checkpoints:
         else:
             ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
             path = ckpt.save_checkpoint(self.run_dir, step, self.state.snapshot(), self.cfg.checkpoint_keep, midway)
-        self.members.publish(RecordKind.CHECKPOINT, step=step, path=str(path), seconds=time.perf_counter() - t0)
+        self.membership.publish(RecordKind.CHECKPOINT, step=step, path=str(path), seconds=time.perf_counter() - t0)
 
     def load(self) -> None:
         """Load the newest good checkpoint (``--resume``, on the leader: every rank of the leading replica)."""
-        replica = self.members.replica
+        replica = self.membership.replica
         sharded = replica is not None
         loaded = ckpt.load_latest(self.run_dir, read_sharded=not sharded)
         if loaded is None:
             raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
         for line in loaded.skipped:
-            self.members.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
+            self.membership.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
         try:
             if loaded.sharded and replica is not None:
                 assert self.state.model is not None
@@ -124,5 +124,5 @@ class Checkpoints:
                 self.state.restore(loaded.state)
         except ValueError as e:
             raise StopRun(f"checkpoint {loaded.path.name}: {e}") from None
-        self.members.publish(RecordKind.RESUME, step=loaded.step, path=str(loaded.path))
+        self.membership.publish(RecordKind.RESUME, step=loaded.step, path=str(loaded.path))
         log.info("resumed from %s (step %d)", loaded.path, loaded.step)

@@ -41,7 +41,7 @@ class StepCommit:
     def __init__(
         self,
         cfg: ProtocolConfig,
-        members: Membership,
+        membership: Membership,
         plan: StepPlan,
         tensors: ModelTensors,
         state: TrainingState,
@@ -51,7 +51,7 @@ class StepCommit:
     ) -> None:
         self.cfg = cfg
         self.M = cfg.microbatches
-        self.members = members
+        self.membership = membership
         self.plan = plan
         self.tensors = tensors
         self.state = state
@@ -75,7 +75,7 @@ class StepCommit:
         """The optimizer steps (the gradient is finite and every invariant held) or the step is skipped on
         every member alike; then the step advances and its record is published. The caller begins the next
         step's local state."""
-        assert reduction.reduced is not None and self.members.group is not None
+        assert reduction.reduced is not None and self.membership.group is not None
         step, reduced = self.state.step, reduction.reduced
         counted = sum(reduced.counted)
         loss = sum(reduced.loss[j] for j in range(self.M) if reduced.counted[j] > 0) / max(1, counted)
@@ -87,7 +87,7 @@ class StepCommit:
             "efficient": sum(reduced.efficient),
             "overflow_redos": self.plan.redos,
         }
-        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.members.units()}
+        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.membership.units()}
         self.switch_epoch = reduced.newest_epoch
         if reduction.nonfinite:
             outcome = self.skip(step, reduction.culprits(), loss, lr, common)
@@ -100,14 +100,14 @@ class StepCommit:
                 optimizer.step()
             if self.state.scale is not None:
                 t = self.tensors
-                self.state.scale.track(peaks(self._local_grads(), t.index, t.numels, self.members.combine_max))
+                self.state.scale.track(peaks(self._local_grads(), t.index, t.numels, self.membership.combine_max))
             self.state.nonfinite_streak = 0
             outcome = StepOutcome(loss, grad_norm, lr, **common)
         self.state.last = outcome
         self.state.step = step + 1
         self.last_counts = reduced.counted
         self.last_tokens = sum(t for j, t in enumerate(reduced.tokens) if reduced.counted[j] > 0)
-        self.members.publish(RecordKind.STEP, **self.step_fields(step, outcome, seconds))
+        self.membership.publish(RecordKind.STEP, **self.step_fields(step, outcome, seconds))
         return outcome
 
     def _local_grads(self) -> list[torch.Tensor]:
@@ -118,13 +118,13 @@ class StepCommit:
     def _clip(self, max_norm: float) -> float:
         """The gradient's global norm, clipped to ``max_norm`` (0: not clipped). Exact mode: the same bits
         however the model is split (``gradnorm.exact_clip``); fp32: torch's for a whole model."""
-        t, members = self.tensors, self.members
+        t, membership = self.tensors, self.membership
         if self.exact:
             return exact_clip(
-                self._local_grads(), t.index, t.numels, max_norm, members.combine_max, members.combine_sum
+                self._local_grads(), t.index, t.numels, max_norm, membership.combine_max, membership.combine_sum
             )
-        if members.replica is not None:
-            return float_clip(self._local_grads(), max_norm, members.combine_sum)
+        if membership.replica is not None:
+            return float_clip(self._local_grads(), max_norm, membership.combine_sum)
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(t.params, max_norm, foreach=True))
         return float(torch.nn.utils.get_total_norm([p.grad for p in t.params if p.grad is not None], foreach=True))
@@ -149,7 +149,7 @@ class StepCommit:
                 shared=True,
             )
         self.state.nonfinite_streak += 1
-        self.members.publish(
+        self.membership.publish(
             RecordKind.NONFINITE_SKIP,
             step=step,
             microbatches=ids,
@@ -175,15 +175,15 @@ class StepCommit:
         """The last committed step's record may have been lost with the old leader (killed between its commit
         and its publish): the new leader publishes it again, marked ``republished``."""
         last = self.state.last
-        if self.members.group is None or not self.members.leader or self.state.step < 1 or math.isnan(last.loss):
+        if self.membership.group is None or not self.membership.leader or self.state.step < 1 or math.isnan(last.loss):
             return
         fields = self.step_fields(self.state.step - 1, last, math.nan, fresh=False)
-        self.members.publish(RecordKind.STEP, **fields, republished=True)
+        self.membership.publish(RecordKind.STEP, **fields, republished=True)
 
     def step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
         """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
         record has no counts, tokens or timing of its own)."""
-        group = self.members.group
+        group = self.membership.group
         assert group is not None
         fields: dict[str, Any] = {
             "step": step,
@@ -205,7 +205,7 @@ class StepCommit:
             "overflow_redos": outcome.overflow_redos,
         }
         if fresh:
-            workers = group.size * self.members.layout.size
+            workers = group.size * self.membership.layout.size
             gpus = gpus_in_use(workers, self.cfg.workers_per_gpu) if self.device.type == "cuda" else 0
             fields |= step_throughput(self.last_tokens, seconds, workers, gpus, self.flops_per_token, self.peak_tflops)
             fields["counted"] = int(sum(self.last_counts))

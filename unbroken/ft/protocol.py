@@ -78,7 +78,8 @@ log = logging.getLogger(__name__)
 
 class StepProtocol:
     """One worker's side of the protocol. Call order per step (``api.Step`` does it):
-    ``start_step`` -> for each id: ``before_microbatch``, the user's forward, ``backward`` -> ``reduce_step``
+    ``start_step`` -> for each id: the user's forward, ``before_backward`` (``before_last_microbatch`` first for
+    the last one), the backward, ``after_backward`` -> ``reduce_step``
     (again with the ids it returns until it returns None) -> ``commit``."""
 
     def __init__(
@@ -104,33 +105,33 @@ class StepProtocol:
         self.injector = injector
         self.device = device
         layout = replica.layout if replica is not None else ReplicaLayout()
-        self.members = Membership(cfg, client, state, injector, backend, device, layout, replica, run_dir)
+        self.membership = Membership(cfg, client, state, injector, backend, device, layout, replica, run_dir)
         self.plan = StepPlan(cfg, state, ring, whole=replica is None)
-        self.reduction = StepReduction(cfg, self.members, self.plan, state, injector)
+        self.reduction = StepReduction(cfg, self.membership, self.plan, state, injector)
         self.committer = StepCommit(
-            cfg, self.members, self.plan, self.reduction.tensors, state, injector, device, run_dir
+            cfg, self.membership, self.plan, self.reduction.tensors, state, injector, device, run_dir
         )
-        self.checkpoints = Checkpoints(cfg, self.members, state, injector, run_dir, total)
-        client.on_epoch = self.members.epoch_published
+        self.checkpoints = Checkpoints(cfg, self.membership, state, injector, run_dir, total)
+        client.on_epoch = self.membership.epoch_published
         self.resume_pending = False  # --resume: the leader loads the newest checkpoint in its first recovery
         self.pending_todo: list[int] | None = None  # this worker's share of a step, planned while it recovered
 
     # -- the parts, as the user's loop (api) and the process reach them -----------------------------
     @property
     def group(self) -> Group | None:
-        return self.members.group
+        return self.membership.group
 
     @property
     def unit(self) -> int:
-        return self.members.unit
+        return self.membership.unit
 
     @property
     def leader(self) -> bool:
-        return self.members.leader
+        return self.membership.leader
 
     @property
     def publisher(self) -> bool:
-        return self.members.publisher
+        return self.membership.publisher
 
     @property
     def reducer(self) -> GradientReducer:
@@ -161,13 +162,13 @@ class StepProtocol:
         self.committer.peak_tflops = value
 
     def publish(self, kind: RecordKind, **fields: Any) -> None:
-        self.members.publish(kind, **fields)
+        self.membership.publish(kind, **fields)
 
     def append_undrained(self, closing: dict[str, Any]) -> None:
-        self.members.append_undrained(closing)
+        self.membership.append_undrained(closing)
 
     def _combine_sum(self, tensor: torch.Tensor) -> None:
-        self.members.combine_sum(tensor)
+        self.membership.combine_sum(tensor)
 
     def is_efficient(self, microbatch: int) -> bool:
         return self.plan.is_efficient(microbatch)
@@ -223,10 +224,10 @@ class StepProtocol:
             if self.cfg.policy is RecoveryPolicy.DROP:
                 # The others may have started this step with the group's plan: under drop only the dead members'
                 # share is lost, so this worker still owes its own.
-                self.plan.note_owners(self.plan.make(self.members.units()))
+                self.plan.note_owners(self.plan.make(self.membership.units()))
             return self.recover()
         self.injector.inject(Phase.START)
-        plan = self.plan.make(self.members.units())
+        plan = self.plan.make(self.membership.units())
         self.plan.adopt(plan, group.epoch)
         return list(plan.ids_for(self.unit))
 
@@ -257,7 +258,7 @@ class StepProtocol:
         self.reduction.grow_scale()
         self.plan.redos += 1
         self.begin_step()
-        plan = self.plan.make(self.members.units())
+        plan = self.plan.make(self.membership.units())
         self.plan.note_owners(plan)
         return list(plan.ids_for(self.unit))
 
@@ -277,14 +278,14 @@ class StepProtocol:
         collectives after every membership change (start, failure, join), wherever it was, so the collectives
         always match."""
         old_members = self.group.members if self.group is not None else ()
-        self.members.recovering = True
+        self.membership.recovering = True
         try:
             return self._recover(old_members)
         finally:
-            self.members.recovering = False
+            self.membership.recovering = False
 
     def _recover(self, old_members: tuple[int, ...]) -> list[int]:
-        members = self.members
+        membership = self.membership
         while True:
             t0 = time.monotonic()
             old_epoch = self.group.epoch if self.group is not None else 0
@@ -292,7 +293,7 @@ class StepProtocol:
                 if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
                     reason = "membership changed; the restart policy restarts from the last checkpoint"
                     raise StopRun(reason, fatal=False)
-                members.form_next_group()
+                membership.form_next_group()
                 assert self.group is not None
                 # Formed ahead (GroupFormer), the group may be older than this recovery.
                 formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
@@ -301,12 +302,12 @@ class StepProtocol:
                     if self.leader:
                         self.checkpoints.load()
                         self.begin_step()
-                was_behind = members.sync_state()
+                was_behind = membership.sync_state()
                 if was_behind:
                     self.begin_step()
                 held = torch.zeros(self.M, dtype=torch.float64)
                 held[self.plan.done] = 1.0
-                members.wait([allreduce_async(self.group, held)])
+                membership.wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
             group = self.group
@@ -332,7 +333,7 @@ class StepProtocol:
                     missing=missing,
                     time_reformed=group.formed_at,
                     time_recovered=time.time(),
-                    state_bytes=members.state_bytes,
+                    state_bytes=membership.state_bytes,
                 )
             died = not set(old_members) <= set(group.members)
             lost_mid_step = old_epoch > 0 and died and len(missing) < self.M
@@ -345,7 +346,7 @@ class StepProtocol:
                 # The step's ids computed again because a member died (the same count on every member: the step's
                 # record says it whichever member publishes it).
                 self.plan.recomputed += len(missing)
-            plan = self.plan.make(members.units(), missing)
+            plan = self.plan.make(membership.units(), missing)
             if len(missing) == self.M:
                 self.plan.adopt(plan, group.epoch)
             return list(plan.ids_for(self.unit))
@@ -372,7 +373,7 @@ class StepProtocol:
         next step for when it starts) if a failure interrupted it."""
         assert self.group is not None
         try:
-            self.members.wait([allreduce_async(self.group, tensor)])
+            self.membership.wait([allreduce_async(self.group, tensor)])
             return True
         except Interrupted:
             pass

@@ -76,7 +76,7 @@ class StepReduction:
     def __init__(
         self,
         cfg: ProtocolConfig,
-        members: Membership,
+        membership: Membership,
         plan: StepPlan,
         state: TrainingState,
         injector: FaultInjector,
@@ -85,12 +85,12 @@ class StepReduction:
         assert model is not None
         self.cfg = cfg
         self.M = cfg.microbatches
-        self.members = members
+        self.membership = membership
         self.plan = plan
         self.state = state
         self.injector = injector
-        self.replica = members.replica
-        self.tensors = ModelTensors.of(model, members.replica, members.layout)
+        self.replica = membership.replica
+        self.tensors = ModelTensors.of(model, membership.replica, membership.layout)
         self.exact = cfg.reduction is Reduction.EXACT
         if self.exact:
             state.scale = FixedPointScale(len(self.tensors.numels), self.M)
@@ -129,7 +129,7 @@ class StepReduction:
     def arm(self, microbatch: int) -> None:
         """Overlap the reduction with the last local backward of the step (under FSDP: of its last round, each
         unit's bucket starting once FSDP has reduce-scattered it)."""
-        group = self.members.group
+        group = self.membership.group
         assert group is not None
         self.reducer.arm(group, microbatch)
 
@@ -148,7 +148,7 @@ class StepReduction:
     # -- the reduction ------------------------------------------------------------------------------
     def reduce(self) -> Reduced:
         """Reduce the local contribution and the side vector over the group; raises Interrupted."""
-        group = self.members.group
+        group = self.membership.group
         assert group is not None
         # Every gradient first: launching them finishes the exact fold of the last microbatch, whose flags
         # (non-finite, overflow) the side vector carries.
@@ -162,7 +162,7 @@ class StepReduction:
         first = self.replica is None or self.replica.rank == 0
         index = self.tensors.index
         extras = self.side.encode(
-            worker=self.members.unit,
+            worker=self.membership.unit,
             losses=self.plan.loss_values(),
             tokens=self.plan.local_tokens,
             done=done if first else [],
@@ -171,9 +171,9 @@ class StepReduction:
             overflow=flags.overflow,
             seconds=self.plan.my_speed if first else 0.0,
             bad_param=index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.members.wid,
+            bad_worker=self.membership.wid,
             epoch=group.epoch if first else 0,
-            newest_epoch=self.members.client.latest_epoch if self.members.leader and first else 0,
+            newest_epoch=self.membership.client.latest_epoch if self.membership.leader and first else 0,
             member=first,
             probe=(self.plan.probe_fps[0], self.plan.probe_fps[1]),
         )
@@ -183,9 +183,9 @@ class StepReduction:
         self.injector.inject(Phase.REDUCTION)
         self.injector.stall(self.state.step)
         self.reducer.launch_extras(extras)
-        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.members.interrupted)
+        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.membership.interrupted)
         if status is WaitStatus.TIMED_OUT:
-            self.members.report_timeout()
+            self.membership.report_timeout()
         if self.replica is not None:
             reduced = self._replica_outcome(reduced)
         if reduced is None:
@@ -222,7 +222,7 @@ class StepReduction:
 
     def check_invariants(self, reduced: Reduced) -> None:
         """The checks that guard the training state (explicit: they hold under ``python -O`` too)."""
-        group = self.members.group
+        group = self.membership.group
         assert group is not None
         step, counted = self.state.step, reduced.counted
         if self.cfg.policy is RecoveryPolicy.DROP:
@@ -254,13 +254,13 @@ class StepReduction:
     def grow_scale(self) -> None:
         """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
         microbatches (MAX-reduced), grow the bounds above it (the caller redoes the step)."""
-        group = self.members.group
+        group = self.membership.group
         assert group is not None and self.state.scale is not None
         observed = torch.zeros(len(self.tensors.numels), dtype=torch.float64)
         observed[self.tensors.index] = torch.tensor(self.reducer.observed, dtype=torch.float64)
         pending = allreduce_async(group, observed, max_op=True)
-        self.members.wait([pending])
-        self.members.combine_max(observed)  # a pipeline stage saw its own tensors only
+        self.membership.wait([pending])
+        self.membership.combine_max(observed)  # a pipeline stage saw its own tensors only
         grown = self.state.scale.grow(observed.tolist())
         log.warning(
             "step %d: fixed-point overflow in %d tensors (first: %s); redoing the step with larger bounds",
@@ -281,14 +281,14 @@ class StepReduction:
         found = self._any_nonfinite if self.replica is not None else self._shard_not_finite()
         if not found:
             return False
-        group = self.members.group
+        group = self.membership.group
         assert group is not None
         self.reducer.check_nonfinite(list(self.plan.local_losses))
         flags = self.reducer.flags
         first = self.replica is None or self.replica.rank == 0
         index = self.tensors.index
         diagnosis = self.side.encode(
-            worker=self.members.unit,
+            worker=self.membership.unit,
             losses={},
             tokens={},
             done=[],
@@ -297,12 +297,12 @@ class StepReduction:
             overflow=0,
             seconds=0.0,
             bad_param=index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.members.wid,
+            bad_worker=self.membership.wid,
             epoch=group.epoch if first else 0,
             member=first,
         )
-        self.members.combine_sum(diagnosis)
-        self.members.wait([allreduce_async(group, diagnosis)])
+        self.membership.combine_sum(diagnosis)
+        self.membership.wait([allreduce_async(group, diagnosis)])
         self.diagnosis = self.side.decode(diagnosis)
         return True
 
@@ -334,7 +334,7 @@ class StepReduction:
             return
         log.warning("%s", line)
         workers = [probe.owner, probe.prober]
-        self.members.publish(
+        self.membership.publish(
             RecordKind.IMPURE_DATA, step=self.state.step, microbatch=probe.microbatch, workers=workers, reason=line
         )
 
