@@ -11,9 +11,10 @@
         step.commit(optimizer)
 
 The subpackage also holds the pieces it is built from: fault-tolerant collectives (``comm``), the step
-protocol (``protocol``), the side vector (``sidevec``), the exact reduction's scale (``exact``), the training
-state and its checkpoints (``state``, ``checkpoint``), fault injection (``inject``), process life
-(``process``), MeCeFO's efficient backward (``efficient``) and the check that data is pure (``datacheck``).
+protocol (``protocol``, and its parts ``membership``, ``stepplan``, ``reduction``, ``commit``, ``ckptio``), the
+side vector (``sidevec``), the exact reduction's scale (``exact``), the training state and its checkpoints
+(``state``, ``checkpoint``), fault injection (``inject``), process life (``process``), MeCeFO's efficient
+backward (``efficient``) and the check that data is pure (``datacheck``).
 ``RunConfig`` and ``load_config`` are the run's config and its loader (``unbroken.core.config``).
 """
 

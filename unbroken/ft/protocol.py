@@ -8,10 +8,13 @@ commit: only when the reduced counts show each of the M ids exactly once (``drop
 members agree on the epoch, and the gradient is finite; otherwise the step is redone (fixed-point overflow),
 skipped on every member alike (a non-finite gradient) or the run stops cleanly (a broken invariant).
 
-It knows the registered state (``state.TrainingState``), the collectives (``comm``), the side vector
-(``sidevec``), the coordinator (through ``control.client``) and the fault injector (``inject``); it knows
-nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object, not a
-process: unit tests drive several of them from threads of one process on real gloo groups.
+``StepProtocol`` is that sequence; each part is a collaborator that owns its state and can be read alone:
+``membership`` (the group, the waits on its collectives, the next epoch's group, the state transfer, the
+records), ``stepplan`` (the step's plan and this worker's accounting), ``reduction`` (the reduced gradient
+and side vector, and the checks on them), ``commit`` (the optimizer step or the skip, the step record) and
+``ckptio`` (checkpoints); the settings and the ways a worker stops are ``protocoldefs``'s (imported here too).
+It knows nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object,
+not a process: unit tests drive several of them from threads of one process on real gloo groups.
 
 With replicas of several ranks (``replica``: FSDP shards or pipeline stages, docs/parallel.md) the member
 that plans, counts and commits is the replica; each rank runs the protocol on the group of its rank index
@@ -22,122 +25,61 @@ leaves as one: every wait on a collective ends in such an agreement.
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control.client import CoordinatorClient, Epoch
-from unbroken.core import ckptfiles
-from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
+from unbroken.control.client import CoordinatorClient
+from unbroken.core.config import RecoveryPolicy
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
-from unbroken.core.records import RecordKind, append_records, make
-from unbroken.core.throughput import gpus_in_use, step_throughput
+from unbroken.core.records import RecordKind
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import datacheck
-from unbroken.ft.comm import (
-    GradientReducer,
-    Group,
-    GroupFormer,
-    Pending,
-    WaitStatus,
-    abort_group,
-    allreduce_async,
-    broadcast_async,
-    form_group,
-    local_tensor,
-    retire_group,
-    wait_all,
-)
-from unbroken.ft.exact import FixedPointScale
-from unbroken.ft.foldkernel import extremes
-from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
+from unbroken.ft.ckptio import Checkpoints
+from unbroken.ft.comm import GradientReducer, Group, allreduce_async
+from unbroken.ft.commit import StepCommit
 from unbroken.ft.inject import FaultInjector
-from unbroken.ft.sidevec import Reduced, SideVector
+from unbroken.ft.membership import Membership
+from unbroken.ft.protocoldefs import (
+    EXIT_COORDINATOR_LOST,
+    EXIT_INVARIANT,
+    EXIT_NONFINITE,
+    EXIT_STOPPED,
+    Interrupted,
+    InvariantViolation,
+    ProtocolConfig,
+    StopRun,
+)
+from unbroken.ft.reduction import StepReduction
 from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.stepplan import StepPlan
 
 if TYPE_CHECKING:
     from unbroken.ft.replica import Replica
 
+__all__ = [
+    "EXIT_COORDINATOR_LOST",
+    "EXIT_INVARIANT",
+    "EXIT_NONFINITE",
+    "EXIT_STOPPED",
+    "Interrupted",
+    "InvariantViolation",
+    "ProtocolConfig",
+    "StepProtocol",
+    "StopRun",
+]
+
 log = logging.getLogger(__name__)
-
-EXIT_STOPPED = 3  # this worker left: excluded, cut off, or the job was stopped
-EXIT_COORDINATOR_LOST = 4  # the coordinator is gone; the state was checkpointed for --resume
-EXIT_INVARIANT = 5  # a check that protects the training state failed; the run stopped, the last checkpoint kept
-EXIT_NONFINITE = 6  # a non-finite gradient under train.nonfinite = "stop", or too many consecutive skips
-RECENT_RECORDS = 64  # metrics records a leader keeps, to write them itself if the coordinator dies
-
-
-class StopRun(Exception):
-    """This worker must stop. ``fatal``: the whole job must stop too (else only this worker leaves).
-    ``shared``: every member reached the same decision from the same reduced values, so the group's leader
-    stops the job (after the records that explain it) and the others wait for it."""
-
-    def __init__(self, reason: str, fatal: bool = True, code: int = EXIT_STOPPED, shared: bool = False) -> None:
-        super().__init__(reason)
-        self.fatal = fatal
-        self.code = code
-        self.shared = shared
-
-
-class InvariantViolation(StopRun):
-    """A check that guards the training state failed: the run stops before anything is committed."""
-
-    def __init__(self, reason: str, shared: bool = True) -> None:
-        super().__init__(reason, fatal=True, code=EXIT_INVARIANT, shared=shared)
-
-
-class Interrupted(Exception):
-    """A collective was abandoned because the membership changed; recovery starts (internal only)."""
-
-
-@dataclass(frozen=True)
-class ProtocolConfig:
-    """The settings the protocol reads, from the run's config."""
-
-    microbatches: int
-    policy: RecoveryPolicy
-    reduction: Reduction
-    workload: Workload
-    op_timeout_s: float
-    join_timeout_s: float
-    bucket_bytes: int
-    first_bucket_bytes: int
-    nonfinite: NonfinitePolicy
-    max_nonfinite_skips: int
-    checkpoint_every: int
-    checkpoint_keep: int
-    workers_per_gpu: int = 1
-
-    @staticmethod
-    def of(cfg: RunConfig) -> ProtocolConfig:
-        return ProtocolConfig(
-            microbatches=cfg.train.microbatches,
-            policy=cfg.recovery.policy,
-            reduction=cfg.recovery.reduction,
-            workload=cfg.recovery.workload,
-            op_timeout_s=cfg.comm.op_timeout_s,
-            join_timeout_s=cfg.comm.join_timeout_s,
-            bucket_bytes=int(cfg.comm.bucket_mb * 2**20),
-            first_bucket_bytes=int(cfg.comm.first_bucket_mb * 2**20),
-            nonfinite=cfg.train.nonfinite,
-            max_nonfinite_skips=cfg.train.max_nonfinite_skips,
-            checkpoint_every=cfg.checkpoint.every,
-            checkpoint_keep=cfg.checkpoint.keep,
-            workers_per_gpu=cfg.train.workers_per_gpu,
-        )
 
 
 class StepProtocol:
     """One worker's side of the protocol. Call order per step (``api.Step`` does it):
-    ``start_step`` -> for each id: ``before_microbatch``, the user's forward, ``backward`` -> ``reduce_step``
+    ``start_step`` -> for each id: the user's forward, ``before_backward`` (``before_last_microbatch`` first for
+    the last one), the backward, ``after_backward`` -> ``reduce_step``
     (again with the ids it returns until it returns None) -> ``commit``."""
 
     def __init__(
@@ -155,841 +97,178 @@ class StepProtocol:
     ) -> None:
         assert state.model is not None
         self.replica = replica
-        self.layout = replica.layout if replica is not None else ReplicaLayout()
         self.cfg = cfg
-        self.total = total  # the run's steps: the state after the last one is the final checkpoint
         self.M = cfg.microbatches
         self.client = client
         self.state = state
         self.run_dir = run_dir
         self.injector = injector
-        self.backend = backend
         self.device = device
-        self.ring = ring  # the configured workers in ring order (MeCeFO's neighbours)
-        self.params = list(state.model.parameters())
-        self.names = [n for n, _ in state.model.named_parameters()]
-        # This rank's tensors among the whole model's (a pipeline stage holds some of them): their positions,
-        # and every tensor's size and name, in the model's order.
-        self.index, self.numels, self.all_names = self._model_tensors()
-        self.exact = cfg.reduction is Reduction.EXACT
-        if self.exact:
-            state.scale = FixedPointScale(len(self.numels), self.M)
-        self.side = SideVector(self.M)
-        buckets = None
-        if replica is not None:
-            from unbroken.ft.fsdp import fsdp_buckets
-
-            buckets = fsdp_buckets(state.model, self.params)
-        self.reducer = GradientReducer(
-            self.params,
-            cfg.bucket_bytes,
-            self.side.size,
-            exact=self.exact,
-            first_bucket_bytes=cfg.first_bucket_bytes,
-            buckets=buckets,
+        layout = replica.layout if replica is not None else ReplicaLayout()
+        self.membership = Membership(cfg, client, state, injector, backend, device, layout, replica, run_dir)
+        self.plan = StepPlan(cfg, state, ring, whole=replica is None)
+        self.reduction = StepReduction(cfg, self.membership, self.plan, state, injector)
+        self.committer = StepCommit(
+            cfg, self.membership, self.plan, self.reduction.tensors, state, injector, device, run_dir
         )
-        if buckets is not None:
-            from unbroken.ft.fsdp import prepare_fsdp
+        self.checkpoints = Checkpoints(cfg, self.membership, state, injector, run_dir, total)
+        client.on_epoch = self.membership.epoch_published
+        self.resume_pending = False  # --resume: the leader loads the newest checkpoint in its first recovery
+        self.pending_todo: list[int] | None = None  # this worker's share of a step, planned while it recovered
 
-            prepare_fsdp(state.model, self.reducer)
-        self.group: Group | None = None
-        self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
-        self._any_nonfinite = False  # a replica of several ranks, fp32: some rank's reduced shard is not finite
-        self.former = GroupFormer(
-            client.new_connection,
-            client.worker_id,
-            backend,
-            cfg.op_timeout_s,
-            device,
-            lambda epoch: client.latest_epoch > epoch or client.stopped is not None,
-            self.coordinate,
-        )
-        client.on_epoch = self._epoch_published
-        self.resume_pending = False
-        self.recovering = False
-        # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
-        # they all take in joiners at the same step boundary (a join interrupts no collective).
-        self.switch_epoch = 0
-        self.pending_todo: list[int] | None = None
-        self.efficient_ids: frozenset[int] = frozenset()
-        self.quotas: dict[int, int] = {}
-        self.my_speed = 0.0
-        # The data check (``datacheck``): this step's probe, if any, and the fingerprints this worker computed
-        # for it ([0] as the microbatch's computer, [1] as the prober); one probe per membership epoch.
-        self.probe: datacheck.Probe | None = None
-        self.probe_fps = [0.0, 0.0]
-        self.probed_epoch = -1
-        self._begin_local()
-        # per step
-        self.recoveries = self.redos = 0
-        self.recomputed = 0
-        self.reduced: Reduced | None = None
-        self._nonfinite = False
-        self._diagnosis: Reduced | None = None
-        self.last_counts: list[int] = [1] * self.M
-        self.last_tokens = 0
-        # For the step records' MFU (core.throughput): the model's training FLOPs per token (given by the user's
-        # loop, 0: unknown) and one device's peak TFLOP/s (0: unknown, e.g. the CPU).
-        self.flops_per_token = 0.0
-        self.peak_tflops = 0.0
-        # The records this worker published lately: written by itself if the coordinator dies undrained.
-        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
-
-    # -- identity and membership -------------------------------------------------------------------
+    # -- the parts, as the user's loop (api) and the process reach them -----------------------------
     @property
-    def wid(self) -> int:
-        return self.client.worker_id
+    def group(self) -> Group | None:
+        return self.membership.group
 
     @property
     def unit(self) -> int:
-        """What the planner plans for and the side vector counts: this worker, or its replica."""
-        return self.layout.replica_of(self.wid)
-
-    @property
-    def coordinate(self) -> int | None:
-        """This rank's index in its replica (its group's), or None for a replica of one rank."""
-        return self.replica.rank if self.replica is not None else None
-
-    def units(self) -> tuple[int, ...]:
-        """The members of the current group as the planner sees them (workers, or their replicas)."""
-        assert self.group is not None
-        return tuple(self.layout.replica_of(w) for w in self.group.members)
+        return self.membership.unit
 
     @property
     def leader(self) -> bool:
-        """This worker is (a rank of) the group's first member: it writes checkpoints."""
-        assert self.group is not None
-        return self.group.rank == 0
+        return self.membership.leader
 
     @property
     def publisher(self) -> bool:
-        """This worker publishes the group's records (the leader; of a replica, its first rank)."""
-        return self.group is not None and self.leader and (self.replica is None or self.replica.rank == 0)
+        return self.membership.publisher
 
-    def _model_tensors(self) -> tuple[list[int], list[int], list[str]]:
-        n = len(self.params)
-        mine = [(name, p.numel()) for name, p in zip(self.names, self.params, strict=True)]
-        if self.replica is None or self.layout.pipeline == 1:
-            return list(range(n)), [numel for _, numel in mine], list(self.names)
-        stages = self.replica.gather(mine)  # in stage order: the model's order
-        start = sum(len(stages[r]) for r in range(self.replica.rank))
-        every = [entry for stage in stages for entry in stage]
-        return list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every]
+    @property
+    def reducer(self) -> GradientReducer:
+        return self.reduction.reducer
 
-    def _combine_max(self, tensor: torch.Tensor) -> None:
-        if self.replica is not None:
-            self.replica.all_reduce(tensor, torch.distributed.ReduceOp.MAX)
+    @property
+    def probe(self) -> datacheck.Probe | None:
+        return self.plan.probe
 
-    def _combine_sum(self, tensor: torch.Tensor) -> None:
-        if self.replica is not None:
-            self.replica.all_reduce(tensor)
+    @property
+    def probe_fps(self) -> list[float]:
+        return self.plan.probe_fps
 
-    def _agreed(self, ok: bool) -> bool:
-        """``ok`` agreed over the ranks of this worker's replica (itself for a replica of one rank)."""
-        return ok if self.replica is None else self.replica.agree(ok)
+    @property
+    def flops_per_token(self) -> float:
+        return self.committer.flops_per_token
 
-    def interrupted(self) -> bool:
-        """True when a member of the current group was removed or its group must be re-formed (a newer epoch
-        says so), or the run is being stopped (cached, cheap). A join does not interrupt: the group's
-        collectives complete, and the joiner is taken in at the next step boundary."""
-        assert self.group is not None
-        group, client = self.group, self.client
-        if client.stopped is not None or client.removed_since(group.epoch, group.members):
-            return True
-        if client.latest_epoch <= group.epoch:
-            return False
-        # While recovering, any newer epoch interrupts: members may skip an epoch that is already superseded,
-        # so a collective on it might never be matched. A member that finished recovering just before the
-        # others were interrupted is in the new group's collectives alone: it learns that a member has left
-        # the group for a newer epoch (each says so before forming one) and follows.
-        return self.recovering or client.left_for_newer(group.epoch, group.members)
+    @flops_per_token.setter
+    def flops_per_token(self, value: float) -> None:
+        self.committer.flops_per_token = value
 
-    def _wait(self, pending: list[Pending]) -> None:
-        """Wait for ``pending``; Interrupted unless it completed (on every rank of the replica)."""
-        status = wait_all(pending, self.cfg.op_timeout_s, self.interrupted)
-        if status is WaitStatus.TIMED_OUT:
-            self._report_timeout()
-        if not self._agreed(bool(status)):
-            raise Interrupted
+    @property
+    def peak_tflops(self) -> float:
+        return self.committer.peak_tflops
 
-    def _report_timeout(self) -> None:
-        """A collective of the current group timed out while nobody was removed: tell the coordinator, which
-        sees every heartbeat and decides (retry with a fresh group, then exclude who stalls again)."""
-        assert self.group is not None
-        self.client.report_timeout(self.group.epoch)
-
-    def _epoch_published(self, epoch: int, members: tuple[int, ...]) -> None:
-        """The watcher read a newer epoch: form its group ahead if this worker will need it. A rank of a
-        replica that the epoch removes leaves at once (its replica-mate died: FSDP's or the pipeline's
-        collectives may be blocked on it, and only ending the process bounds them)."""
-        if self.replica is not None and self.group is not None and self.wid not in members:
-            self.replica.down(f"epoch {epoch} does not include it")
-        if self.group is None or epoch > self.group.epoch:
-            self.former.offer(epoch, self.layout.coordinate(members, self.layout.rank_of(self.wid)))
-
-    def form_next_group(self) -> None:
-        """Wait for an epoch newer than the current group's that includes this worker and build its group
-        (with replicas: the group of this rank's index, and every rank of the replica in the same epoch); if
-        that epoch is superseded while its group forms (another member died), move on to the newest."""
-        client = self.client
-        after = self.group.epoch if self.group is not None else 0
-        # No collective of the current group runs again: a NCCL one may be spinning on a dead peer's GPU.
-        abort_group(self.group)
-        while True:
-            epoch = self._next_epoch(after)
-            client.announce_forming(epoch.epoch)
-            members = self.layout.coordinate(epoch.members, self.layout.rank_of(self.wid))
-            group, status = self.former.take(epoch.epoch) or form_group(
-                client.new_connection(),  # its own: an abandoned rendezvous may block in a store wait
-                epoch.epoch,
-                members,
-                self.wid,
-                self.backend,
-                self.cfg.op_timeout_s,
-                self.device,
-                lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
-                self.coordinate,
-            )
-            if group is not None:
-                # The old group's destructor may block until its abandoned collectives time out: not here.
-                retire_group(self.group, self.cfg.op_timeout_s + 1.0)
-                self.group = group
-            if status is WaitStatus.TIMED_OUT:
-                client.report_timeout(epoch.epoch)  # the rendezvous timed out: a live member never came
-            if self._agreed(group is not None):
-                return
-            after = epoch.epoch
-
-    def _next_epoch(self, after: int) -> Epoch:
-        """The newest epoch after ``after`` that includes this worker; the ranks of a replica take the newest
-        any of them has seen. StopRun if there is none (the run stops, or this worker was excluded)."""
-        client = self.client
-        epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
-        if self.replica is not None:
-            number = torch.tensor([float(epoch.epoch) if epoch is not None else 0.0], dtype=torch.float64)
-            self.replica.all_reduce(number, torch.distributed.ReduceOp.MAX)
-            agreed = int(number.item())
-            if agreed > 0 and (epoch is None or epoch.epoch != agreed):
-                record = client.epoch_record(agreed)
-                epoch = record if self.wid in record.members else None
-        if epoch is None:
-            refused = client.refusal()
-            if refused is not None:
-                raise StopRun(refused, fatal=False)
-            reason = client.stop_reason()
-            if reason is None and client.current_epoch() > after:
-                raise StopRun("this worker was excluded from the membership (declared dead)", fatal=False)
-            raise StopRun(reason or "no new membership epoch was published in time")
-        return epoch
+    @peak_tflops.setter
+    def peak_tflops(self, value: float) -> None:
+        self.committer.peak_tflops = value
 
     def publish(self, kind: RecordKind, **fields: Any) -> None:
-        """Publish a metrics record (the group's leader only, so each is written once)."""
-        if self.publisher:
-            record = make(kind, time.time(), **fields)
-            self.recent.append(record)
-            self.client.publish_metrics(record)
+        self.membership.publish(kind, **fields)
 
     def append_undrained(self, closing: dict[str, Any]) -> None:
-        """The coordinator died: append the recent records it never wrote, then ``closing``, to metrics.jsonl."""
-        try:
-            append_records(self.run_dir, [*self.recent, closing])
-        except OSError as e:
-            log.warning("could not append to the metrics of %s: %s", self.run_dir, e)
+        self.membership.append_undrained(closing)
 
-    # -- state ------------------------------------------------------------------------------------
-    def sync_state(self) -> bool:
-        """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was cut
-        short while others committed) receives the state of the lowest-ranked member that is ahead, as the
-        checkpoint schema's bytes (a rank of a replica: its shard of the state, from the rank of the same
-        index). True if this worker was behind."""
-        assert self.group is not None
-        steps = torch.zeros(self.group.size, dtype=torch.float64)
-        steps[self.group.rank] = self.state.step
-        self.state_bytes = 0
-        self._wait([allreduce_async(self.group, steps)])
-        ahead = float(steps.max())
-        if float(steps.min()) == ahead:
-            return False
-        src = int((steps == ahead).nonzero()[0])
-        behind = self.state.step < ahead
-        local = self.replica is not None
-        payload = ckpt.encode(self.state.snapshot(local=local)) if self.group.rank == src else b""
-        checksum = self.state.checksum() if self.group.rank == src else ""
-        header = torch.zeros(2 + 64, dtype=torch.float64)
-        if self.group.rank == src:
-            header[0], header[1] = len(payload), ahead
-            header[2:] = torch.tensor(list(bytes.fromhex(checksum)) + [0] * 32, dtype=torch.float64)
-        self._wait([broadcast_async(self.group, header, src)])
-        self.state_bytes = int(header[0])  # what one member sent to those behind (a rank: its shard)
-        if self.group.rank != src:
-            self.injector.inject(Phase.RECEIVE, step=int(header[1]))
-        data = torch.zeros(int(header[0]), dtype=torch.uint8)
-        if self.group.rank == src:
-            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._wait([broadcast_async(self.group, data, src)])
-        if behind:
-            state = ckpt.decode(data.numpy().tobytes())
-            self.state.restore(state, local=local)
-            expected = bytes(int(x) for x in header[2:34].tolist()).hex()
-            if self.state.checksum() != expected:
-                raise InvariantViolation(
-                    f"step {self.state.step}: after receiving the state from member {self.group.members[src]} "
-                    f"the parameters' checksum is {self.state.checksum()[:12]}, the sender's {expected[:12]}",
-                    shared=False,
-                )
-            self.begin_step()
-        return behind
+    def _combine_sum(self, tensor: torch.Tensor) -> None:
+        self.membership.combine_sum(tensor)
 
-    def load_checkpoint(self) -> None:
-        """Load the newest good checkpoint (``--resume``, on the leader: every rank of the leading replica)."""
-        sharded = self.replica is not None
-        loaded = ckpt.load_latest(self.run_dir, read_sharded=not sharded)
-        if loaded is None:
-            raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
-        for line in loaded.skipped:
-            self.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
-        try:
-            if loaded.sharded and self.replica is not None:
-                assert self.state.model is not None
-                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, self.replica)
-                self.state.restore(rest, tensors=False)
-            elif self.replica is not None:
-                raise ValueError(
-                    "is the checkpoint of replicas of one rank (one file); replicas of several ranks resume from a "
-                    "sharded one (resume with parallel.shard = parallel.pipeline = 1)"
-                )
-            elif loaded.sharded:
-                assert self.state.model is not None
-                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, None)
-                self.state.restore(rest, tensors=False)
-            else:
-                self.state.restore(loaded.state)
-        except ValueError as e:
-            raise StopRun(f"checkpoint {loaded.path.name}: {e}") from None
-        self.publish(RecordKind.RESUME, step=loaded.step, path=str(loaded.path))
-        log.info("resumed from %s (step %d)", loaded.path, loaded.step)
+    def is_efficient(self, microbatch: int) -> bool:
+        return self.plan.is_efficient(microbatch)
 
-    def republish_last_step(self) -> None:
-        """The last committed step's record may have been lost with the old leader (killed between its commit
-        and its publish): the new leader publishes it again, marked ``republished``."""
-        last = self.state.last
-        if self.group is None or not self.leader or self.state.step < 1 or math.isnan(last.loss):
-            return
-        fields = self._step_fields(self.state.step - 1, last, math.nan, fresh=False)
-        self.publish(RecordKind.STEP, **fields, republished=True)
+    def before_last_microbatch(self, microbatch: int) -> None:
+        self.reduction.arm(microbatch)
+
+    def before_backward(self, microbatch: int, padding: bool = False) -> None:
+        self.reduction.before_backward(microbatch, padding)
+
+    def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
+        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
+        self.reduction.after_backward(microbatch)
+        self.plan.after_backward(microbatch, loss, tokens, seconds)
+
+    def note_speed(self, seconds: float) -> None:
+        self.plan.note_speed(seconds)
+
+    def round_done(self, microbatches: list[int], seconds: float = 0.0) -> None:
+        self.plan.round_done(microbatches, seconds)
+
+    def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
+        self.plan.pipelined(losses, tokens)
+
+    def save_checkpoint_if_due(self) -> None:
+        self.checkpoints.save_if_due()
+
+    def write_checkpoint(self) -> None:
+        self.checkpoints.write()
 
     # -- the step -----------------------------------------------------------------------------------
-    def _begin_local(self) -> None:
-        self.done: list[int] = []
-        self.done_efficient: list[int] = []
-        self.local_losses: dict[int, float | torch.Tensor] = {}
-        self.local_tokens: dict[int, int] = {}
-        self.step_owners: dict[int, int] = {}  # microbatch id -> the member the step's plan gave it to
-
-    def _note_owners(self, plan: Assignment) -> None:
-        self.step_owners = {j: w for w, ids in plan.ids.items() for j in ids}
-
     def begin_step(self) -> None:
         """Fresh local state for the current step: no microbatch done, empty accumulators."""
-        self._begin_local()
-        self.reducer.reset_local()
-        if self.state.scale is not None:
-            exponents = self.state.scale.exponents()
-            self.reducer.set_exponents([exponents[i] for i in self.index], self.state.scale.limit)
-
-    def plan(self, todo: list[int] | None = None) -> Assignment:
-        """The assignment of ``todo`` (default: all M ids) of the current step over the group's members;
-        every member computes the same one. Sets the ids this worker runs in efficient mode (MeCeFO)."""
-        assert self.group is not None
-        members = self.units()
-        if self.cfg.policy.mecefo:
-            ring = sorted(set(self.ring) | set(members))
-            spread = self.cfg.policy is RecoveryPolicy.MECEFO_SPREAD
-            plan = mecefo_plan(self.state.step, ring, members, self.M, todo, spread=spread)
-        else:
-            ids = range(self.M) if todo is None else todo
-            plan = plan_ids(self.state.step, members, ids, self.M, self.cfg.workload, self.state.speeds)
-        self.efficient_ids = plan.efficient
-        eb = self.state.efficient
-        if eb is not None:
-            # Every member sees the same plan, so the same `needed`: the bases of a tau-window come from the
-            # weights of its first step with an efficient microbatch anywhere (none while nobody is down),
-            # computed by every member in the background; a joiner receives them, with their step, in the state.
-            eb.refresh(self.state.step, needed=bool(plan.efficient))
-        return plan
+        self.plan.begin()
+        self.reduction.begin()
 
     def start_step(self) -> list[int]:
         """The ids this worker computes first in the current step (after any recovery due now)."""
-        assert self.group is not None
-        self.recoveries = self.recomputed = self.redos = 0
-        self.reduced = None
+        group = self.group
+        assert group is not None
+        self.plan.reset_counts()
+        self.reduction.reduced = None
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
             return todo
         # A join agreed in the last reduction (the same value on every rank), or a death between steps. The ranks of
         # a replica may see a death at different moments, so they do not act on it here: they start the step, and
         # its reduction (interrupted on every rank index) recovers.
-        removed = self.replica is None and self.client.removed_since(self.group.epoch, self.group.members)
-        if removed or self.switch_epoch > self.group.epoch:
+        removed = self.replica is None and self.client.removed_since(group.epoch, group.members)
+        if removed or self.committer.switch_epoch > group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
-            self.recoveries += 1
+            self.plan.recoveries += 1
             if self.cfg.policy is RecoveryPolicy.DROP:
                 # The others may have started this step with the group's plan: under drop only the dead members'
                 # share is lost, so this worker still owes its own.
-                self._note_owners(self.plan())
+                self.plan.note_owners(self.plan.make(self.membership.units()))
             return self.recover()
         self.injector.inject(Phase.START)
-        plan = self.plan()
-        self._note_owners(plan)
-        self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
-        self._plan_probe(plan)
+        plan = self.plan.make(self.membership.units())
+        self.plan.adopt(plan, group.epoch)
         return list(plan.ids_for(self.unit))
-
-    def _plan_probe(self, plan: Assignment) -> None:
-        """A step planned afresh (all M ids): its data check's probe, at the first such step of each epoch."""
-        assert self.group is not None
-        self.probe, self.probe_fps = None, [0.0, 0.0]
-        if self.replica is None and self.probed_epoch != self.group.epoch:
-            self.probed_epoch = self.group.epoch
-            self.probe = datacheck.choose_probe(plan)
-
-    def is_efficient(self, microbatch: int) -> bool:
-        return microbatch in self.efficient_ids
-
-    def before_last_microbatch(self, microbatch: int) -> None:
-        """Overlap the reduction with the last local backward of the step (under FSDP: of its last round, each
-        unit's bucket starting once FSDP has reduce-scattered it)."""
-        assert self.group is not None
-        self.reducer.arm(self.group, microbatch)
-
-    def before_backward(self, microbatch: int, padding: bool = False) -> None:
-        """The backward of ``microbatch`` comes next (``padding``: a rank of a replica with nothing left in a
-        round, whose gradient must count for nothing)."""
-        self.reducer.current = microbatch
-        self.reducer.padding = padding
-
-    def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
-        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator).
-        ``loss`` may stay a tensor on the device (read back with the step's others at the reduction);
-        ``seconds`` is None where the microbatch's time is not known alone (a GPU: ``note_speed`` per round)."""
-        if self.exact and self.reducer.armed != microbatch:
-            self.reducer.fold(microbatch)
-        self.local_losses[microbatch] = loss
-        self.local_tokens[microbatch] = tokens
-        if self.replica is None:
-            self.done.append(microbatch)
-        if microbatch in self.efficient_ids:
-            self.done_efficient.append(microbatch)
-        if seconds is not None:
-            self.note_speed(seconds)
-
-    def note_speed(self, seconds: float) -> None:
-        """This worker computed a microbatch in ``seconds`` (a moving average: the planner's speeds)."""
-        self.my_speed = seconds if self.my_speed == 0 else 0.5 * self.my_speed + 0.5 * seconds
-
-    def _loss_values(self) -> dict[int, float]:
-        """The local microbatches' losses as numbers: those still on the device read back in one transfer."""
-        on_device = {j: v for j, v in self.local_losses.items() if isinstance(v, torch.Tensor)}
-        if on_device:
-            values = torch.stack([v.float().reshape(()) for v in on_device.values()]).tolist()
-            self.local_losses.update(zip(on_device, values, strict=True))
-        return {j: float(v) for j, v in self.local_losses.items()}
-
-    def round_done(self, microbatches: list[int], seconds: float = 0.0) -> None:
-        """A replica of several ranks: ``microbatches`` are in every rank's accumulator now (an FSDP round's
-        reduce-scatter ended, or a pipelined batch went through every stage); ``seconds`` per microbatch."""
-        self.done.extend(microbatches)
-        if seconds > 0:
-            self.note_speed(seconds)
-
-    def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
-        """A pipeline's last stage: the losses (and tokens) of the microbatches it ran."""
-        self.local_losses.update(losses)
-        self.local_tokens.update(tokens)
-
-    def reduce(self) -> Reduced:
-        """Reduce the local contribution and the side vector over the group; raises Interrupted."""
-        assert self.group is not None
-        # Every gradient first: launching them finishes the exact fold of the last microbatch, whose flags
-        # (non-finite, overflow) the side vector carries.
-        self.reducer.launch_gradients(self.group)
-        flags = self.reducer.flags
-        done = list(self.done)
-        if self.injector.duplicates(self.state.step) and done:
-            done.append(done[0])  # an injected accounting fault: one id reported twice
-        # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw;
-        # its first rank alone counts its ids and speaks for it (one member of the group).
-        first = self.replica is None or self.replica.rank == 0
-        extras = self.side.encode(
-            worker=self.unit,
-            losses=self._loss_values(),
-            tokens=self.local_tokens,
-            done=done if first else [],
-            efficient=self.done_efficient,
-            nonfinite=flags.nonfinite_ids,
-            overflow=flags.overflow,
-            seconds=self.my_speed if first else 0.0,
-            bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.wid,
-            epoch=self.group.epoch if first else 0,
-            newest_epoch=self.client.latest_epoch if self.leader and first else 0,
-            member=first,
-            probe=(self.probe_fps[0], self.probe_fps[1]),
-        )
-        # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
-        # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
-        # after the survivors had already finished and committed the step).
-        self.injector.inject(Phase.REDUCTION)
-        self.injector.stall(self.state.step)
-        self.reducer.launch_extras(extras)
-        status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.interrupted)
-        if status is WaitStatus.TIMED_OUT:
-            self._report_timeout()
-        if self.replica is not None:
-            reduced = self._replica_outcome(reduced)
-        if reduced is None:
-            self.reducer.disarm()
-            raise Interrupted
-        return self.side.decode(reduced)
-
-    def _replica_outcome(self, reduced: torch.Tensor | None) -> torch.Tensor | None:
-        """A rank of a replica of several ranks: the sum over its replica-mates of the side vectors each rank
-        index reduced across the replicas (each carried its own rank's part), and whether every rank index was
-        reduced (None unless it was: the replica commits only then) and, in fp32, whether any reduced shard is
-        not finite; one collective inside the replica for all three."""
-        assert self.replica is not None
-        done = reduced is not None
-        vector = torch.zeros(self.side.size + 2, dtype=torch.float64)
-        if reduced is not None:
-            vector[: self.side.size] = reduced
-            vector[-1] = 1.0 if not self.exact and self._shard_not_finite() else 0.0
-        vector[-2] = 1.0 if done else 0.0
-        self.replica.all_reduce(vector)
-        if int(vector[-2]) != self.replica.size:
-            return None
-        self._any_nonfinite = bool(vector[-1] > 0)
-        return vector[: self.side.size]
-
-    def _shard_not_finite(self) -> bool:
-        """fp32 mode: whether the reduced gradient this worker holds (the same bits on every member) has a NaN or
-        an infinity. A sum is one pass (a tenth of vector_norm(inf)'s time here); only a non-finite sum (which
-        finite values too large to add up also give) needs a closer look."""
-        if math.isfinite(float(self.reducer.flat.sum())):
-            return False
-        low, high = extremes(self.reducer.flat)
-        return not (math.isfinite(low) and math.isfinite(high))
 
     def reduce_step(self) -> list[int] | None:
         """After this worker's microbatches: reduce. None when the step's gradient is reduced (and, unless it
         is not finite, in ``param.grad``); else the ids to compute next (after a recovery, or all of this
         worker's again after a fixed-point overflow)."""
+        reduction = self.reduction
         try:
-            reduced = self.reduce()
-            self.check_invariants(reduced)
-            if self.exact and reduced.overflow > 0 and not any(reduced.nonfinite):
-                return self._grow_scale()
-            nonfinite = any(reduced.nonfinite) if self.exact else self._reduced_nonfinite(reduced)
+            reduced = reduction.reduce()
+            reduction.check_invariants(reduced)
+            if reduction.overflowed(reduced):
+                return self._redo_step()
+            nonfinite = reduction.nonfinite_found(reduced)
         except Interrupted:
             # Recover outside the handler: the exception's traceback holds the abandoned collectives, which
             # keep the old group's connections open, so peers still waiting on them would hang.
             pass
         else:
-            self.reduced = reduced
-            self._nonfinite = nonfinite
-            self._check_data(reduced)
-            if not nonfinite:
-                counted = sum(reduced.counted)
-                self.reducer.apply(scale=self.M / counted if counted != self.M else 1.0)
-                if sum(reduced.efficient):
-                    self.normalise_attention(counted - sum(reduced.efficient), counted)
+            reduction.accept(reduced, nonfinite)
             return None
         todo = self.recover()
-        self.recoveries += 1
+        self.plan.recoveries += 1
         return todo
 
-    def _check_data(self, reduced: Reduced) -> None:
-        """The data check: the probed microbatch's inputs on its computer and on the prober must agree (every
-        member sees the same sums; each warns in its log, the leader publishes the record)."""
-        probe = self.probe
-        line = datacheck.mismatch(self.state.step, probe, *reduced.probe) if probe is not None else None
-        if probe is None or line is None:
-            return
-        log.warning("%s", line)
-        workers = [probe.owner, probe.prober]
-        self.publish(
-            RecordKind.IMPURE_DATA, step=self.state.step, microbatch=probe.microbatch, workers=workers, reason=line
-        )
-
-    def _grow_scale(self) -> list[int]:
-        """Some microbatch did not fit the fixed point: agree on the largest value each tensor saw over all M
-        microbatches (MAX-reduced), grow the bounds above it, and redo the step."""
-        assert self.group is not None and self.state.scale is not None
-        observed = torch.zeros(len(self.numels), dtype=torch.float64)
-        observed[self.index] = torch.tensor(self.reducer.observed, dtype=torch.float64)
-        pending = allreduce_async(self.group, observed, max_op=True)
-        self._wait([pending])
-        self._combine_max(observed)  # a pipeline stage saw its own tensors only
-        grown = self.state.scale.grow(observed.tolist())
-        self.redos += 1
-        log.warning(
-            "step %d: fixed-point overflow in %d tensors (first: %s); redoing the step with larger bounds",
-            self.state.step,
-            len(grown),
-            self.all_names[grown[0]] if grown else "-",
-        )
+    def _redo_step(self) -> list[int]:
+        """A fixed-point overflow: grow the scale (agreed over the group), then compute the step again."""
+        self.reduction.grow_scale()
+        self.plan.redos += 1
         self.begin_step()
-        plan = self.plan()
-        self._note_owners(plan)
+        plan = self.plan.make(self.membership.units())
+        self.plan.note_owners(plan)
         return list(plan.ids_for(self.unit))
-
-    def _reduced_nonfinite(self, reduced: Reduced) -> bool:
-        """fp32 mode: whether the reduced gradient (the same bits on every member) holds a NaN or an infinity;
-        if so, find out from every member's local gradient who and what (one more small reduction)."""
-        # A replica's ranks each reduced their own shard: they told each other with the side vector's reduction.
-        found = self._any_nonfinite if self.replica is not None else self._shard_not_finite()
-        if not found:
-            return False
-        assert self.group is not None
-        self.reducer.check_nonfinite(list(self.local_losses))
-        flags = self.reducer.flags
-        first = self.replica is None or self.replica.rank == 0
-        diagnosis = self.side.encode(
-            worker=self.unit,
-            losses={},
-            tokens={},
-            done=[],
-            efficient=[],
-            nonfinite=flags.nonfinite_ids,
-            overflow=0,
-            seconds=0.0,
-            bad_param=self.index[flags.first_bad_param] if flags.first_bad_param is not None else None,
-            bad_worker=self.wid,
-            epoch=self.group.epoch if first else 0,
-            member=first,
-        )
-        self._combine_sum(diagnosis)
-        self._wait([allreduce_async(self.group, diagnosis)])
-        self._diagnosis = self.side.decode(diagnosis)
-        return True
-
-    def check_invariants(self, reduced: Reduced) -> None:
-        """The checks that guard the training state (explicit: they hold under ``python -O`` too)."""
-        assert self.group is not None
-        step, counted = self.state.step, reduced.counted
-        if self.cfg.policy is RecoveryPolicy.DROP:
-            bad = [j for j, c in enumerate(counted) if c > 1]
-            if bad or sum(counted) < 1:
-                raise InvariantViolation(
-                    f"step {step}: microbatch counts {counted} (members {list(self.group.members)}, epoch "
-                    f"{self.group.epoch}): under drop each id is counted at most once and one at least"
-                )
-        else:
-            bad = [j for j, c in enumerate(counted) if c != 1]
-            if bad:
-                raise InvariantViolation(
-                    f"step {step}: microbatch ids {bad} were counted {[counted[j] for j in bad]} times "
-                    f"(members {list(self.group.members)}, epoch {self.group.epoch}); each must be counted "
-                    "exactly once"
-                )
-        if reduced.members != self.group.size or reduced.epoch_sum != self.group.epoch * self.group.size:
-            raise InvariantViolation(
-                f"step {step}: the members disagree on the epoch: {reduced.members} contributions summing to "
-                f"epoch {reduced.epoch_sum}, expected {self.group.size} of epoch {self.group.epoch}"
-            )
-
-    @torch.no_grad()
-    def normalise_attention(self, contributed: int, counted: int) -> None:
-        """MeCeFO: attention parameters got gradients only from the exact microbatches; average over those
-        (``contributed``) instead of over every counted one. With none, their gradient is zero this step."""
-        eb = self.state.efficient
-        assert eb is not None
-        for p in eb.attention_parameters():
-            if p.grad is None:
-                continue
-            if contributed > 0:
-                p.grad.mul_(counted / contributed)
-            else:
-                p.grad.zero_()
 
     def commit(self, optimizer: torch.optim.Optimizer | None, clip_grad_norm: float, seconds: float) -> StepOutcome:
         """The step's explicit end: the optimizer steps (the gradient is finite and every invariant held) or
-        the step is skipped on every member alike; then the step advances, and the checkpoint if one is due."""
-        assert self.reduced is not None and self.group is not None
-        step, reduced = self.state.step, self.reduced
-        counted = sum(reduced.counted)
-        loss = sum(reduced.loss[j] for j in range(self.M) if reduced.counted[j] > 0) / max(1, counted)
-        lr = float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else math.nan
-        common = {
-            "recomputed": self.recomputed,
-            "dropped": self.M - counted,
-            "recoveries": self.recoveries,
-            "efficient": sum(reduced.efficient),
-            "overflow_redos": self.redos,
-        }
-        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.units()}
-        self.switch_epoch = reduced.newest_epoch
-        if self._nonfinite:
-            outcome = self._skip(step, reduced, loss, lr, common)
-        else:
-            self.injector.inject(Phase.OPTIMIZER)
-            grad_norm = self._clip(clip_grad_norm)
-            if self.state.efficient is not None:
-                self.state.efficient.wait()  # the bases have read the weights (torch optimizers also do this)
-            if optimizer is not None:
-                optimizer.step()
-            if self.state.scale is not None:
-                self.state.scale.track(peaks(self._local_grads(), self.index, self.numels, self._combine_max))
-            self.state.nonfinite_streak = 0
-            outcome = StepOutcome(loss, grad_norm, lr, **common)
-        self.state.last = outcome
-        self.state.step = step + 1
-        self.last_counts = reduced.counted
-        self.last_tokens = sum(t for j, t in enumerate(reduced.tokens) if reduced.counted[j] > 0)
-        self.publish(RecordKind.STEP, **self._step_fields(step, outcome, seconds))
+        the step is skipped on every member alike; then the step advances (the caller saves the checkpoint if
+        one is due, ``save_checkpoint_if_due``)."""
+        outcome = self.committer.commit(self.reduction, optimizer, clip_grad_norm, seconds)
         self.begin_step()
         return outcome
-
-    def _local_grads(self) -> list[torch.Tensor]:
-        """This rank's part of every gradient (an empty tensor for a parameter without one)."""
-        empty = torch.zeros(0)
-        return [empty if p.grad is None else local_tensor(p.grad) for p in self.params]
-
-    def _clip(self, max_norm: float) -> float:
-        """The gradient's global norm, clipped to ``max_norm`` (0: not clipped). Exact mode: the same bits
-        however the model is split (``gradnorm.exact_clip``); fp32: torch's for a whole model."""
-        if self.exact:
-            return exact_clip(
-                self._local_grads(), self.index, self.numels, max_norm, self._combine_max, self._combine_sum
-            )
-        if self.replica is not None:
-            return float_clip(self._local_grads(), max_norm, self._combine_sum)
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True))
-
-    def _skip(self, step: int, reduced: Reduced, loss: float, lr: float, common: dict[str, int]) -> StepOutcome:
-        found = reduced if self.exact else self._diagnosis
-        assert found is not None
-        ids = [j for j, n in enumerate(found.nonfinite) if n]
-        workers = sorted(found.bad_param)
-        param = self.all_names[min(found.bad_param.values())] if found.bad_param else "?"
-        what = (
-            f"step {step}: non-finite gradient in microbatch{'es' if len(ids) != 1 else ''} "
-            f"{', '.join(map(str, ids)) or '?'} (worker{'s' if len(workers) != 1 else ''} "
-            f"{', '.join(map(str, workers)) or '?'}), first in parameter {param}"
-        )
-        if self.cfg.nonfinite is NonfinitePolicy.STOP:
-            raise StopRun(
-                f"{what}; stopped (train.nonfinite = stop); {self._last_checkpoint_words()}",
-                fatal=True,
-                code=EXIT_NONFINITE,
-                shared=True,
-            )
-        self.state.nonfinite_streak += 1
-        self.publish(
-            RecordKind.NONFINITE_SKIP,
-            step=step,
-            microbatches=ids,
-            workers=workers,
-            parameter=param,
-            streak=self.state.nonfinite_streak,
-        )
-        log.warning("%s; skipping the step on every member (%d in a row)", what, self.state.nonfinite_streak)
-        if self.state.nonfinite_streak >= self.cfg.max_nonfinite_skips:
-            raise StopRun(
-                f"{what}; {self.state.nonfinite_streak} consecutive steps skipped for non-finite gradients "
-                f"(train.max_nonfinite_skips = {self.cfg.max_nonfinite_skips}); {self._last_checkpoint_words()}",
-                fatal=True,
-                code=EXIT_NONFINITE,
-                shared=True,
-            )
-        return StepOutcome(loss, math.nan, lr, skipped=True, **common)
-
-    def _last_checkpoint_words(self) -> str:
-        return ckptfiles.last_checkpoint_words(self.run_dir)
-
-    def _step_fields(self, step: int, outcome: StepOutcome, seconds: float, fresh: bool = True) -> dict[str, Any]:
-        """The step record's fields; ``fresh``: this worker took part in the step's reduction (a republished
-        record has no counts, tokens or timing of its own)."""
-        assert self.group is not None
-        fields: dict[str, Any] = {
-            "step": step,
-            "loss": outcome.loss,
-            "lr": outcome.lr,
-            "grad_norm": outcome.grad_norm,
-            "step_time_s": seconds,
-            "tokens": self.last_tokens if fresh else 0,
-            "tokens_per_s": self.last_tokens / seconds if fresh and seconds > 0 else math.nan,
-            "alive": self.group.size,
-            "epoch": self.group.epoch,
-            "microbatches": self.M,
-            "committed": not outcome.skipped,
-            "skipped": outcome.skipped,
-            "recomputed": outcome.recomputed,
-            "dropped": outcome.dropped,
-            "recoveries": outcome.recoveries,
-            "efficient": outcome.efficient,
-            "overflow_redos": outcome.overflow_redos,
-        }
-        if fresh:
-            workers = self.group.size * self.layout.size
-            gpus = gpus_in_use(workers, self.cfg.workers_per_gpu) if self.device.type == "cuda" else 0
-            fields |= step_throughput(self.last_tokens, seconds, workers, gpus, self.flops_per_token, self.peak_tflops)
-            fields["counted"] = int(sum(self.last_counts))
-            fields["counted_once"] = all(c == 1 for c in self.last_counts)
-            fields["quotas"] = {str(w): n for w, n in self.quotas.items()}
-            # each member's seconds per microbatch, agreed in this step's reduction (the status view's speeds)
-            fields["speeds"] = {str(w): s for w, s in self.state.speeds.items()}
-        return fields
-
-    # -- checkpoints --------------------------------------------------------------------------------
-    def checkpoint_due(self, next_step: int) -> bool:
-        """Whether the state at ``next_step`` (after committing ``next_step - 1``) is to be saved: every
-        ``checkpoint.every`` steps, and always at the end of the run."""
-        every = self.cfg.checkpoint_every
-        return next_step == self.total or (every > 0 and next_step > 0 and next_step % every == 0)
-
-    def save_checkpoint_if_due(self) -> None:
-        """After a commit: the leader saves the state if a checkpoint is due (a phase of no collective: if the
-        leader dies while writing, the others find out at their next collective and, once re-formed, the
-        new leader writes it, ``ensure_checkpoint``)."""
-        if self.group is not None and self.leader and self.checkpoint_due(self.state.step):
-            self.write_checkpoint()
-
-    def ensure_checkpoint(self) -> None:
-        """On the leader of a new group: if the current state's checkpoint is due but not on disk and whole (its
-        writer died half-way), write it now, replacing the dead writer's temporary files."""
-        assert self.group is not None
-        if self.leader and self.state.step > 0 and self.checkpoint_due(self.state.step):
-            whole = True
-            try:
-                ckpt.check(self.run_dir, self.state.step)
-            except ValueError:
-                whole = False
-            if not self._agreed(whole):  # a replica's ranks write it together
-                log.warning("the checkpoint of step %d is missing or damaged: writing it", self.state.step)
-                self.write_checkpoint()
-
-    def write_checkpoint(self) -> None:
-        step = self.state.step
-        t0 = time.perf_counter()
-        midway = lambda: self.injector.inject(Phase.CHECKPOINT, step=step)  # noqa: E731
-        if self.replica is not None:  # sharded, by the ranks of the leading replica together
-            assert self.state.model is not None
-            path = ckpt.save_sharded(
-                self.run_dir,
-                step,
-                self.state.model,
-                self.state.optimizer,
-                self.state.snapshot(local=True),
-                self.replica,
-                self.cfg.checkpoint_keep,
-                midway,
-            )
-        else:
-            ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
-            path = ckpt.save_checkpoint(self.run_dir, step, self.state.snapshot(), self.cfg.checkpoint_keep, midway)
-        self.publish(RecordKind.CHECKPOINT, step=step, path=str(path), seconds=time.perf_counter() - t0)
 
     # -- recovery -----------------------------------------------------------------------------------
     def recover(self) -> list[int]:
@@ -999,13 +278,14 @@ class StepProtocol:
         collectives after every membership change (start, failure, join), wherever it was, so the collectives
         always match."""
         old_members = self.group.members if self.group is not None else ()
-        self.recovering = True
+        self.membership.recovering = True
         try:
             return self._recover(old_members)
         finally:
-            self.recovering = False
+            self.membership.recovering = False
 
     def _recover(self, old_members: tuple[int, ...]) -> list[int]:
+        membership = self.membership
         while True:
             t0 = time.monotonic()
             old_epoch = self.group.epoch if self.group is not None else 0
@@ -1013,29 +293,32 @@ class StepProtocol:
                 if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
                     reason = "membership changed; the restart policy restarts from the last checkpoint"
                     raise StopRun(reason, fatal=False)
-                self.form_next_group()
+                membership.form_next_group()
                 assert self.group is not None
                 # Formed ahead (GroupFormer), the group may be older than this recovery.
                 formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
                 if self.resume_pending:
                     self.resume_pending = False
                     if self.leader:
-                        self.load_checkpoint()
+                        self.checkpoints.load()
                         self.begin_step()
-                was_behind = self.sync_state()
+                was_behind = membership.sync_state()
+                if was_behind:
+                    self.begin_step()
                 held = torch.zeros(self.M, dtype=torch.float64)
-                held[self.done] = 1.0
-                self._wait([allreduce_async(self.group, held)])
+                held[self.plan.done] = 1.0
+                membership.wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
-            assert self.group is not None
-            if was_behind or (old_members and old_members[0] not in self.group.members):
-                self.republish_last_step()
-            self.ensure_checkpoint()
+            group = self.group
+            assert group is not None
+            if was_behind or (old_members and old_members[0] not in group.members):
+                self.committer.republish_last_step()
+            self.checkpoints.ensure()
             counts = [int(c) for c in held.tolist()]
             if any(c > 1 for c in counts):
                 raise InvariantViolation(
-                    f"step {self.state.step}: after re-forming epoch {self.group.epoch}, microbatch ids "
+                    f"step {self.state.step}: after re-forming epoch {group.epoch}, microbatch ids "
                     f"{[j for j, c in enumerate(counts) if c > 1]} are held by more than one member"
                 )
             missing = [j for j, c in enumerate(counts) if c == 0]
@@ -1044,30 +327,28 @@ class StepProtocol:
                     RecordKind.RECOVERY,
                     step=self.state.step,
                     from_epoch=old_epoch,
-                    epoch=self.group.epoch,
-                    alive=self.group.size,
+                    epoch=group.epoch,
+                    alive=group.size,
                     reform_s=formed - t0,
                     missing=missing,
-                    time_reformed=self.group.formed_at,
+                    time_reformed=group.formed_at,
                     time_recovered=time.time(),
-                    state_bytes=self.state_bytes,
+                    state_bytes=membership.state_bytes,
                 )
-            died = not set(old_members) <= set(self.group.members)
+            died = not set(old_members) <= set(group.members)
             lost_mid_step = old_epoch > 0 and died and len(missing) < self.M
             if lost_mid_step and self.cfg.policy is RecoveryPolicy.DROP:
                 # Someone died mid-step: their microbatches are lost; a live member that had not computed its
                 # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
                 # and a step nobody had started yet is planned as usual.)
-                return [j for j in missing if self.step_owners.get(j) == self.unit]
+                return [j for j in missing if self.plan.step_owners.get(j) == self.unit]
             if lost_mid_step:
                 # The step's ids computed again because a member died (the same count on every member: the step's
                 # record says it whichever member publishes it).
-                self.recomputed += len(missing)
-            plan = self.plan(missing)
+                self.plan.recomputed += len(missing)
+            plan = self.plan.make(membership.units(), missing)
             if len(missing) == self.M:
-                self._note_owners(plan)
-                self.quotas = {w: len(ids) for w, ids in plan.ids.items()}
-                self._plan_probe(plan)
+                self.plan.adopt(plan, group.epoch)
             return list(plan.ids_for(self.unit))
 
     def join(self, resume: bool, late: bool) -> None:
@@ -1092,7 +373,7 @@ class StepProtocol:
         next step for when it starts) if a failure interrupted it."""
         assert self.group is not None
         try:
-            self._wait([allreduce_async(self.group, tensor)])
+            self.membership.wait([allreduce_async(self.group, tensor)])
             return True
         except Interrupted:
             pass
@@ -1112,7 +393,7 @@ class StepProtocol:
                 break
         assert self.group is not None
         if self.leader:
-            self.ensure_checkpoint()
+            self.checkpoints.ensure()
             checksums = {
                 str(w): bytes(int(x) for x in digests[rank].tolist()).hex() for rank, w in enumerate(self.group.members)
             }
