@@ -3,8 +3,9 @@ it, and one check against real runs (recover, drop and restart on one kill sched
 
 The oracles: the cost model's arithmetic for a failure-free run and for replicas of 1 to 64 GPUs; a
 4-replica step with one kill worked out by hand for every policy; one GPU failure in replicas of 1, 2 and 4
-GPUs worked out by hand; the replica timeline re-derived from the GPU events; ``unbroken.core.plan`` itself
-for the assignments. (The comparison with real runs is ``unbroken bench simulator``.)
+GPUs, and in replicas of 2 pipeline stages, worked out by hand; the replica timeline re-derived from the GPU
+events; ``unbroken.core.plan`` itself for the assignments. (The comparison with real runs is
+``unbroken bench simulator``.)
 """
 
 from __future__ import annotations
@@ -362,6 +363,28 @@ def test_one_gpu_failure_takes_its_whole_replica_down_worked_out_by_hand(tmp_pat
     assert by["drop"].dropped_microbatches == g and by["drop"].committed_microbatches == 80 - g
     assert by["restart"].recomputed_microbatches == 3 * 8 and by["restart"].restarts == 1
     assert by["restart"].lost_s["rollback"] == pytest.approx(4.75)
+
+
+def test_one_gpu_failure_in_pipelined_replicas_worked_out_by_hand(tmp_path: Path) -> None:
+    """Issue 30: 8 GPUs in 4 replicas of 2 stages, M = 8, a stage's microbatch 0.5 s, reduction 0.5 s: a replica's pass
+    over its 2 microbatches is (2 + 1) x 0.5 s, a failure-free step 2 s. GPU 5 fails at 6.5 s, a quarter into
+    step 3, and takes replica 2 down for good. recover: the 3 survivors finish their own pass (7.5 s), learn
+    of the death (8.5 s), re-form (9.5 s), and run the 2 orphans as a pass of their own, one on each of two
+    survivors ((1 + 1) x 0.5 s), then reduce (11 s); then 6 steps of 3 microbatches on the busiest,
+    (3 + 1) x 0.5 + 0.5 = 2.5 s. restart: stops at 6.5 s, detection 2 s + restart 5 s, no checkpoint: all 10
+    steps again, 2.5 s each."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,gpu,event\n6.5,5,fail\n")
+    overrides = [o for o in GPU_FAILURE if not o.startswith("--run.policies=")]  # mecefo: no pipelines
+    overrides += ["--cluster.pipeline=2", "--cost.microbatch_s=0.5", "--run.policies=recover,drop,restart"]
+    overrides.append(f"--failures.trace={trace}")
+    res = simulate(load_scenario(None, overrides))
+    assert res.failure_free_step_s == pytest.approx(2.0)
+    by = {r.policy: r for r in res.policies}
+    assert by["recover"].wall_s == pytest.approx(9.5 + 1.0 + 0.5 + 6 * 2.5)
+    assert by["drop"].wall_s == pytest.approx(9.5 + 0.5 + 6 * 2.5)
+    assert by["restart"].wall_s == pytest.approx(6.5 + 2 + 5 + 10 * 2.5)
+    assert by["recover"].recomputed_microbatches == 2 and by["recover"].committed_microbatches == 80
 
 
 @pytest.mark.parametrize("random_repair", [False, True])

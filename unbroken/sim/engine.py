@@ -190,7 +190,7 @@ class Engine:
                 work = np.array([self._work(assignment, w) for w in self.members])
             else:
                 assignment = self.planner.steady(len(self.members))
-                work = np.array(list(map(len, assignment.ids.values())), dtype=float) * self.c.microbatch_s
+                work = self.c.compute_s(np.fromiter(map(len, assignment.ids.values()), dtype=float))
             step_s = makespan(work, self.cores, self.penalty) + self.c.allreduce_s(len(self.members))
             self._steady[key] = (step_s, work, assignment)
         return self._steady[key]
@@ -415,7 +415,7 @@ class Engine:
             for k, ids in self.planner.spread_nonempty(live.size, len(todo)):
                 if ids:
                     extras[int(live[k])] = extras.get(int(live[k]), ()) + tuple(todo[j] for j in ids)
-                    work[live[k]] = len(ids) * self.c.microbatch_s
+                    work[live[k]] = self.c.compute_s(len(ids))
             return
         survivors = tuple(members[int(i)] for i in live)
         assignment = self.planner.mecefo(survivors, tuple(todo), self.policy is RecoveryPolicy.MECEFO_SPREAD)

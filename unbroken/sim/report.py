@@ -45,18 +45,23 @@ def format_markdown(res: SimResult) -> str:
     m = sc.model
     tokens_per_step = m.microbatches * c.tokens_per_microbatch
     how_mb = "measured" if sc.cost.microbatch_s else f"{m.flavour} FLOPs at {sc.cost.mfu:g} MFU"
+    if not sc.cost.microbatch_s and sc.cluster.tensor > 1 and sc.cost.tensor_bandwidth_gbs > 0:
+        how_mb += " + tensor-parallel all-reduces"
+    if c.bubble:
+        how_mb += f"; a pipeline pass adds {c.bubble} to a replica's microbatches"
     how_ar = "measured" if sc.cost.allreduce_s else "ring all-reduce"
     wall = max(r.wall_s for r in res.policies)
     unit, scale = _unit(wall)
+    k, p, t = sc.cluster.degrees
     lines = [
-        f"{sc.cluster.gpus:,} GPUs in {sc.cluster.replicas:,} replicas of {sc.cluster.gpus_per_replica} "
-        f"(spares {sc.cluster.spares}); model {m.flavour}, M = {m.microbatches:,} microbatches of "
-        f"{c.tokens_per_microbatch:,} tokens ({tokens_per_step:,} tokens/step)",
+        f"{sc.cluster.gpus:,} GPUs in {sc.cluster.replicas:,} replicas of {sc.cluster.replica_gpus} "
+        f"(shard {k} x pipeline {p} x tensor {t}; spares {sc.cluster.spares}); model {m.flavour}, "
+        f"M = {m.microbatches:,} microbatches of {c.tokens_per_microbatch:,} tokens ({tokens_per_step:,} tokens/step)",
         f"microbatch {c.microbatch_s:.4g} s ({how_mb}), all-reduce {c.allreduce_s(sc.cluster.replicas):.4g} s "
         f"({how_ar}); failure-free step {res.failure_free_step_s:.4g} s, "
         f"{sc.model.microbatches * c.tokens_per_microbatch / res.failure_free_step_s:,.0f} tokens/s",
         f"{tl.gpu_failures:,} GPU failures in the timeline, taking down {tl.replica_failures:,} replicas of "
-        f"{sc.cluster.gpus_per_replica}; detect {c.detect_s:g} s, re-form {c.reform_s:g} s, "
+        f"{sc.cluster.replica_gpus}; detect {c.detect_s:g} s, re-form {c.reform_s:g} s, "
         f"rejoin {c.rejoin_s:.3g} s, restart {c.restart_s:g} s; checkpoint every {sc.checkpoint.every} steps "
         f"(restart) / {sc.checkpoint.in_place_every} (the others), {c.save_s:g} s each; "
         f"{res.planner_calls} calls into unbroken.core.plan",

@@ -1,5 +1,6 @@
 """The simulator's input: the scenario schema (``Scenario``: [run], [cluster], [model], [cost], [failures],
-[checkpoint]), its loading and cross-checks, failure traces, and the cost model (``Costs``) derived from it.
+[checkpoint]), its loading and cross-checks, failure traces, and the cost model (``Costs``) derived from it,
+including what a replica's shard x pipeline x tensor layout costs (docs/simulation.md, "The model").
 Pure Python + numpy: no torch.
 """
 
@@ -88,7 +89,12 @@ class RunSection:
 @dataclass(frozen=True)
 class ClusterSection:
     gpus: int = 512  # GPUs in the job
-    gpus_per_replica: int = 8  # GPUs of one data-parallel replica (its TP x PP group)
+    # GPUs of one data-parallel replica; 0 = shard x pipeline x tensor. Given with shard = 0, shard is the rest.
+    gpus_per_replica: int = 0
+    # A replica's layout, named as the trainer's [parallel]; the replica is their product of GPUs.
+    shard: int = 0  # FSDP ranks per replica; 0 = the rest of gpus_per_replica (1 when that is 0 too)
+    pipeline: int = 1  # pipeline stages per replica (the schedule's bubble is modelled)
+    tensor: int = 1  # tensor-parallel ranks per stage (their activation all-reduces are modelled)
     spares: int = 0  # spare GPUs outside the job; one replaces a failed GPU after cost.spare_swap_s
     # 0: every replica has its own devices (a cluster). N: the replicas time-share N CPU cores, one core each
     # at most, as the worker processes of a real CPU run on one machine do (to check the model against one).
@@ -98,19 +104,49 @@ class ClusterSection:
     oversubscription: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_replica"):
+        for name in ("gpus", "pipeline", "tensor"):
             _check(getattr(self, name) >= 1, f"cluster.{name} = {getattr(self, name)} must be >= 1")
+        for name in ("gpus_per_replica", "shard"):
+            value = getattr(self, name)
+            _check(value >= 0, f"cluster.{name} = {value} must be >= 1 (or 0: derived from the other degrees)")
+        g, (k, p, t) = self.gpus_per_replica, (self.shard or 1, self.pipeline, self.tensor)
+        if g and self.shard:
+            _check(
+                g == k * p * t,
+                f"cluster.gpus_per_replica = {g} contradicts cluster.shard x pipeline x tensor = {k} x {p} x {t} "
+                f"= {k * p * t}; give one of them, or make them agree",
+            )
+        elif g:
+            _check(
+                g % (p * t) == 0,
+                f"cluster.gpus_per_replica = {g} must be a multiple of cluster.pipeline x tensor = {p} x {t} "
+                "(shard = 0 takes the rest)",
+            )
+        k, p, t = self.degrees
         _check(
-            self.gpus % self.gpus_per_replica == 0,
-            f"cluster.gpus = {self.gpus} must be a multiple of cluster.gpus_per_replica = {self.gpus_per_replica}",
+            self.gpus % self.replica_gpus == 0,
+            f"cluster.gpus = {self.gpus} must be a multiple of cluster.gpus_per_replica = "
+            f"{self.replica_gpus} (shard x pipeline x tensor = {k} x {p} x {t})",
         )
         _check(self.spares >= 0, f"cluster.spares = {self.spares} must be >= 0")
         _check(self.shared_cores >= 0, f"cluster.shared_cores = {self.shared_cores} must be >= 0 (0 = not shared)")
         _check(self.oversubscription >= 0, f"cluster.oversubscription = {self.oversubscription} must be >= 0")
 
     @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(shard, pipeline, tensor) of a replica, with shard = 0 resolved."""
+        rest = self.gpus_per_replica // (self.pipeline * self.tensor) if self.gpus_per_replica else 1
+        return self.shard or rest, self.pipeline, self.tensor
+
+    @property
+    def replica_gpus(self) -> int:
+        """GPUs of one replica: shard x pipeline x tensor (= gpus_per_replica when that is given)."""
+        k, p, t = self.degrees
+        return k * p * t
+
+    @property
     def replicas(self) -> int:
-        return self.gpus // self.gpus_per_replica
+        return self.gpus // self.replica_gpus
 
 
 @dataclass(frozen=True)
@@ -133,10 +169,15 @@ class CostSection:
     device_tflops: float = 312.0  # peak dense bf16 TFLOP/s of one GPU (A100 312, H100 SXM 989)
     mfu: float = 0.4  # model FLOPs utilisation
     bandwidth_gbs: float = 25.0  # GB/s per GPU for the cross-replica all-reduce (200 Gb/s InfiniBand)
+    # GB/s per GPU, each way, for the activation all-reduces of tensor parallelism inside a replica (A100 NVLink
+    # 3: 300); 0 = taken as hidden inside mfu, like the FSDP traffic
+    tensor_bandwidth_gbs: float = 300.0
     latency_us: float = 10.0  # per step of the ring
     grad_bytes: float = 2.0  # bytes per gradient element (bf16)
     # Measured times replace the cost model (0 = from the cost model):
-    microbatch_s: float = 0.0  # one exact microbatch, forward + backward, on one replica
+    # one exact microbatch, forward + backward, on one replica (with pipeline stages: one stage's part of it,
+    # as the schedule runs microbatches + pipeline - 1 of them per pass)
+    microbatch_s: float = 0.0
     allreduce_s: float = 0.0  # the part of a step that does not scale with microbatches (reduction, optimizer)
     rejoin_s: float = 0.0  # admitting a repaired replica; 0 = reform_s + its state over the bandwidth
     detect_s: float = 5.0  # a failure until the survivors know
@@ -150,6 +191,11 @@ class CostSection:
         _positive("cost", self, ("device_tflops", "mfu", "bandwidth_gbs", "grad_bytes", "efficient_factor"))
         _positive("cost", self, ("detect_s", "reform_s", "restart_s", "save_s", "spare_swap_s"))
         _positive("cost", self, ("microbatch_s", "allreduce_s", "rejoin_s", "latency_us"), allow_zero=True)
+        tp = self.tensor_bandwidth_gbs
+        _check(
+            math.isfinite(tp) and tp >= 0,
+            f"cost.tensor_bandwidth_gbs = {tp} must be a finite number >= 0 (0 = hidden inside mfu)",
+        )
         _check(self.mfu <= 1, f"cost.mfu = {self.mfu} must be in (0, 1]")
 
 
@@ -238,10 +284,16 @@ def load_scenario(path: str | Path | None, overrides: list[str] | None = None) -
     """
     sc: Scenario = load_tree(Scenario, path, overrides)
     c, f = sc.cluster, sc.failures
+    for policy in sc.run.policies:
+        _check(
+            c.pipeline == 1 or not policy.mecefo,
+            f"run.policies: {policy} with pipelined replicas (cluster.pipeline = {c.pipeline}) is not supported, as "
+            "in the trainer; allowed there: recover, drop, restart",
+        )
     if f.lost_gpus:
         _check(
-            f.lost_gpus % c.gpus_per_replica == 0 and f.lost_gpus < c.gpus,
-            f"failures.lost_gpus = {f.lost_gpus} must be whole replicas ({c.gpus_per_replica} GPUs) and < cluster.gpus",
+            f.lost_gpus % c.replica_gpus == 0 and f.lost_gpus < c.gpus,
+            f"failures.lost_gpus = {f.lost_gpus} must be whole replicas ({c.replica_gpus} GPUs) and < cluster.gpus",
         )
         _check(sc.run.hours > 0, "failures.lost_gpus spreads the losses over run.hours; set run.hours > 0")
     schedule = FailureSchedule.parse(f.schedule)
@@ -259,7 +311,7 @@ def load_scenario(path: str | Path | None, overrides: list[str] | None = None) -
 class Costs:
     """Resolved times (s) of one scenario: measured where given, else from the flavour's FLOPs and bytes."""
 
-    microbatch_s: float
+    microbatch_s: float  # a replica's time per microbatch: a pipeline's per stage, TP's all-reduces included
     tokens_per_microbatch: int
     params: int
     measured_allreduce_s: float
@@ -273,22 +325,28 @@ class Costs:
     save_s: float
     spare_swap_s: float
     efficient_factor: float
+    bubble: int = 0  # pipeline - 1: the microbatch times a pass through a replica's stages adds
 
     @staticmethod
     def of(sc: Scenario) -> Costs:
-        m, c, k = sc.model, sc.cost, sc.cluster.gpus_per_replica
+        m, c = sc.model, sc.cost
+        k, p, t = sc.cluster.degrees
+        g = k * p * t
         args = model_args(m.flavour, vocab_size=m.vocab_size, max_seq_len=m.seq_len)
         tokens = m.microbatch_size * m.seq_len
         flops = flops_per_token(args, m.seq_len) * tokens
         params = num_params(args)
         bandwidth = c.bandwidth_gbs * 1e9
-        state_bytes = 12.0 * params / k  # fp32 weights and AdamW's two moments, sharded over the replica
+        # Each GPU holds a distinct 1/g of the parameters (FSDP shard of a TP slice of a stage's layers): its
+        # gradient slice, and the fp32 weights and AdamW's two moments it is sent on rejoining.
+        state_bytes = 12.0 * params / g
+        flops_s = flops / (g * c.device_tflops * 1e12 * c.mfu)
         return Costs(
-            microbatch_s=c.microbatch_s or flops / (k * c.device_tflops * 1e12 * c.mfu),
+            microbatch_s=c.microbatch_s or flops_s + _tensor_s(sc, args.dim, args.n_layers, tokens),
             tokens_per_microbatch=tokens,
             params=params,
             measured_allreduce_s=c.allreduce_s,
-            grad_bytes_per_gpu=c.grad_bytes * params / k,
+            grad_bytes_per_gpu=c.grad_bytes * params / g,
             bandwidth=bandwidth,
             latency_s=c.latency_us * 1e-6,
             detect_s=c.detect_s,
@@ -298,7 +356,14 @@ class Costs:
             save_s=c.save_s,
             spare_swap_s=c.spare_swap_s,
             efficient_factor=c.efficient_factor,
+            bubble=p - 1,
         )
+
+    def compute_s(self, num_microbatches: np.ndarray | int) -> np.ndarray:
+        """Each replica's compute for its ``num_microbatches``: one pipeline pass of (n + pipeline - 1)
+        microbatch times, none for n = 0."""
+        n = np.asarray(num_microbatches, dtype=float)
+        return np.where(n > 0, (n + self.bubble) * self.microbatch_s, 0.0)
 
     def allreduce_s(self, replicas: int) -> float:
         """Ring all-reduce of the gradient over ``replicas`` (each GPU of a replica runs its own ring)."""
@@ -308,3 +373,17 @@ class Costs:
             return 0.0
         steps = 2 * (replicas - 1)
         return steps / replicas * self.grad_bytes_per_gpu / self.bandwidth + steps * self.latency_s
+
+
+def _tensor_s(sc: Scenario, dim: int, n_layers: int, tokens: int) -> float:
+    """Tensor parallelism's activation all-reduces in one microbatch's time on a replica (Megatron-LM: two in
+    the forward and two in the backward of every layer). A TP group of t ranks carries the activations of its
+    1/k of the microbatch's tokens through its stage's n_layers / p layers; each all-reduce is a bandwidth-only
+    ring over the t ranks (2 (t - 1) / t of the bytes), not overlapped with compute. 0 with t = 1, or with
+    cost.tensor_bandwidth_gbs = 0 (taken as hidden inside mfu)."""
+    k, p, t = sc.cluster.degrees
+    if t == 1 or sc.cost.tensor_bandwidth_gbs == 0:
+        return 0.0
+    activation_bytes = tokens / k * dim * sc.cost.grad_bytes
+    per_allreduce = 2 * (t - 1) / t * activation_bytes / (sc.cost.tensor_bandwidth_gbs * 1e9)
+    return 4 * n_layers / p * per_allreduce

@@ -6,9 +6,10 @@ scenario over one failure timeline (``sim_timeline``) with the event loop of ``s
 plots and files are ``sim_report``'s. Who computes which microbatch is always decided by ``unbroken.core.plan``
 (the planner the trainer runs), never re-derived here.
 
-The model. G GPUs form G / gpus_per_replica replicas (data-parallel workers); one dead GPU stops its
-replica. A step computes M microbatches: a replica's time is its planned microbatches x the microbatch
-time (MeCeFO's efficient ones x ``efficient_factor``), then an all-reduce (ring formula, or measured).
+The model. G GPUs form G / (shard x pipeline x tensor) replicas (data-parallel workers; ``gpus_per_replica``
+is the product's other spelling); one dead GPU stops its replica. A step computes M microbatches: a
+replica's time is its planned microbatches (plus pipeline - 1 for the bubble) x the microbatch time
+(MeCeFO's efficient ones x ``efficient_factor``), then an all-reduce (ring formula, or measured).
 Failures come from a per-GPU exponential MTBF, MeCeFO's scenarios (``failures.SCENARIOS``), ReCoVer's
 "half the GPUs lost spread across the run", a CSV trace, or step-keyed kills in the failures.py grammar;
 repairs after an MTTR; an optional spare pool. Policies:
@@ -99,7 +100,9 @@ def check_finishes(sc: Scenario, costs: Costs, step_s: float) -> None:
             window = costs.detect_s + costs.restart_s + steps * step_s + (costs.save_s if sc.checkpoint.every else 0)
             needs = "detect_s + restart_s + the steps to the next checkpoint"
         else:
-            window = costs.detect_s + costs.reform_s + costs.microbatch_s + costs.allreduce_s(sc.cluster.replicas)
+            window = (
+                costs.detect_s + costs.reform_s + float(costs.compute_s(1)) + costs.allreduce_s(sc.cluster.replicas)
+            )
             needs = "detect_s + reform_s + one microbatch and reduction"
         if rate * window > math.log1p(GIVE_UP_S * rate):
             raise ValueError(
@@ -121,7 +124,7 @@ def simulate(sc: Scenario) -> SimResult:
     replicas = sc.cluster.replicas
     planner = Planner(sc.model.microbatches, replicas)
     full = planner.steady(replicas)
-    full_work = np.array([len(full.ids[k]) for k in range(replicas)]) * costs.microbatch_s
+    full_work = costs.compute_s(np.array([len(full.ids[k]) for k in range(replicas)]))
     step_s = makespan(full_work, sc.cluster.shared_cores, sc.cluster.oversubscription) + costs.allreduce_s(replicas)
     sc = replace(sc, checkpoint=sc.checkpoint.in_steps(step_s))
     check_finishes(sc, costs, step_s)

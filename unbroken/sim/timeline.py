@@ -63,7 +63,7 @@ def _gpu_events(sc: Scenario, horizon_s: float) -> tuple[np.ndarray, np.ndarray,
     """(times, gpus, is_fail) of every random and traced GPU event before ``horizon_s``. Each process has its
     own seeded stream and draws the same numbers whatever the horizon, so a longer horizon only adds events."""
     f, c = sc.failures, sc.cluster
-    k, replicas = c.gpus_per_replica, c.replicas
+    k, replicas = c.replica_gpus, c.replicas
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     mttr_s = f.repaired_after_s
     if f.mtbf_h > 0:
@@ -139,7 +139,7 @@ def build_timeline(sc: Scenario, horizon_s: float) -> Timeline:
 
     def change(t: float, g: int, up: bool) -> None:
         nonlocal num_down
-        r = g // c.gpus_per_replica
+        r = g // c.replica_gpus
         slot_down[g] = not up
         num_down += -1 if up else 1
         down_count[r] += -1 if up else 1
