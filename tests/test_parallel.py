@@ -1,7 +1,8 @@
-"""Replicas of several ranks (issue 19): FSDP2 shards and pipeline stages under the fault-tolerant reduction.
+"""Replicas of several ranks (issues 19, 30): FSDP2 shards and pipeline stages, alone and together, under the
+fault-tolerant reduction (tensor-parallel ranks: test_replica3d.py).
 
 The oracle is the unsharded model: with exact reduction a run's trajectory depends neither on the number of
-replicas nor on how each replica splits the model (FSDP shards, pipeline stages), nor on failures, so every
+replicas nor on how each replica splits the model (FSDP shards, pipeline stages, both), nor on failures, so every
 run here must end with the parameters of the one-worker failure-free run (``recovery_runs["exact_ref"]``,
 tests/conftest.py), bit for bit, and record the same loss at every step.
 """
@@ -133,6 +134,45 @@ def test_a_kill_in_a_pipelined_replica_leaves_the_run_bitwise_the_failure_free_o
     assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
 
 
+def test_kills_in_sharded_pipelined_replicas_leave_the_run_bitwise_the_failure_free_one(
+    recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """2 replicas x (shard 2 x pipeline 2), 1F1B. Torch's pipelining defers FSDP's reduce-scatter to a stage's last
+    microbatch (a float sum over the microbatches this replica happens to compute); in exact mode each
+    microbatch's backward reduce-scatters and folds instead, so the run is bitwise the unsplit failure-free one,
+    through a rank of the last replica killed mid-backward and one of the first mid-reduction."""
+    run = tmp_path / "shard-pipeline"
+    # The slow steps let a killed replica (4 processes starting) come back before the other one is killed.
+    schedule = (
+        "kill:worker=6,step=5,phase=backward,rejoin=0.5; slow:worker=0,factor=8,steps=6-11; "
+        "kill:worker=1,step=15,phase=reduction,rejoin=0.5; slow:worker=4,factor=8,steps=16-21"
+    )
+    layout = ["--parallel.shard=2", "--parallel.pipeline=2"]
+    result = train(run, data_cache_dir, *COMMON, *layout, f"--failures.schedule={schedule}", workers=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(r["worker"] for r in read_records(run, "injected")) == [1, 6]
+    epochs = [(r["members"], r["reason"]) for r in read_records(run, "membership")]
+    removed = [set(before) - set(after) for (before, _), (after, _) in zip(epochs, epochs[1:], strict=False)]
+    assert {4, 5, 6, 7} in removed and {0, 1, 2, 3} in removed  # whole replicas, each in one epoch
+    assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
+
+
+def test_a_sharded_pipeline_pads_a_round_and_stays_the_unsplit_model(tmp_path: Path, data_cache_dir: Path) -> None:
+    """1 replica x (shard 2 x pipeline 2) with 3 microbatches a step: each shard's pipeline runs its lane of the
+    rounds ([0, 1], [2, -]), the second lane a padding microbatch that takes part in FSDP's collectives and
+    counts for nothing. Bitwise one worker's run of the same steps."""
+    common = [ONE_THREAD, EXACT, "--train.steps=6", "--checkpoint.every=0", "--train.microbatches=3"]
+    runs = {}
+    for name, workers, layout in (("split", 4, ["--parallel.shard=2", "--parallel.pipeline=2"]), ("one", 1, [])):
+        runs[name] = tmp_path / name
+        result = train(runs[name], data_cache_dir, *common, *layout, workers=workers)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(runs["split"]) == losses(runs["one"])
+    mine, theirs = ckpt.verify(runs["split"], 6), ckpt.verify(runs["one"], 6)
+    assert sorted(mine["model"]) == sorted(theirs["model"])
+    assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
+
+
 def test_mecefo_on_sharded_replicas_is_bitwise_mecefo_on_whole_ones(tmp_path: Path, data_cache_dir: Path) -> None:
     """MeCeFO with 2 replicas x 2 shards: replica 0 dies (its rank 1 killed mid-backward) and replica 1 takes its
     microbatches over in efficient mode on FSDP-wrapped blocks, its projection bases computed from the FFN
@@ -184,7 +224,10 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
     ("args", "message"),
     [
         (["--workers", "3", "--parallel.shard=2"], "--workers = 3 is not a whole number of replicas of 2 ranks"),
-        (["--workers", "4", "--parallel.shard=2", "--parallel.pipeline=2"], "parallel.shard = 2 with parallel."),
+        (["--workers", "4", "--parallel.tensor=4"], "parallel.tensor = 4 must divide the model's key/value heads (2)"),
+        (["--workers", "2", "--parallel.sequence_parallel=true"], "parallel.sequence_parallel = true needs parallel."),
+        (["--workers", "4", "--parallel.tensor=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with tensor"),
+        (["--workers", "6", "--parallel.tensor=2", "--parallel.shard=2"], "replicas of 4 ranks (parallel.shard = 2"),
         (["--workers", "4", "--parallel.pipeline=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with"),
         (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),
         (["--workers", "2", "--parallel.shard=0"], "parallel.shard = 0 must be >= 1"),

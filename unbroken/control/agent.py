@@ -412,11 +412,11 @@ def run_agent(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**worker_defaults(cfg), **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
     env[COORDINATOR_ENV] = ",".join(addresses)
-    layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+    layout = ReplicaLayout.of(cfg.parallel)
     if args.workers % layout.size:
         raise ValueError(
             f"--workers = {args.workers}: a host runs whole replicas of {layout.size} ranks (parallel.shard x "
-            f"parallel.pipeline); use a multiple of {layout.size}"
+            f"parallel.pipeline x parallel.tensor); use a multiple of {layout.size}"
         )
     ids = list(range(rank * args.workers, (rank + 1) * args.workers))
     agent = Agent(

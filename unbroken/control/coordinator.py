@@ -152,7 +152,7 @@ class Coordinator:
         self.token = token if token is not None else require_token()
         self.gateway = Gateway(sock, ("127.0.0.1", internal_port), self.token)
         self.cfg = cfg
-        self.layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+        self.layout = ReplicaLayout.of(cfg.parallel)
         self.joining: set[int] = set()  # admitted workers whose replica is not complete yet
         self.run_dir = run_dir
         self.expected = expected_workers

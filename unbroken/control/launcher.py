@@ -60,7 +60,7 @@ class LaunchPlan:
 def idle_warning(cfg: RunConfig, workers: int) -> str:
     """The one line that says which replicas compute nothing in a step without failures (more replicas than
     ``train.microbatches``; the planner's own split says which), or "" when each has microbatches."""
-    layout = ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+    layout = ReplicaLayout.of(cfg.parallel)
     replicas = list(range(workers // layout.size))
     M = cfg.train.microbatches
     idle = [r for r, ids in plan_step(0, replicas, M).ids.items() if not ids]
@@ -98,7 +98,7 @@ def plan_launch(
     and writes nothing if anything is wrong."""
     if workers < 1:
         raise ValueError(f"--workers = {workers} must be >= 1")
-    ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline).replicas_in(workers)  # whole replicas only
+    ReplicaLayout.of(cfg.parallel).replicas_in(workers)  # whole replicas only
     if resume:
         if not (run_dir / "config.toml").is_file():
             raise ValueError(f"--resume {run_dir}: not a run directory (no config.toml)")
@@ -170,7 +170,7 @@ class Launcher:
             self.run_dir / "logs",
             plan.restart_after_s,
             injections=bool(schedule.events),
-            layout=ReplicaLayout(self.cfg.parallel.shard, self.cfg.parallel.pipeline),
+            layout=ReplicaLayout.of(self.cfg.parallel),
         )
         self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
         self.agent.console = self.console

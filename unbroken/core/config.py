@@ -375,19 +375,21 @@ class CoordinatorConfig:
 class ParallelConfig:
     shard: int = option(1, "FSDP2 ranks per replica (HSDP: sharded inside a replica, replicated across replicas)")
     pipeline: int = option(1, "pipeline stages per replica (torch.distributed.pipelining)")
+    tensor: int = option(1, "tensor-parallel ranks per replica (torch's parallelize_module: Megatron-style TP)")
+    sequence_parallel: bool = option(
+        False, "with parallel.tensor > 1: the norms work on a rank's share of the sequence"
+    )
     schedule: PipelineSchedule = option(PipelineSchedule.ONE_F_ONE_B, "the pipeline schedule")
 
     def __post_init__(self) -> None:
         _enum_fields(self)
-        for name in ("shard", "pipeline"):
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError(
+                "parallel.sequence_parallel = true needs parallel.tensor > 1 (it splits the sequence over them)"
+            )
+        for name in ("shard", "pipeline", "tensor"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} = {getattr(self, name)} must be >= 1")
-        if self.shard > 1 and self.pipeline > 1:
-            raise ValueError(
-                f"parallel.shard = {self.shard} with parallel.pipeline = {self.pipeline} is not supported; use one "
-                "of them (docs/parallel.md: a pipeline stage's FSDP reduce-scatter is deferred by torch's "
-                "pipelining, which the exact reduction cannot fold per microbatch)"
-            )
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,11 @@ class RunConfig:
             raise ValueError(
                 f"train.workers_per_gpu = {self.train.workers_per_gpu} with comm.backend = nccl: NCCL refuses two "
                 "ranks on one GPU; use comm.backend = gloo (or auto, which picks gloo then)"
+            )
+        if self.parallel.tensor > 1 and self.recovery.policy.mecefo:
+            raise ValueError(
+                f"recovery.policy = {self.recovery.policy} with tensor-parallel replicas (parallel.tensor = "
+                f"{self.parallel.tensor}) is not supported yet; allowed there: recover, drop, restart"
             )
         if self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
             raise ValueError(

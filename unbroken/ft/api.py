@@ -33,11 +33,13 @@ also yields, to the prober, another member's id, whose forward alone runs. Under
 prints while it leads the group also reaches the launcher's console (``control.console``). A mistake in the
 use of any call here is one ``ValueError``.
 
-Replicas of several ranks (``[parallel] shard`` / ``pipeline``, docs/parallel.md): ``Context.mesh`` is the
-replica's device mesh (shard the model on it, e.g. ``fsdp.apply_fsdp``), ``Context.stage`` / ``stages`` say
-which pipeline stage this rank builds; ``Step.microbatches`` then yields this rank's ids round by round (a
-rank with nothing left in a round gets a padding microbatch that counts for nothing), and a pipelined replica
-runs its microbatches with ``Step.pipeline`` instead.
+Replicas of several ranks (``[parallel] shard`` / ``pipeline`` / ``tensor``, docs/parallel.md): ``Context.mesh``
+is the replica's device mesh, its dimensions named ``pp``, ``shard`` and ``tensor`` (those above 1): split the
+model on it (``tensor.apply_tensor_parallel`` on ``mesh["tensor"]``, then ``fsdp.apply_fsdp`` on
+``mesh["shard"]``); ``Context.stage`` / ``stages`` say which pipeline stage this rank builds;
+``Step.microbatches`` then yields this rank's ids round by round (a rank with nothing left in a round gets a
+padding microbatch that counts for nothing; the tensor ranks of a shard compute the same ids together), and a
+pipelined replica runs its microbatches with ``Step.pipeline`` instead.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class Context:
         self._flops_per_token = 0.0
         self._warned_precision = False
         self._inputs_seen = False  # step.backward was given a microbatch's inputs (the data check can run)
-        self.layout = ReplicaLayout(self.config.parallel.shard, self.config.parallel.pipeline)
+        self.layout = ReplicaLayout.of(self.config.parallel)
         self._replica = self._join_replica() if self.layout.size > 1 else None
         self._pipeline: Pipeline | None = None
         self._current: Step | None = None  # the step the user's loop is in (or has just committed)
@@ -129,9 +131,9 @@ class Context:
         job = self._job
         if job.worker_id is None or job.local is not None:
             raise ValueError(
-                f"parallel.shard = {self.layout.shard}, parallel.pipeline = {self.layout.pipeline}: a replica of "
-                f"several ranks needs a job of several workers with known ids (unbroken launch / agent set "
-                "UNBROKEN_WORKER_ID; torchrun sets RANK)"
+                f"parallel.shard = {self.layout.shard}, parallel.pipeline = {self.layout.pipeline}, parallel.tensor "
+                f"= {self.layout.tensor}: a replica of several ranks needs a job of several workers with known ids "
+                "(unbroken launch / agent set UNBROKEN_WORKER_ID; torchrun sets RANK)"
             )
         try:
             return Replica(
@@ -155,8 +157,9 @@ class Context:
 
     @property
     def mesh(self) -> DeviceMesh | None:
-        """The replica's device mesh under ``parallel.shard`` > 1 (dimension ``"shard"``: apply FSDP2 on it)
-        or ``parallel.pipeline`` > 1 (``"pp"``); None for a replica of one rank."""
+        """The replica's device mesh for a replica of several ranks: dimensions ``"pp"``, ``"shard"`` (apply FSDP2
+        on it) and ``"tensor"`` (apply tensor parallelism on it), those above 1, outermost first; None for a
+        replica of one rank."""
         return self._replica.mesh if self._replica is not None else None
 
     @property
@@ -361,7 +364,7 @@ class Context:
         self._evaluating = True  # left set if loss_of raises: the crash report says where
         for k in range(lane, max(num_items, rounds * lanes), lanes):
             value = float(loss_of(k if k < num_items else 0))
-            if k < num_items:
+            if k < num_items and self._counts_losses:
                 total[0] += value
                 total[1] += 1
         self._evaluating = False
@@ -385,8 +388,14 @@ class Context:
         if ids:
             with self._guard():
                 losses = self.pipeline(loss_fn).evaluate(ids, batch_of)
-            total[0], total[1] = sum(losses), len(losses)
+            if self._counts_losses and (self._replica is None or self._replica.shard == 0):  # shards run alike
+                total[0], total[1] = sum(losses), len(losses)
         return self._mean_over_members(total, record)
+
+    @property
+    def _counts_losses(self) -> bool:
+        """Whether this rank's losses count: the tensor ranks of a replica compute the same ones, the first speaks."""
+        return self._replica is None or self._replica.tensor == 0
 
     def _mean_over_members(self, total: torch.Tensor, record: bool) -> float | None:
         """The mean over the members of an evaluation (``total``: this rank's sum and count); with ``record``,
@@ -418,7 +427,7 @@ class Context:
                 replica.stage,
                 self.layout.pipeline,
                 next(self.state.model.parameters()).device,
-                replica.pg,
+                replica.stage_group,
                 loss_fn,
                 self.config.parallel.schedule,
                 proto.reducer,
@@ -716,9 +725,14 @@ class Step:
             proto.injector.step = self.index
             hooks = proto.injector.phase_hooks(model, first=True, last=True)
             started = time.perf_counter()
+            # Under FSDP each shard's pipeline runs its lane of the rounds (a padding microbatch where a lane has
+            # none left), so that every stage's ranks run as many backwards and reduce-scatters.
+            lanes = _rounds(todo, ctx.layout.shard, ctx._replica) if ctx.layout.shard > 1 else None
+            ids = [j for j, _, _ in lanes] if lanes is not None else todo
+            padding = {i for i, (_, pad, _) in enumerate(lanes) if pad} if lanes is not None else set()
             try:
                 with guard():
-                    losses = pipe.run(todo, batch_of) if todo else {}
+                    losses = pipe.run(ids, batch_of, padding) if ids else {}
             finally:
                 remove(hooks)
             slow = proto.injector.slow_factor()

@@ -114,7 +114,7 @@ class Checkpoints:
             elif replica is not None:
                 raise ValueError(
                     "is the checkpoint of replicas of one rank (one file); replicas of several ranks resume from a "
-                    "sharded one (resume with parallel.shard = parallel.pipeline = 1)"
+                    "sharded one (resume with parallel.shard = parallel.pipeline = parallel.tensor = 1)"
                 )
             elif loaded.sharded:
                 assert self.state.model is not None

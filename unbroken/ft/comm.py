@@ -517,8 +517,20 @@ def is_dtensor(tensor: object) -> bool:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: the local shard of an FSDP-sharded ``DTensor``, else the tensor."""
+    """This rank's part of ``tensor``: the local part of a ``DTensor`` (FSDP's shard, a tensor-parallel split),
+    else the tensor."""
     return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def split_over_tensor_ranks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is split over the replica's tensor ranks (a ``DTensor`` sharded on the mesh dimension
+    named ``"tensor"``); if not, every tensor rank holds the same values of it."""
+    if not is_dtensor(tensor):
+        return False
+    from torch.distributed.tensor import Shard
+
+    names = tensor.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+    return any(n == "tensor" and isinstance(p, Shard) for n, p in zip(names, tensor.placements, strict=True))  # type: ignore[attr-defined]
 
 
 class GradientReducer:
@@ -539,9 +551,10 @@ class GradientReducer:
     The local contribution (``param.grad`` in fp32 mode, the int64 accumulator in exact mode) is never
     touched by a collective, so a reduction interrupted by a failure is restarted on the next group from it.
 
-    Parameters sharded by FSDP (``DTensor``s, ``sharded``) are reduced as their local shards: across replicas,
-    shard by shard. In exact mode their microbatch gradients are folded inside FSDP's reduce-scatter
-    (``fsdp.ExactReduceScatter``, through ``note`` and ``accumulate``) instead of by ``fold``.
+    Parameters sharded by FSDP or split by tensor parallelism (``DTensor``s) are reduced as their local parts:
+    across replicas, rank coordinate by rank coordinate. In exact mode FSDP's parameters have their microbatch
+    gradients folded inside FSDP's reduce-scatter (``fsdp.ExactReduceScatter``, through ``note`` and
+    ``accumulate``) instead of by ``fold``.
     """
 
     def __init__(
@@ -556,7 +569,9 @@ class GradientReducer:
         self.params = list(params)
         self.num_extras = num_extras
         self.exact = exact
-        self.sharded = any(is_dtensor(p) for p in self.params)
+        # Sharded by FSDP (its units give the buckets): FSDP's reduce-scatter folds their gradients. Tensor
+        # parallelism alone also makes ``DTensor``s, whose local parts are folded here as whole tensors are.
+        self.sharded = buckets is not None and any(is_dtensor(p) for p in self.params)
         self.numels = [local_tensor(p).numel() for p in self.params]
         device = local_tensor(self.params[0]).device
         element_bytes = 8 if exact else 4
@@ -664,9 +679,9 @@ class GradientReducer:
         """Take parameter ``index``'s gradient of ``microbatch`` out of ``param.grad`` into the local contribution;
         fold the waiting gradients into the accumulator when ``fold_now`` and PENDING_FOLDS of them wait."""
         p = self.params[index]
-        grad = p.grad
-        if grad is None:
+        if p.grad is None:
             return
+        grad = local_tensor(p.grad)
         p.grad = None
         unfolded = self._unfolded[index]
         unfolded.append((microbatch, grad))

@@ -121,10 +121,16 @@ class StepCommit:
         t, membership = self.tensors, self.membership
         if self.exact:
             return exact_clip(
-                self._local_grads(), t.index, t.numels, max_norm, membership.combine_max, membership.combine_sum
+                self._local_grads(),
+                t.index,
+                t.numels,
+                max_norm,
+                membership.combine_max,
+                membership.combine_sum,
+                t.counted,
             )
         if membership.replica is not None:
-            return float_clip(self._local_grads(), max_norm, membership.combine_sum)
+            return float_clip(self._local_grads(), max_norm, membership.combine_sum, t.counted)
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(t.params, max_norm, foreach=True))
         return float(torch.nn.utils.get_total_norm([p.grad for p in t.params if p.grad is not None], foreach=True))

@@ -85,7 +85,10 @@ class ExactReduceScatter(ReduceScatter):
         rows = input_tensor.view(k, -1)
         assert rows.shape[1] == self.columns, (rows.shape, self.columns)
         quantised = torch.zeros((k, self.columns), dtype=torch.int64, device=input_tensor.device)
-        if not reducer.padding:
+        # No microbatch named: a backward outside the step's (torch's pipelining infers its shapes with one); it
+        # takes part in the collective, contributing and keeping nothing.
+        outside = reducer.current is None
+        if not (reducer.padding or outside):
             column = 0
             for s in self.segments:
                 values = rows[:, column : column + s.padded].contiguous()
@@ -97,11 +100,13 @@ class ExactReduceScatter(ReduceScatter):
                 column += s.padded
         shard = torch.empty(self.columns, dtype=torch.int64, device=input_tensor.device)
         dist.reduce_scatter_single(shard, quantised.view(-1), group=group)
+        output_tensor.zero_()  # FSDP's own float32 gradient: unused, the reducer holds the sum
+        if outside:
+            return None
         column = 0
         for s in self.segments:
             reducer.accumulate(s.index, shard[column : column + s.local])
             column += s.padded
-        output_tensor.zero_()  # FSDP's own float32 gradient: unused, the reducer holds the sum
         return None
 
 

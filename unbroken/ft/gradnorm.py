@@ -1,9 +1,11 @@
 """The gradient norm of a step and its clipping, for parameters whole or split over the ranks of a replica.
 
 A rank holds ``grads``, its local part of some of the model's tensors (all of them, sharded, under FSDP; a
-stage's, whole, under pipelining; all of them, whole, in a replica of one rank). ``index[i]`` is the
-position of ``grads[i]`` among the model's ``numels`` tensors, and ``reduce_max`` / ``reduce_sum`` combine a
-vector over the replica's ranks (the identity for a replica of one rank).
+stage's, whole, under pipelining; split or whole under tensor parallelism; all of them, whole, in a replica of
+one rank). ``index[i]`` is the position of ``grads[i]`` among the model's ``numels`` tensors, ``counted[i]``
+whether this rank's part of it counts in the replica's sums (a part the tensor ranks hold alike counts once),
+and ``reduce_max`` / ``reduce_sum`` combine a vector over the replica's ranks (the identity for a replica of one
+rank).
 
 ``exact_clip`` is exact mode's: the norm is the same bits however the tensors are split, so exact mode's
 trajectory does not depend on the layout. A float32 value's square is exact in float64; each tensor's squares
@@ -51,6 +53,7 @@ def exact_clip(
     max_norm: float,
     reduce_max: Combine,
     reduce_sum: Combine,
+    counted: Sequence[bool] | None = None,
 ) -> float:
     """The global L2 norm of the gradient (module docstring); if ``max_norm`` > 0 and it exceeds it, every
     gradient is scaled by ``max_norm / (norm + 1e-6)`` in place. Returns the norm (NaN if not finite)."""
@@ -59,7 +62,8 @@ def exact_clip(
         return math.nan
     exponents = [_square_exponent(v, n) if v > 0 else 0 for v, n in zip(top, numels, strict=True)]
     sums = torch.zeros(len(numels), dtype=torch.int64)
-    nonzero = [(g, i) for g, i in zip(grads, index, strict=True) if top[i] > 0 and g.numel()]
+    counts = counted if counted is not None else [True] * len(grads)
+    nonzero = [(g, i) for g, i, c in zip(grads, index, counts, strict=True) if c and top[i] > 0 and g.numel()]
     values = square_sums([g for g, _ in nonzero], [exponents[i] for _, i in nonzero])
     for (_, i), value in zip(nonzero, values, strict=True):
         sums[i] = value
@@ -72,10 +76,13 @@ def exact_clip(
     return norm
 
 
-def float_clip(grads: Sequence[torch.Tensor], max_norm: float, reduce_sum: Combine) -> float:
+def float_clip(
+    grads: Sequence[torch.Tensor], max_norm: float, reduce_sum: Combine, counted: Sequence[bool] | None = None
+) -> float:
     """fp32 mode, a split model: the global L2 norm from each rank's sum of squares; clipped as ``exact_clip``."""
     local = torch.zeros(1, dtype=torch.float64)
-    present = [g for g in grads if g.numel()]
+    counts = counted if counted is not None else [True] * len(grads)
+    present = [g for g, c in zip(grads, counts, strict=True) if c and g.numel()]
     if present:
         norms = torch.stack(torch._foreach_norm(present, 2.0)).tolist()  # one wait for a GPU, not one per tensor
         local[0] = sum(n**2 for n in norms)

@@ -15,13 +15,15 @@ stage and schedule are kept per count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining._backward import stage_backward  # what PipelineStage's own backward calls
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from unbroken.core.config import PipelineSchedule
@@ -31,19 +33,54 @@ BatchOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class _FoldingStage(PipelineStage):
-    """A ``PipelineStage`` that folds each microbatch's gradient into the exact reduction after its backward."""
+    """A ``PipelineStage`` that folds each microbatch's gradient into the exact reduction after its backward.
 
-    def __init__(self, *args: Any, on_backward: Callable[[int], None], **kwargs: Any) -> None:
+    A stage sharded by FSDP (``exact_fsdp``): torch's pipelining defers FSDP's reduce-scatter to the last
+    microbatch, summing the microbatches' gradients in floating point first (in the schedule's order, over the
+    ids this replica happens to compute). In exact mode each microbatch's backward reduce-scatters instead, so
+    ``fsdp.ExactReduceScatter`` folds every microbatch's gradient on its own, as it does without pipelining: the
+    cost is one reduce-scatter per microbatch instead of one per step, and no memory (the deferred path keeps
+    the unsharded gradient for the whole step; this one for one microbatch)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        on_backward: Callable[[int], None],
+        before_backward: Callable[[int], None],
+        padding: Callable[[int], bool],
+        exact_fsdp: bool,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._on_backward = on_backward
+        self._before_backward = before_backward
+        self._padding = padding
+        self._exact_fsdp = exact_fsdp
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
         # A schedule's eval() goes through the same calls with the backward switched off: nothing to fold then.
         if self.has_backward:
+            self._before_backward(bwd_chunk_id)
+        if loss is not None and self._padding(bwd_chunk_id):
+            loss = loss * 0.0  # a padding microbatch: it takes part in the collectives only (every stage gets zeros)
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if self.has_backward:
             self._on_backward(bwd_chunk_id)
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        if not (self._exact_fsdp and backward_type == "full" and isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # FSDP's own post-backward reduce-scatters this microbatch's gradient (parameters stay gathered until the
+        # schedule's last backward: the step's later microbatches need them)
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(False)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
 
 
 class Pipeline:
@@ -72,6 +109,7 @@ class Pipeline:
         self.M = microbatches
         self._schedules: dict[tuple[int, bool], PipelineScheduleSingle] = {}
         self._ids: list[int] = []
+        self._padding: set[int] = set()  # positions in ``_ids`` of padding microbatches
         # id of each scaled loss the schedule got -> the microbatch's loss (the schedule may also call the loss
         # function to infer shapes: only the losses it returns count)
         self._unscaled: dict[int, float] = {}
@@ -92,15 +130,30 @@ class Pipeline:
         return scaled
 
     def _folded(self, chunk: int) -> None:
-        if self.reducer.exact:
+        if self.reducer.exact and chunk not in self._padding:
             self.reducer.fold(self._ids[chunk])
+
+    def _backward_of(self, chunk: int) -> None:
+        self.reducer.current = self._ids[chunk]  # the microbatch FSDP's reduce-scatter folds (exact mode)
+        self.reducer.padding = chunk in self._padding
+
+    def _is_padding(self, chunk: int) -> bool:
+        return chunk in self._padding
 
     def _schedule(self, n: int) -> PipelineScheduleSingle:
         gpipe = self.schedule is PipelineSchedule.GPIPE or n < self.stages
         key = (n, gpipe)
         if key not in self._schedules:
             stage = _FoldingStage(
-                self.module, self.stage, self.stages, self.device, group=self.group, on_backward=self._folded
+                self.module,
+                self.stage,
+                self.stages,
+                self.device,
+                group=self.group,
+                on_backward=self._folded,
+                before_backward=self._backward_of,
+                padding=self._is_padding,
+                exact_fsdp=self.reducer.exact and self.reducer.sharded,
             )
             kind = ScheduleGPipe if gpipe else Schedule1F1B
             self._schedules[key] = kind(stage, n_microbatches=n, loss_fn=self._scaled_loss, scale_grads=False)
@@ -114,10 +167,13 @@ class Pipeline:
         targets = torch.cat([y for _, y in pairs]).to(self.device) if self.last else None
         return inputs, targets
 
-    def run(self, ids: Sequence[int], batch_of: BatchOf) -> dict[int, float]:
+    def run(self, ids: Sequence[int], batch_of: BatchOf, padding: Collection[int] = ()) -> dict[int, float]:
         """Forward and backward of microbatches ``ids`` through the pipeline (every stage calls it with the same
-        ids); the losses by id on the last stage, nothing elsewhere."""
+        ids); the losses by id on the last stage, nothing elsewhere. The microbatches at positions ``padding``
+        count for nothing (a shard's lane with none left in a round: their gradient is zero, their loss left out)."""
         self._ids = list(ids)
+        self._padding = set(padding)
+        self.reducer.current = None  # until a microbatch's backward names its id (a shape inference's does not)
         schedule = self._schedule(len(ids))
         inputs, targets = self._batch(ids, batch_of)
         args = (inputs,) if self.first else ()
@@ -127,7 +183,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self._unscaled = {}
         schedule.step(*args, target=targets, losses=losses)
-        return {j: self._unscaled[id(loss)] for j, loss in zip(ids, losses, strict=True)}
+        pairs = zip(ids, losses, strict=True)
+        return {j: self._unscaled[id(loss)] for i, (j, loss) in enumerate(pairs) if i not in self._padding}
 
     @torch.no_grad()
     def evaluate(self, ids: Sequence[int], batch_of: BatchOf) -> list[float]:

@@ -23,7 +23,7 @@ from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind
 from unbroken.ft import datacheck
-from unbroken.ft.comm import GradientReducer, WaitStatus, allreduce_async
+from unbroken.ft.comm import GradientReducer, WaitStatus, allreduce_async, split_over_tensor_ranks
 from unbroken.ft.exact import FixedPointScale
 from unbroken.ft.foldkernel import extremes
 from unbroken.ft.inject import FaultInjector
@@ -43,12 +43,14 @@ log = logging.getLogger(__name__)
 class ModelTensors:
     """This rank's parameters (``params``) and where they sit among the whole model's tensors (a pipeline
     stage holds some of them): their positions (``index``), and every tensor's size and name in the model's
-    order (``numels``, ``names``)."""
+    order (``numels``, ``names``). ``counted[i]``: whether this rank's part of ``params[i]`` counts in a sum over
+    the replica (a part every tensor rank holds the same, unsplit by tensor parallelism, counts on the first)."""
 
     params: list[torch.nn.Parameter]
     index: list[int]
     numels: list[int]
     names: list[str]
+    counted: list[bool]
 
     @staticmethod
     def of(model: torch.nn.Module, replica: Replica | None, layout: ReplicaLayout) -> ModelTensors:
@@ -57,14 +59,17 @@ class ModelTensors:
         params = list(model.parameters())
         names = [n for n, _ in model.named_parameters()]
         n = len(params)
+        first = replica is None or replica.tensor == 0
+        counted = [first or split_over_tensor_ranks(p) for p in params]
         mine = [(name, p.numel()) for name, p in zip(names, params, strict=True)]
         if replica is None or layout.pipeline == 1:
-            return ModelTensors(params, list(range(n)), [numel for _, numel in mine], list(names))
-        stages = replica.gather(mine)  # in stage order: the model's order
-        start = sum(len(stages[r]) for r in range(replica.rank))
+            return ModelTensors(params, list(range(n)), [numel for _, numel in mine], list(names), counted)
+        # in stage order (the model's order); a stage's tensor ranks hold the same tensors: take the first's
+        stages = replica.gather(mine)[:: layout.shard * layout.tensor]
+        start = sum(len(stages[r]) for r in range(replica.stage))
         every = [entry for stage in stages for entry in stage]
         return ModelTensors(
-            params, list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every]
+            params, list(range(start, start + n)), [numel for _, numel in every], [name for name, _ in every], counted
         )
 
 
@@ -157,16 +162,18 @@ class StepReduction:
         done = list(self.plan.done)
         if self.injector.duplicates(self.state.step) and done:
             done.append(done[0])  # an injected accounting fault: one id reported twice
-        # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw;
-        # its first rank alone counts its ids and speaks for it (one member of the group).
+        # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw
+        # (its tensor ranks compute the same microbatches: the first of them adds their losses); its first rank
+        # alone counts its ids and speaks for it (one member of the group).
         first = self.replica is None or self.replica.rank == 0
+        computes = self.replica is None or self.replica.tensor == 0
         index = self.tensors.index
         extras = self.side.encode(
             worker=self.membership.unit,
-            losses=self.plan.loss_values(),
-            tokens=self.plan.local_tokens,
+            losses=self.plan.loss_values() if computes else {},
+            tokens=self.plan.local_tokens if computes else {},
             done=done if first else [],
-            efficient=self.plan.done_efficient,
+            efficient=self.plan.done_efficient if computes else [],
             nonfinite=flags.nonfinite_ids,
             overflow=flags.overflow,
             seconds=self.plan.my_speed if first else 0.0,
@@ -175,7 +182,7 @@ class StepReduction:
             epoch=group.epoch if first else 0,
             newest_epoch=self.membership.client.latest_epoch if self.membership.leader and first else 0,
             member=first,
-            probe=(self.plan.probe_fps[0], self.plan.probe_fps[1]),
+            probe=(self.plan.probe_fps[0], self.plan.probe_fps[1]) if computes else (0.0, 0.0),
         )
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land

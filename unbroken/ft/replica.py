@@ -1,12 +1,13 @@
-"""A replica of several ranks (``[parallel] shard`` / ``pipeline``): its own process group and device mesh,
-and the bounded collectives its ranks use to take every decision together.
+"""A replica of several ranks (``[parallel] shard`` / ``pipeline`` / ``tensor``): its own process group and
+device mesh, and the bounded collectives its ranks use to take every decision together.
 
-The ranks of a replica run FSDP's all-gathers and reduce-scatters, or the pipeline's sends and receives, on
-the replica's own process group (this process's default group, formed once per incarnation of the replica
-under ``keys.replica_prefix``); the fault-tolerant reduction runs across replicas, per rank index, on the
-groups of ``comm``. Inside a replica the ranks must run the same collectives in the same order, so every
-decision a rank could take differently from its replica-mates (recover now or start the step, did the
-reduction complete on every rank index) is agreed first with a small all-reduce (``agree``, ``any``).
+The ranks of a replica run FSDP's all-gathers and reduce-scatters, tensor parallelism's all-reduces and the
+pipeline's sends and receives on the replica's own process group (this process's default group, formed once per
+incarnation of the replica under ``keys.replica_prefix``) and its mesh's sub-groups; the fault-tolerant
+reduction runs across replicas, per rank index, on the groups of ``comm``. Inside a replica the ranks must run
+the same collectives in the same order, so every decision a rank could take differently from its replica-mates
+(recover now or start the step, did the reduction complete on every rank index) is agreed first with a small
+all-reduce (``agree``, ``any``).
 
 A collective inside the replica that fails (a replica-mate died: its connections reset) or that outlasts
 its bound means the replica is down, and so is one whose epoch removes it: this rank then leaves at once
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 
 
 class Replica:
-    """This rank's replica: ``index`` among the replicas, ``rank`` inside it (``stage``, ``shard``), its
-    ``mesh`` (dimensions ``("shard",)`` or ``("pp",)``), and bounded collectives over its ranks.
+    """This rank's replica: ``index`` among the replicas, ``rank`` inside it (``stage``, ``shard``, ``tensor``),
+    its ``mesh`` (the dimensions of ``ReplicaLayout.dims``: ``pp``, ``shard``, ``tensor``, those above 1), and
+    bounded collectives over its ranks.
 
     ``leave(reason)`` ends this process (it must not return); ``removed(timeout_s)`` says whether the
     membership has removed this replica (waiting up to ``timeout_s`` for the news), set once the worker has
@@ -63,6 +65,7 @@ class Replica:
         self.size = layout.size
         self.stage = layout.stage_of(worker_id)
         self.shard = layout.shard_of(worker_id)
+        self.tensor = layout.tensor_of(worker_id)
         self.timeout_s = timeout_s
         self.incarnation = incarnation
         self._leave = leave
@@ -77,17 +80,20 @@ class Replica:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.pg = dist.group.WORLD
-        dims = ("shard",) if layout.pipeline == 1 else ("pp",)
-        self.mesh: DeviceMesh = init_device_mesh(device.type, (self.size,), mesh_dim_names=dims)
+        names, sizes = zip(*layout.dims, strict=True)
+        self.mesh: DeviceMesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+        # The pipeline's sends and receives: between the stages of this rank's (shard, tensor) coordinate.
+        self.stage_group = self.mesh["pp"].get_group() if len(names) > 1 and "pp" in names else self.pg
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         log.info(
-            "rank %d of replica %d (incarnation %s): stage %d, shard %d",
+            "rank %d of replica %d (incarnation %s): stage %d, shard %d, tensor %d",
             self.rank,
             self.index,
             incarnation,
             self.stage,
             self.shard,
+            self.tensor,
         )
 
     # -- bounded collectives ----------------------------------------------------------------------

@@ -9,7 +9,8 @@ layer stay whole on every rank. With ``sequence_parallel`` (the built-in model o
 rank's share of the sequence, the row-wise outputs are reduce-scattered instead of all-reduced, the embedding is
 split by vocabulary rows and the output layer by columns, as in torchtitan.
 
-Works on the built-in ``Transformer`` and on Hugging Face's ``LlamaForCausalLM`` (by their module names). The
+Works on the built-in ``Transformer`` (whole or a pipeline stage of it) and on Hugging Face's ``LlamaForCausalLM``
+(by their module names). The
 tensor degree must divide the query heads, the key/value heads and the FFN's hidden size.
 
 Arithmetic: a row-wise projection sums its ranks' partial products in floating point (a sum of t partials, not
@@ -61,21 +62,39 @@ _HF_LLAMA = _BlockNames(
 )
 
 
-def _shape(model: nn.Module) -> tuple[_BlockNames, nn.ModuleList, int, int, int]:
-    """(module names, blocks, query heads, key/value heads, FFN hidden size) of a supported model."""
+def _shape(model: nn.Module) -> tuple[_BlockNames, list[nn.Module], int, int, int]:
+    """(module names, blocks, query heads, key/value heads, FFN hidden size) of a supported model: the built-in
+    ``Transformer``, a pipeline stage of it (``train.stages.TransformerStage``), or ``LlamaForCausalLM``."""
     from unbroken.train.model import Transformer
+    from unbroken.train.stages import TransformerStage
 
-    if isinstance(model, Transformer):
-        a = model.args
-        return _BUILTIN, model.layers, a.n_heads, a.n_kv_heads, model.layers[0].feed_forward.w1.out_features
+    if isinstance(model, Transformer | TransformerStage):
+        blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+        a = blocks[0].attention
+        return _BUILTIN, blocks, a.n_heads, a.n_kv_heads, blocks[0].feed_forward.w1.out_features
     config = getattr(model, "config", None)
     if type(model).__name__ == "LlamaForCausalLM" and config is not None:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-        return _HF_LLAMA, model.model.layers, heads, kv_heads, config.intermediate_size
+        return _HF_LLAMA, list(model.model.layers), heads, kv_heads, config.intermediate_size
     raise ValueError(
         f"tensor parallelism supports the built-in Transformer and Hugging Face's LlamaForCausalLM, not "
         f"{type(model).__name__}; a model of your own: call torch's parallelize_module on it with ctx.mesh['tensor']"
     )
+
+
+def check_tensor_parallel(model: nn.Module, t: int, sequence_parallel: bool = False) -> None:
+    """ValueError (one line) unless ``apply_tensor_parallel`` can split ``model`` over ``t`` ranks (a model on the
+    meta device will do: nothing is computed)."""
+    names, _, heads, kv_heads, hidden = _shape(model)
+    for what, n in (("query heads", heads), ("key/value heads", kv_heads), ("FFN hidden units", hidden)):
+        if n % t:
+            raise ValueError(f"parallel.tensor = {t} must divide the model's {what} ({n})")
+    if sequence_parallel and names is not _BUILTIN:
+        raise ValueError("parallel.sequence_parallel supports the built-in model only (not Hugging Face's)")
+    if sequence_parallel and not hasattr(model, "args"):
+        raise ValueError(
+            "parallel.sequence_parallel does not split a pipeline stage; use it with parallel.pipeline = 1"
+        )
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
@@ -84,13 +103,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     if mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel takes the tensor dimension of the mesh (1-D), not a {mesh.ndim}-D one")
     t = mesh.size()
-    names, blocks, heads, kv_heads, hidden = _shape(model)
-    for what, n in (("query heads", heads), ("key/value heads", kv_heads), ("FFN hidden units", hidden)):
-        if n % t:
-            raise ValueError(f"parallel.tensor = {t} must divide the model's {what} ({n})")
+    check_tensor_parallel(model, t, sequence_parallel)
+    names, blocks, *_ = _shape(model)
     builtin = names is _BUILTIN
-    if sequence_parallel and not builtin:
-        raise ValueError("parallel.sequence_parallel supports the built-in model only (not Hugging Face's)")
     if sequence_parallel:
         parallelize_module(
             model,
@@ -131,7 +146,7 @@ def tensor_parallel_plan_names(model: nn.Module) -> list[str]:
     names, blocks, *_ = _shape(model)
     prefix = "layers" if names is _BUILTIN else "model.layers"
     split = []
-    for i, _ in enumerate(blocks):
+    for i, _ in enumerate(blocks):  # (a whole model's blocks: a stage's are numbered by their index)
         split += [f"{prefix}.{i}.{names.attention}.{n}.weight" for n in (*names.qkv, names.attn_out)]
         split += [f"{prefix}.{i}.{names.ffn}.{n}.weight" for n in (*names.ffn_in, names.ffn_out)]
     return split

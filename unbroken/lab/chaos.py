@@ -392,7 +392,7 @@ def _microbatches(config: str, overrides: list[str]) -> int:
 
 def _layout(config: str, overrides: list[str]) -> ReplicaLayout:
     parallel = load_config(config, overrides).parallel
-    return ReplicaLayout(parallel.shard, parallel.pipeline)
+    return ReplicaLayout.of(parallel)
 
 
 def print_table(outcomes: list[Outcome], header: str) -> None:

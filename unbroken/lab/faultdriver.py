@@ -113,7 +113,7 @@ def state_holders(run_dir: Path) -> list[int]:
 def run_layout(run_dir: Path) -> ReplicaLayout:
     """The run's replicas (its resolved config.toml's ``[parallel]``)."""
     cfg = load_config(run_dir / "config.toml")
-    return ReplicaLayout(cfg.parallel.shard, cfg.parallel.pipeline)
+    return ReplicaLayout.of(cfg.parallel)
 
 
 def choose_victims(

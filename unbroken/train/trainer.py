@@ -118,10 +118,14 @@ def main() -> int:
     if ctx.stages > 1:
         model = pipeline_stage(model, ctx.stage, ctx.stages)  # this rank's part of the model
     model = model.to(device)
+    if cfg.parallel.tensor > 1:
+        from unbroken.ft.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, ctx.mesh["tensor"], cfg.parallel.sequence_parallel)  # split inside the replica
     if cfg.parallel.shard > 1:
         from unbroken.ft.fsdp import apply_fsdp  # FSDP's modules cost a worker about a second to import
 
-        apply_fsdp(model, ctx.mesh)  # sharded over the replica's ranks (HSDP: replicated across replicas)
+        apply_fsdp(model, ctx.mesh["shard"])  # sharded over the replica's ranks (HSDP: replicated across replicas)
     optimizer = build_optimizer(model, cfg.train)
     ctx.register_state(
         model,
@@ -205,6 +209,13 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
         if cfg.model.hf_config:
             raise ValueError("parallel.pipeline > 1 cuts the built-in LLaMA into stages; model.hf_config is not one")
         stage_layers(model_args_of(cfg, corpus.vocab_size).n_layers, 0, cfg.parallel.pipeline)
+    if cfg.parallel.tensor > 1:
+        from unbroken.ft.tensor import check_tensor_parallel
+
+        with torch.device("meta"):  # the shapes only
+            whole = build_model(cfg, corpus.vocab_size)
+        staged = pipeline_stage(whole, 0, cfg.parallel.pipeline) if cfg.parallel.pipeline > 1 else whole
+        check_tensor_parallel(staged, cfg.parallel.tensor, cfg.parallel.sequence_parallel)
     if resume:
         check_resumable(cfg, run_dir, corpus)
     if isinstance(corpus, PreparedCorpus) and 256 <= corpus.vocab_size <= 2**20:  # DataConfig's range
@@ -236,11 +247,11 @@ def check_resumable(cfg: RunConfig, run_dir: Path, corpus: TokenizedCorpus | Pre
             f"--resume {run_dir}: checkpoint step {loaded.step} is for a different model shape "
             f"({first}: checkpoint {found.get(first)}, config {expected.get(first)}); resume with the run's own config"
         )
-    if cfg.parallel.shard * cfg.parallel.pipeline > 1 and not loaded.sharded:
+    if cfg.parallel.shard * cfg.parallel.pipeline * cfg.parallel.tensor > 1 and not loaded.sharded:
         raise ValueError(
             f"--resume {run_dir}: checkpoint step {loaded.step} was written by replicas of one rank (one file); "
             "replicas of several ranks resume from a sharded checkpoint only; resume with parallel.shard = "
-            "parallel.pipeline = 1"
+            "parallel.pipeline = parallel.tensor = 1"
         )
     saved_sha = loaded.state["metadata"].get("tokenizer_sha256")
     if saved_sha is not None and saved_sha != tokenizer_sha256(corpus):
