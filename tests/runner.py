@@ -38,10 +38,12 @@ def train_cmd(cache: Path, *args: str, workers: int = 4) -> list[str]:
     ]
 
 
-def train(out: Path, cache: Path, *overrides: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
+def train(
+    out: Path, cache: Path, *overrides: str, workers: int = 4, timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     """``unbroken train configs/tiny.toml`` with ``workers`` worker processes into ``out``."""
     cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
