@@ -1,15 +1,21 @@
-"""``unbroken bench parallel``: replicas of several ranks (FSDP2 shards) against plain FSDP2 HSDP, and what the
-death of one rank costs.
+"""``unbroken bench parallel``: replicas of several ranks (FSDP2 shards, optionally tensor ranks) against plain
+FSDP2 HSDP (with torch's tensor parallelism), and what the death of one rank costs.
 
-1. **Step time.** ``unbroken train --workers R*k --parallel.shard=k`` (fp32, and exact, reduction) against the
-   same model, data, M, optimizer and clipping under plain FSDP2 HSDP: ``fully_shard`` on a 2-D mesh
-   (replicate R, shard k), where torch reduce-scatters inside a replica at every microbatch and all-reduces
-   across replicas at the last one (``set_requires_all_reduce``), as unbroken's replicas do through its own
-   reduction. The systems alternate round by round, so drift in the machine's load hits each alike; step times
-   are commit to commit for unbroken (everything a worker does per step counts) and the loop body for HSDP.
+The layout is the config's: ``--parallel.shard=k`` (default 2 here) and ``--parallel.tensor=t`` (default 1), so
+``--workers`` is R x k x t for R >= 2 replicas; pipeline stages are not benchmarked.
+
+1. **Step time.** ``unbroken train --workers R*k*t --parallel.shard=k --parallel.tensor=t`` (fp32, and exact,
+   reduction) against the same model, data, M, optimizer and clipping under plain FSDP2 HSDP: ``fully_shard``
+   on a 2-D mesh (replicate R, shard k), where torch reduce-scatters inside a replica at every microbatch and
+   all-reduces across replicas at the last one (``set_requires_all_reduce``), as unbroken's replicas do through
+   its own reduction. With t > 1 the mesh is 3-D (replicate R, shard k, tensor t): the model is first split by
+   ``apply_tensor_parallel`` (torch's ``parallelize_module``) on its tensor dimension, then ``fully_shard``-ed on
+   its (replicate, shard) sub-mesh as above; the t tensor ranks of a shard compute the same microbatches. The
+   systems alternate round by round, so drift in the machine's load hits each alike; step times are commit to
+   commit for unbroken (everything a worker does per step counts) and the loop body for HSDP.
 2. **Peak memory per rank.** Each rank's resident high-water mark (``VmHWM``, read from /proc while it runs),
    in the same rounds.
-3. **A rank killed.** A job of 3 replicas x k (the ``tiny`` model) under ``kill:worker=...,phase=backward``
+3. **A rank killed.** A job of 3 replicas x k x t (the ``tiny`` model) under ``kill:worker=...,phase=backward``
    events: from the kill to the failure seen, the epoch without its replica, that epoch's group formed, the
    survivors recovered (the lost microbatches re-planned), and the interrupted step committed; and the peak
    memory of each replacement rank, which receives only its shard of the state from the rank of the same index
@@ -33,6 +39,7 @@ from unbroken.lab.figures import rank_main, run_ranks, stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 8
+SHARD = 2  # FSDP2 ranks per replica unless --parallel.shard says otherwise
 KILL_STEPS = (5, 30, 55)  # the killed workers' steps: far enough apart for each replica to come back
 POLL_S = 0.05
 
@@ -140,7 +147,8 @@ def run_hsdp(cfg: RunConfig, workers: int) -> tuple[list[float], PeakMemory]:
 
 
 def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
-    """One rank of plain FSDP2 HSDP: the trainer's model, data, M, optimizer, clipping and schedule."""
+    """One rank of plain FSDP2 HSDP (with t > 1 tensor ranks, on a 3-D mesh): the trainer's model, data, M,
+    optimizer, clipping and schedule."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -149,34 +157,44 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
     from unbroken.core.plan import plan_step
     from unbroken.ft.fsdp import apply_fsdp
     from unbroken.ft.hostmem import retain_freed_memory
+    from unbroken.ft.tensor import apply_tensor_parallel
     from unbroken.train.data import open_corpus, train_sampler
     from unbroken.train.trainer import build_model, build_optimizer, lr_at
 
     cfg = load_config(config_path)
-    tc, shard = cfg.train, cfg.parallel.shard
+    tc, shard, tensor = cfg.train, cfg.parallel.shard, cfg.parallel.tensor
+    data_ranks = world // tensor  # a shard's tensor ranks compute the same microbatches
     if tc.retain_host_memory:  # the same allocator setting as unbroken's workers
         retain_freed_memory()
     torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     corpus = open_corpus(cfg.data)
     model = build_model(cfg, corpus.vocab_size)
+    if tensor == 1:
+        mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    else:  # tensor ranks innermost, as unbroken places them (worker = replica x shard x tensor, row-major)
+        mesh3 = init_device_mesh(
+            "cpu", (data_ranks // shard, shard, tensor), mesh_dim_names=("replicate", "shard", "tensor")
+        )
+        apply_tensor_parallel(model, mesh3["tensor"], cfg.parallel.sequence_parallel)
+        mesh = mesh3["replicate", "shard"]
     apply_fsdp(model, mesh)  # a 2-D mesh: replicated over its first dimension, sharded over its second (HSDP)
+    clip = torch.nn.utils.clip_grad_norm_ if tensor == 1 else clip_across_meshes
     optimizer = build_optimizer(model, tc)
     sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
     times = []
     for step in range(tc.steps):
         t0 = time.perf_counter()
-        ids = plan_step(step, range(world), tc.microbatches).ids_for(rank)
+        ids = plan_step(step, range(data_ranks), tc.microbatches).ids_for(rank // tensor)
         optimizer.zero_grad(set_to_none=True)
         for k, j in enumerate(ids):
             model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
             inputs, targets = sampler.microbatch(step, j)
             logits = model(inputs)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-            (loss * world / tc.microbatches).backward()  # FSDP averages over the ranks: SUM/M as unbroken
+            (loss * data_ranks / tc.microbatches).backward()  # FSDP averages over its mesh: SUM/M as unbroken
         if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip, foreach=True)
+            clip(list(model.parameters()), tc.grad_clip, foreach=True)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
         optimizer.step()
@@ -184,6 +202,23 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True) -> None:
+    """torch's ``clip_grad_norm_`` for gradients on several meshes: FSDP's (replicate, shard) mesh for what
+    tensor parallelism leaves whole, the 3-D one for what it splits. DTensor's foreach ops take one mesh at a
+    time, so the norm is taken per mesh, made whole and combined, and each mesh's gradients are scaled apart."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[object, list[Any]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=foreach) for ps in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    for ps in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=foreach)
 
 
 # -- the benchmark --------------------------------------------------------------------------------------
@@ -205,18 +240,21 @@ def bench_step_time(config: str | None, workers: int, shard: int, repeats: int, 
     return {"cfg": cfg, "workers": workers, "times": times, "memory": memory, "paired": paired}
 
 
-def bench_kills(config: str | None, shard: int, overrides: list[str]) -> dict[str, Any]:
-    """A job of 3 replicas x ``shard`` ranks with a rank killed in its backward at each of ``KILL_STEPS``."""
-    workers = 3 * shard
+def bench_kills(config: str | None, shard: int, tensor: int, overrides: list[str]) -> dict[str, Any]:
+    """A job of 3 replicas x ``shard`` x ``tensor`` ranks with a rank killed in its backward at each of
+    ``KILL_STEPS``."""
+    per = shard * tensor  # ranks per replica
+    workers = 3 * per
     steps = KILL_STEPS[-1] + 15
     events = []
     for n, step in enumerate(KILL_STEPS):
-        victim = (n % 3) * shard + (shard - 1 if n % 2 else 0)  # another replica each time, either rank
+        victim = (n % 3) * per + (per - 1 if n % 2 else 0)  # another replica each time, its first or last rank
         events.append(f"kill:worker={victim},step={step},phase=backward,rejoin=0.5")
         # A replacement takes seconds to start; slow steps (the last replica 10x slower) leave it that time.
-        slow = 2 * shard if n % 3 != 2 else 0
+        slow = 2 * per if n % 3 != 2 else 0
         events.append(f"slow:worker={slow},factor=10,steps={step + 1}-{min(step + 15, steps - 1)}")
-    cfg = _config(config, [f"--parallel.shard={shard}", f"--failures.schedule={'; '.join(events)}", *overrides], steps)
+    layout = [f"--parallel.shard={shard}", f"--parallel.tensor={tensor}"]
+    cfg = _config(config, [*layout, f"--failures.schedule={'; '.join(events)}", *overrides], steps)
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-kills-") as keep:
         _, memory, run = run_unbroken(cfg, workers, keep=Path(keep))
         records = read_records(run)
@@ -273,18 +311,22 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
     cfg: RunConfig = step["cfg"]
     t, m, paired = step["times"], step["memory"], step["paired"]
     tokens = cfg.train.microbatches * cfg.data.microbatch_size * cfg.data.seq_len
-    k = cfg.parallel.shard
+    k, tp = cfg.parallel.shard, cfg.parallel.tensor
+    tensor = f" x {tp} tensor ranks" if tp > 1 else ""
     med = {name: statistics.median(v) for name, v in t.items()}
     mem = {name: statistics.median(v) for name, v in m.items()}
+    baseline = "FSDP2 HSDP + TP (3-D mesh)" if tp > 1 else "FSDP2 HSDP (2-D mesh)"
+    kill_layout = f"{k} shards{tensor}" if tp > 1 else f"{k}"
     lines = [
-        f"model {cfg.model.flavour}, {step['workers'] // k} replicas x {k} shards, M = {cfg.train.microbatches}, "
+        f"model {cfg.model.flavour}, {step['workers'] // (k * tp)} replicas x {k} shards{tensor}, "
+        f"M = {cfg.train.microbatches}, "
         f"{tokens} tokens/step, {MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round, "
         f"{len(paired)} rounds; median [q1, q3] (n)",
         "",
         "| system | step time (ms) | vs HSDP | peak RSS per rank (MiB) | vs HSDP |",
         "|---|---|---|---|---|",
     ]
-    for name, label in (("hsdp", "FSDP2 HSDP (2-D mesh)"), ("fp32", "unbroken fp32"), ("exact", "unbroken exact")):
+    for name, label in (("hsdp", baseline), ("fp32", "unbroken fp32"), ("exact", "unbroken exact")):
         lines.append(
             f"| {label} | {_cell(t[name], 1000)} | {med[name] / med['hsdp']:.3f} | {_cell(m[name])} "
             f"| {mem[name] / mem['hsdp']:.3f} |"
@@ -295,7 +337,8 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
         f"unbroken fp32 / HSDP per round (the two ran back to back): median {p['median']:.3f} "
         f"[{p['min']:.3f}, {p['max']:.3f}]",
         "",
-        f"A rank killed in its backward ({kills['workers'] // k} replicas x {k}, {kills['cfg'].model.flavour}); "
+        f"A rank killed in its backward ({kills['workers'] // (k * tp)} replicas x {kill_layout}, "
+        f"{kills['cfg'].model.flavour}); "
         "seconds from the kill:",
         "",
         "| kill | replica removed | failure seen | epoch published | group formed | recovered | step committed |",
@@ -321,12 +364,20 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
 
 
 def bench_parallel(config: str | None, workers: int, repeats: int, overrides: list[str]) -> str:
-    """``unbroken bench parallel``: ``workers`` = R x 2 ranks (2 shards per replica)."""
-    shard = 2
-    if workers % shard or workers < 2 * shard:
-        raise ValueError(f"bench parallel: --workers {workers} must be a multiple of {shard}, at least {2 * shard}")
+    """``unbroken bench parallel``: ``workers`` = R x k x t ranks (``--parallel.shard=k``, default 2, and
+    ``--parallel.tensor=t``, default 1, among ``overrides``) for R >= 2 replicas."""
+    layout = _config(config, [f"--parallel.shard={SHARD}", *overrides], 1).parallel
+    shard, tensor, per = layout.shard, layout.tensor, layout.shard * layout.tensor
+    if layout.pipeline != 1:
+        raise ValueError(
+            f"bench parallel: parallel.pipeline = {layout.pipeline} must be 1 (it benchmarks shards and tensor ranks)"
+        )
+    if workers % per or workers < 2 * per:
+        raise ValueError(
+            f"bench parallel: --workers {workers} must be a multiple of shard x tensor = {per}, at least {2 * per}"
+        )
     step = bench_step_time(config, workers, shard, repeats, overrides)
-    kills = bench_kills(str(preset_path("tiny")), shard, overrides)  # tiny: the slow windows stay short
+    kills = bench_kills(str(preset_path("tiny")), shard, tensor, overrides)  # tiny: the slow windows stay short
     return format_parallel(step, kills)
 
 
