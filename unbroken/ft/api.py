@@ -727,9 +727,9 @@ class Step:
             started = time.perf_counter()
             # Under FSDP each shard's pipeline runs its lane of the rounds (a padding microbatch where a lane has
             # none left), so that every stage's ranks run as many backwards and reduce-scatters.
-            lanes = _rounds(todo, ctx.layout.shard, ctx._replica) if ctx.layout.shard > 1 else None
-            ids = [j for j, _, _ in lanes] if lanes is not None else todo
-            padding = {i for i, (_, pad, _) in enumerate(lanes) if pad} if lanes is not None else set()
+            lanes = _rounds(todo, ctx.layout.shard, ctx._replica)
+            ids = [j for j, _, _ in lanes]
+            padding = {i for i, (_, pad, _) in enumerate(lanes) if pad}
             try:
                 with guard():
                     losses = pipe.run(ids, batch_of, padding) if ids else {}
