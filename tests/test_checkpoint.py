@@ -132,3 +132,29 @@ def test_a_sharded_checkpoint_is_sealed_verified_pruned_and_its_leftovers_cleane
     assert ckpt.list_checkpoints(tmp_path) == [15, 10]
     removed = {p.name for p in ckpt.clean_partial(tmp_path)}
     assert removed == {"step_00000020.dcp.1-def.tmp", "step_00000025.dcp"}
+
+
+def test_a_streamed_save_writes_the_encoded_state_and_a_half_written_one_is_ignored(tmp_path: Path) -> None:
+    """The state streams to disk (no whole copy in memory): the file is ``encode``'s bytes and the manifest
+    names their size and sha256. Failure injection's ``midway`` runs once, with half the tensors' bytes or more
+    in the temporary file and the checkpoint not yet visible: a kill there leaves the previous one loaded."""
+    import hashlib
+    import json
+
+    state = ckpt.build_state(7, {"w": torch.arange(50_000, dtype=torch.float32)}, None, {}, {}, {"config": "x"})
+    ckpt.save_checkpoint(tmp_path, 5, _state(5), keep=3)
+    directory = ckpt.checkpoint_dir(tmp_path)
+    seen: list[int] = []
+
+    def midway() -> None:
+        (tmp,) = directory.glob("step_00000007.pt.*.tmp")
+        seen.append(tmp.stat().st_size)
+        assert ckpt.load_latest(tmp_path).step == 5
+
+    path = ckpt.save_checkpoint(tmp_path, 7, state, keep=3, midway=midway)
+    data = path.read_bytes()
+    assert data == ckpt.encode(state)
+    manifest = json.loads(path.with_suffix(".json").read_text())
+    assert manifest["bytes"] == len(data) and manifest["sha256"] == hashlib.sha256(data).hexdigest()
+    assert len(seen) == 1 and 50_000 * 4 // 2 <= seen[0] < len(data)
+    assert ckpt.load_latest(tmp_path).step == 7

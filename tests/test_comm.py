@@ -229,8 +229,9 @@ def test_deferred_folds_sum_flag_and_restart_as_immediate_ones(kernels: bool, mo
     """Seven microbatches through a reducer (more than PENDING_FOLDS wait at once, so some are folded into the
     accumulator and some straight into the reduced buffer): the reduced integers are the sum of every
     microbatch's own quantised gradient; a NaN and an overflow are named by microbatch; a reduction abandoned
-    and launched again on a new group reduces the same integers. Without the CPU kernels (the path a GPU
-    takes: torch's ops, every fold's peaks left on the device and read back together) the same holds."""
+    and launched again on a new group reduces the same integers, and converts back to dequantise's bits. Without
+    the CPU kernels (the path a GPU takes: torch's multi-tensor ops over all parameters at once, the peaks left on
+    the device and read back together) the same holds."""
     if not kernels:
         monkeypatch.setattr(foldkernel, "_kernels", lambda: None)
     torch.manual_seed(0)
@@ -279,6 +280,11 @@ def test_deferred_folds_sum_flag_and_restart_as_immediate_ones(kernels: bool, mo
     reduce_now(reducer, groups[0])
     for i in range(len(params)):
         assert torch.equal(reducer._view(reducer.flat, i), expected[i])
+
+    # Converted back (on the torch-ops path all parameters at once): dequantise's bits, tensor by tensor.
+    reducer.apply(scale=0.375)
+    for i, (p, e) in enumerate(zip(params, scale.exponents(), strict=True)):
+        assert torch.equal(p.grad, foldkernel.dequantise(expected[i], e).mul_(0.375).view_as(p))
 
     reducer = run({2: float("nan"), 5: 2.0**70})
     assert reducer.flags.nonfinite_ids == [2] and reducer.flags.first_bad_param == 0

@@ -91,3 +91,36 @@ def test_batched_peaks_and_square_sums_are_the_kernels_bit_for_bit(monkeypatch: 
     assert foldkernel.square_sums(finite, exponents[:2]) == kernel_sums
     tensors[2][3] = float("nan")
     assert math.isnan(foldkernel.peaks_of(tensors)[2])
+
+
+@pytest.mark.parametrize("chunk", [1 << 26, 6_000])  # one pass over all the tensors; a pass per chunk
+def test_quantise_sum_many_is_quantise_sum_tensor_by_tensor(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """A GPU's fold (all parameters in one multi-tensor pass, per chunk) writes the bits and returns the peaks
+    that ``quantise_sum`` gives one tensor at a time: no base, a base that is the output, another base; NaN and
+    infinity among the peaks."""
+    monkeypatch.setattr(foldkernel, "MANY_CHUNK_ELEMENTS", chunk)
+    exponents = [0, 23, -69, 99, 40, 7]
+    grads = []
+    for k, exponent in enumerate(exponents):
+        values = awkward_values(4_001 + 997 * k, seed=20 + k)
+        values[values.abs() * 2.0**exponent >= LIMIT / 16] = 0.0
+        grads.append(values)
+    grads[1][11] = float("inf")  # its sum is discarded by the caller; its peak must say so
+    grads[4][5] = float("nan")
+    g = torch.Generator().manual_seed(3)
+    bases = [
+        None if k % 3 == 0 else torch.randint(-(2**50), 2**50, (t.numel(),), generator=g) for k, t in enumerate(grads)
+    ]
+    outs = [
+        b if k % 3 == 1 else torch.empty(t.numel(), dtype=torch.int64)
+        for k, (t, b) in enumerate(zip(grads, bases, strict=True))
+    ]
+    expected = [reference_sum([t], b, e) for t, b, e in zip(grads, bases, exponents, strict=True)]
+    peaks = foldkernel.quantise_sum_many(grads, bases, outs, exponents).tolist()
+    for k, (out, want) in enumerate(zip(outs, expected, strict=True)):
+        if k not in (1, 4):
+            assert torch.equal(out, want), k
+    assert peaks[1] == math.inf and math.isnan(peaks[4])
+    assert [p for k, p in enumerate(peaks) if k not in (1, 4)] == [
+        float(t.abs().max()) for k, t in enumerate(grads) if k not in (1, 4)
+    ]

@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 MANIFEST_FORMAT = 2
 
@@ -58,21 +59,67 @@ def write_atomic(path: Path, data: bytes, midway: Callable[[], None] | None = No
     os.replace(tmp, path)
 
 
-def write_checkpoint_files(
-    run_dir: Path, step: int, data: bytes, keep: int, midway: Callable[[], None] | None = None
+class _Sink:
+    """The file a checkpoint is streamed into: counts and hashes what passes (the manifest's size and sha256),
+    and calls ``midway`` (failure injection) once, with ``midway_at`` bytes written."""
+
+    def __init__(self, f: BinaryIO, midway: Callable[[], None] | None, midway_at: int) -> None:
+        self._f = f
+        self._midway = midway
+        self._midway_at = midway_at
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._midway is not None and self.size + len(view) >= self._midway_at:
+            first = max(0, self._midway_at - self.size)
+            self._pass(view[:first])
+            self._f.flush()
+            midway, self._midway = self._midway, None
+            midway()
+            self._pass(view[first:])
+        else:
+            self._pass(view)
+        return len(view)
+
+    def _pass(self, view: memoryview) -> None:
+        self._f.write(view)
+        self.digest.update(view)
+        self.size += len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_checkpoint_stream(
+    run_dir: Path,
+    step: int,
+    write: Callable[[Any], None],
+    keep: int,
+    midway: Callable[[], None] | None = None,
+    midway_at: int = 0,
 ) -> Path:
-    """Write the checkpoint of ``step`` (its encoded ``data``, then its manifest), then delete all but the
-    ``keep`` newest ones. Returns the data file's path."""
+    """Write the checkpoint of ``step`` by ``write(file)`` (an object with ``write`` and ``flush``: the encoded
+    state streams to disk, never held whole in memory), then its manifest; then delete all but the ``keep``
+    newest ones. Returns the data file's path. ``midway`` (failure injection) is called once ``midway_at`` bytes
+    are written."""
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     data_path = checkpoint_path(run_dir, step)
-    write_atomic(data_path, data, midway)
+    tmp = data_path.with_name(f"{data_path.name}.{os.getpid()}.tmp")  # two writers never share a half-written file
+    with open(tmp, "wb") as f:
+        sink = _Sink(f, midway, midway_at)
+        write(sink)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, data_path)
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,
         "file": data_path.name,
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": sink.size,
+        "sha256": sink.digest.hexdigest(),
         "time": time.time(),
     }
     write_atomic(data_path.with_suffix(".json"), json.dumps(manifest, indent=1).encode())

@@ -118,11 +118,25 @@ class LoadedCheckpoint:
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], keep: int, midway: Callable[[], None] | None = None
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically, then delete all but the ``keep`` newest ones.
+    """Write the checkpoint of ``step`` atomically, then delete all but the ``keep`` newest ones. The state streams
+    to the file (torch's writer copies one tensor at a time to host memory), so a save needs no second copy of
+    the state in memory: a GPU worker's host holds a model and its optimizer once, not twice.
 
-    ``midway`` (failure injection) is called with half of the data file written."""
+    ``midway`` (failure injection) is called with about half of the data file written (half the tensors' bytes)."""
     validate_state(state)
-    return files.write_checkpoint_files(run_dir, step, encode(state), keep, midway)
+    half = _tensor_bytes(state) // 2 if midway is not None else 0
+    return files.write_checkpoint_stream(run_dir, step, lambda f: torch.save(state, f), keep, midway, half)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def verify(run_dir: Path, step: int) -> dict[str, Any]:

@@ -33,7 +33,14 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 
 from unbroken.control import keys
-from unbroken.ft.foldkernel import KERNEL_ARITY, dequantise, kernel_applies, quantise_sum
+from unbroken.ft.foldkernel import (
+    KERNEL_ARITY,
+    dequantise,
+    kernel_applies,
+    kernels_serve,
+    quantise_sum,
+    quantise_sum_many,
+)
 
 log = logging.getLogger(__name__)
 
@@ -615,9 +622,12 @@ class GradientReducer:
         self.limit = math.inf
         self._flags = LocalFlags()
         self._observed = [0.0] * len(self.params)  # exact mode: max |microbatch gradient| seen, per tensor
-        # Exact mode on a GPU: folded gradients' peaks still on the device, as (parameter index, microbatch ids,
-        # peaks): read back all at once when the flags are needed (one wait for the device per reduction).
-        self._unread: list[tuple[int, list[int], torch.Tensor]] = []
+        # Exact mode on a GPU: folded gradients' peaks still on the device, as ((parameter index, microbatch id)
+        # of each peak, peaks): read back all at once when the flags are needed (one wait for the device per
+        # reduction).
+        self._unread: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
+        # Off the CPU kernels (a GPU) the fold and the conversion back run over all parameters at once.
+        self._together = not kernels_serve(device)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._group: Group | None = None
         self._ready: list[int] = [0] * len(self.buckets)
@@ -668,28 +678,54 @@ class GradientReducer:
         if not self._unread:
             return
         unread, self._unread = self._unread, []
-        values = torch.cat([peaks for _, _, peaks in unread]).tolist()
+        values = torch.cat([peaks for _, peaks in unread]).tolist()
         at = 0
-        for index, microbatches, _ in unread:
-            for microbatch in microbatches:
+        for pairs, _ in unread:
+            for index, microbatch in pairs:
                 self._note(index, microbatch, values[at])
                 at += 1
 
-    def _take(self, index: int, microbatch: int, fold_now: bool) -> None:
-        """Take parameter ``index``'s gradient of ``microbatch`` out of ``param.grad`` into the local contribution;
-        fold the waiting gradients into the accumulator when ``fold_now`` and PENDING_FOLDS of them wait."""
+    def _take(self, index: int, microbatch: int) -> None:
+        """Take parameter ``index``'s gradient of ``microbatch`` out of ``param.grad`` into the waiting ones."""
         p = self.params[index]
         if p.grad is None:
             return
         grad = local_tensor(p.grad)
         p.grad = None
-        unfolded = self._unfolded[index]
-        unfolded.append((microbatch, grad))
-        limit = PENDING_FOLDS if kernel_applies(grad) else 1  # torch's ops gain nothing from waiting
-        if fold_now and len(unfolded) >= limit:
-            self._fold(index, self._view(self.accumulator, index))
-            unfolded.clear()
-            self._written[index] = True
+        self._unfolded[index].append((microbatch, grad))
+
+    def _fold_due(self, indices: Sequence[int]) -> None:
+        """Fold into the accumulator the waiting gradients of ``indices`` that are due: on the CPU kernels once
+        PENDING_FOLDS of a parameter's wait, elsewhere at once (torch's ops gain nothing from waiting)."""
+        due = [
+            i
+            for i in indices
+            if self._unfolded[i]
+            and (len(self._unfolded[i]) >= PENDING_FOLDS or not kernel_applies(self._unfolded[i][0][1]))
+        ]
+        self._fold_into(due, self.accumulator)
+        for i in due:
+            self._unfolded[i].clear()
+            self._written[i] = True
+
+    def _fold_into(self, indices: Sequence[int], target: torch.Tensor) -> None:
+        """``_fold`` of each of ``indices`` into its view of ``target`` (the accumulator, or the buffer the
+        collective reduces). Off the CPU kernels, the parameters with one waiting gradient (all of them, on a
+        GPU) are folded together, in a number of kernel launches that does not grow with their count."""
+        together = [i for i in indices if len(self._unfolded[i]) == 1 and not kernel_applies(self._unfolded[i][0][1])]
+        alone = set(indices).difference(together)
+        for index in indices:
+            if index in alone:
+                self._fold(index, self._view(target, index))
+        if not together:
+            return
+        peaks = quantise_sum_many(
+            [self._unfolded[i][0][1] for i in together],
+            [self._view(self.accumulator, i) if self._written[i] else None for i in together],
+            [self._view(target, i) for i in together],
+            [self.exponents[i] for i in together],
+        )
+        self._unread.append(([(i, self._unfolded[i][0][0]) for i in together], peaks))
 
     @torch.no_grad()
     def _fold(self, index: int, out: torch.Tensor) -> None:
@@ -703,7 +739,7 @@ class GradientReducer:
         # (not finite) or redone from an empty accumulator (did not fit), never committed.
         peaks = quantise_sum([g for _, g in unfolded], accumulated, out, exponent, self.limit, lazy=True)
         if isinstance(peaks, torch.Tensor):
-            self._unread.append((index, [microbatch for microbatch, _ in unfolded], peaks))
+            self._unread.append(([(index, microbatch) for microbatch, _ in unfolded], peaks))
             return
         for (microbatch, _), value in zip(unfolded, peaks, strict=True):
             self._note(index, microbatch, value)
@@ -749,7 +785,8 @@ class GradientReducer:
         if self.sharded:
             return
         for index in range(len(self.params)):
-            self._take(index, microbatch, fold_now=True)
+            self._take(index, microbatch)
+        self._fold_due(range(len(self.params)))
 
     def check_nonfinite(self, microbatch_ids: Sequence[int]) -> None:
         """fp32 mode: note whether this worker's local gradient (its microbatches ``microbatch_ids``) holds a
@@ -771,7 +808,7 @@ class GradientReducer:
                 return
             if self.exact and not self.sharded:  # (FSDP's reduce-scatter has folded a sharded one already)
                 assert self._armed_microbatch is not None
-                self._take(index, self._armed_microbatch, fold_now=False)  # folded as its bucket is filled
+                self._take(index, self._armed_microbatch)  # folded as its bucket is filled
             self._ready[self.bucket_of[index]] += 1
             self._launch_ready()
 
@@ -811,18 +848,21 @@ class GradientReducer:
 
     @torch.no_grad()
     def _fill_bucket(self, b: int) -> None:
+        if self.accumulator is not None:
+            # The sum goes straight into the buffer the collective reduces; the accumulator and the waiting
+            # gradients stay as they are, so a restarted reduction fills it again from them.
+            self._fold_into([i for i in self.buckets[b] if self._unfolded[i]], self.flat)
+            for index in self.buckets[b]:
+                if not self._unfolded[index]:
+                    view = self._view(self.flat, index)
+                    if self._written[index]:
+                        view.copy_(self._view(self.accumulator, index))
+                    else:
+                        view.zero_()
+            return
         for index in self.buckets[b]:
             view = self._view(self.flat, index)
-            if self.accumulator is not None:
-                # The sum goes straight into the buffer the collective reduces; the accumulator and the
-                # waiting gradients stay as they are, so a restarted reduction fills it again from them.
-                if self._unfolded[index]:
-                    self._fold(index, view)
-                elif self._written[index]:
-                    view.copy_(self._view(self.accumulator, index))
-                else:
-                    view.zero_()
-            elif self.params[index].grad is None:
+            if self.params[index].grad is None:
                 view.zero_()
             else:
                 grad = local_tensor(self.params[index].grad)
@@ -846,7 +886,7 @@ class GradientReducer:
         if self._armed_microbatch is not None:
             if self.exact and not self.sharded:  # gradients the hooks never saw (none fires without a gradient)
                 for index in range(len(self.params)):
-                    self._take(index, self._armed_microbatch, fold_now=False)
+                    self._take(index, self._armed_microbatch)
             self._armed_microbatch = None
         if self._group is not group:
             self._start(group)
@@ -883,10 +923,19 @@ class GradientReducer:
         buffer is next written by the following step's reduction, after ``reset_local`` has dropped these
         views. In exact mode the integers are converted (int64 to float32 rounds once; the power-of-two scale
         is exact)."""
+        converted = None
+        if self.exact and self._together and all(local_tensor(p).dtype == torch.float32 for p in self.params):
+            # One conversion of the whole buffer and one multi-tensor scaling: the same bits as ``dequantise``
+            # parameter by parameter, without a kernel launch per parameter.
+            floats = self.flat.to(torch.float32)
+            converted = [self._view(floats, index) for index in range(len(self.params))]
+            torch._foreach_mul_(converted, [2.0**-e for e in self.exponents])
         for index, p in enumerate(self.params):
             view = self._view(self.flat, index)
             shard = local_tensor(p)
-            if self.exact:
+            if converted is not None:
+                grad = converted[index].view_as(shard)
+            elif self.exact:
                 grad = dequantise(view, self.exponents[index], p.dtype).view_as(shard)
             else:
                 grad = view.view_as(shard)

