@@ -231,7 +231,10 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
         (["--workers", "3", "--parallel.shard=2"], "--workers = 3 is not a whole number of replicas of 2 ranks"),
         (["--workers", "4", "--parallel.tensor=4"], "parallel.tensor = 4 must divide the model's key/value heads (2)"),
         (["--workers", "2", "--parallel.sequence_parallel=true"], "parallel.sequence_parallel = true needs parallel."),
-        (["--workers", "4", "--parallel.tensor=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with tensor"),
+        (
+            ["--workers", "4", "--parallel.tensor=2", "--parallel.sequence_parallel=true", "--recovery.policy=mecefo"],
+            "recovery.policy = mecefo with parallel.sequence_parallel",
+        ),
         (["--workers", "6", "--parallel.tensor=2", "--parallel.shard=2"], "replicas of 4 ranks (parallel.shard = 2"),
         (["--workers", "4", "--parallel.pipeline=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with"),
         (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),

@@ -174,3 +174,20 @@ def test_tensor_ranks_train_hugging_face_s_llama(tmp_path: Path, data_cache_dir:
     steps = losses(run)
     assert sorted(steps) == list(range(6)) and steps[5] < steps[0]
     assert read_records(run, "final")[-1]["identical"]
+
+
+def test_mecefo_on_tensor_ranks_takes_a_dead_replica_s_microbatches_over(tmp_path: Path, data_cache_dir: Path) -> None:
+    """MeCeFO with 2 replicas x (tensor 2): rank 1 of replica 0 is killed mid-backward at step 3, and replica 1
+    computes the dead replica's microbatches in efficient mode on its tensor-split blocks (the arithmetic is
+    test_tensor.py's) until replica 0 is back. No microbatch is lost (every step counts all of them), some run
+    efficiently, and the job ends with every coordinate's parameters the same on both replicas."""
+    run = tmp_path / "mecefo"
+    schedule = "--failures.schedule=kill:worker=1,step=3,phase=backward"
+    args = [ONE_THREAD, EXACT, "--recovery.policy=mecefo", "--mecefo.rank=16", "--train.steps=10", TENSOR]
+    result = train(run, data_cache_dir, *args, "--checkpoint.every=0", schedule, workers=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in read_records(run, "step") if not r.get("republished")]
+    assert sorted(r["step"] for r in steps) == list(range(10))
+    assert all(r["counted"] == r["microbatches"] for r in steps)
+    assert sum(r["efficient"] for r in steps) > 0
+    assert read_records(run, "failure") and read_records(run, "final")[-1]["identical"]

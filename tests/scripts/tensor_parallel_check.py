@@ -1,14 +1,17 @@
 """One rank of tests/test_tensor.py: a model split by ``apply_tensor_parallel`` over this process group against the
 same model whole, on the same tokens, in float64.
 
-Run by the test as ``python tensor_parallel_check.py OUT_JSON MODEL SEQUENCE_PARALLEL`` with RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set; each rank writes OUT_JSON.RANK: the largest difference of the logits and of every
-parameter's gradient (the split ones gathered) relative to the largest magnitude of the whole model's, and how
-many parameters were split.
+Run by the test as ``python tensor_parallel_check.py OUT_JSON MODEL SEQUENCE_PARALLEL [EFFICIENT]`` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; each rank writes OUT_JSON.RANK: the largest difference of the logits
+and of every parameter's gradient (the split ones gathered) relative to the largest magnitude of the whole model's,
+and how many parameters were split. EFFICIENT = 1: both models run MeCeFO's efficient backward (rank 8 bases, from
+the weights each holds: the split model gathers its FFN weights, so both compute the same bases); a parameter that
+gets no gradient must get none in both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -20,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from unbroken.core.flavours import ModelArgs
+from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.tensor import apply_tensor_parallel, tensor_parallel_plan_names
 from unbroken.train.model import Transformer
 
@@ -39,7 +43,7 @@ def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def main(out: str, kind: str, sequence_parallel: str) -> None:
+def main(out: str, kind: str, sequence_parallel: str, efficient: str = "0") -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tensor",))
     if kind == "odd_heads":
@@ -58,17 +62,27 @@ def main(out: str, kind: str, sequence_parallel: str) -> None:
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     results = {}
     for name, model in (("whole", whole), ("split", split)):
-        logits = logits_of(model, tokens)
-        F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+        mode = contextlib.nullcontext()
+        if efficient == "1":
+            handle = apply_efficient_backward(model, EfficientConfig(rank=8))
+            handle.refresh(0)
+            mode = handle.enabled()
+        with mode:
+            logits = logits_of(model, tokens)
+            F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
         results[name] = logits.detach()
     scale = results["whole"].abs().max().item()
     report = {"logits": (results["split"] - results["whole"]).abs().max().item() / scale, "grads": {}, "split": 0}
     wanted = set(tensor_parallel_plan_names(whole))
     for (name, p_whole), (_, p_split) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
         grad = p_split.grad
+        if isinstance(p_split, DTensor):
+            report["split"] += name in wanted
         if isinstance(grad, DTensor):
-            report["split"] += name in wanted and isinstance(p_split, DTensor)
             grad = grad.full_tensor()
+        if efficient == "1" and p_whole.grad is None:  # attention, its norm: no gradient from an efficient microbatch
+            assert grad is None, name
+            continue
         assert p_whole.grad is not None and grad is not None, name
         report["grads"][name] = (grad - p_whole.grad).abs().max().item() / max(p_whole.grad.abs().max().item(), 1e-300)
     report["expected_split"] = len(wanted)

@@ -417,10 +417,10 @@ class RunConfig:
                 f"train.workers_per_gpu = {self.train.workers_per_gpu} with comm.backend = nccl: NCCL refuses two "
                 "ranks on one GPU; use comm.backend = gloo (or auto, which picks gloo then)"
             )
-        if self.parallel.tensor > 1 and self.recovery.policy.mecefo:
+        if self.parallel.sequence_parallel and self.parallel.tensor > 1 and self.recovery.policy.mecefo:
             raise ValueError(
-                f"recovery.policy = {self.recovery.policy} with tensor-parallel replicas (parallel.tensor = "
-                f"{self.parallel.tensor}) is not supported yet; allowed there: recover, drop, restart"
+                f"recovery.policy = {self.recovery.policy} with parallel.sequence_parallel (the FFN's input split by "
+                "sequence) is not supported; use sequence_parallel = false, or policy recover, drop or restart"
             )
         if self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
             raise ValueError(

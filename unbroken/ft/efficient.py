@@ -556,7 +556,7 @@ def _block(index: int, name: str, module: nn.Module, layout: BlockLayout, names:
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This process's part of ``weight`` (the local shard of an FSDP ``DTensor``)."""
+    """This process's part of ``weight`` (the local part of a ``DTensor``: an FSDP shard, a tensor-parallel slice)."""
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
@@ -661,7 +661,11 @@ class _EfficientFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        h, w_gate, w_up, w_down, b_gate, b_up, b_down = ctx.saved_tensors
+        h, *params = ctx.saved_tensors
+        # Tensor-parallel weights (DTensors): this rank computes with its columns of gate and up and its rows of
+        # down, and sums what the ranks' shares make of the input's gradient (see ``_tensor_parallel``).
+        mesh = getattr(params[0], "device_mesh", None)
+        w_gate, w_up, w_down, b_gate, b_up, b_down = (_local(t) if t is not None else None for t in params)
         block: _Block = ctx.block
         v_gate, v_up, v_down = ctx.bases()  # joins the basis computation for this block, if still in flight
         norm_params = list(block.ffn_norm.parameters())
@@ -685,29 +689,46 @@ class _EfficientFFN(torch.autograd.Function):
             (g_a,) = torch.autograd.grad(s_r, a_r, (g_p * u).to(s_r.dtype))
             g_u = g_p * s
             g_x = g_a @ w_gate + g_u @ w_up  # (N, dim)
+            if mesh is not None:
+                g_x = _sum_over(g_x, mesh)
             g_h, *g_trained = torch.autograd.grad(x_r, [h_r, *trained], g_x.view_as(x_r).to(x_r.dtype))
             g_w_gate = _weight_grad(g_a, x, v_gate).to(w_gate.dtype) if needs[5] else None
             g_w_up = _weight_grad(g_u, x, v_up).to(w_up.dtype) if needs[6] else None
-            g_w_down = _weight_grad(g_y, s * u, v_down).to(w_down.dtype) if needs[7] else None
+            if not needs[7]:
+                g_w_down = None
+            elif mesh is not None and v_down is not None:
+                # down's basis spans the whole hidden space; this rank holds its rows for its hidden units, and
+                # the projection (s u) V sums over all of them.
+                v_rows = v_down.chunk(mesh.size(), dim=0)[mesh.get_local_rank()]
+                projected = _sum_over((s * u) @ v_rows, mesh)
+                g_w_down = ((g_y.T @ projected) @ v_rows.T).to(w_down.dtype)
+            else:
+                g_w_down = _weight_grad(g_y, s * u, v_down).to(w_down.dtype)
             g_b_gate = g_a.sum(0).to(b_gate.dtype) if b_gate is not None and needs[8] else None
             g_b_up = g_u.sum(0).to(b_up.dtype) if b_up is not None and needs[9] else None
             g_b_down = g_y.sum(0).to(b_down.dtype) if b_down is not None and needs[10] else None
         by_param = dict(zip(map(id, trained), g_trained, strict=True))
         g_norm = [by_param.get(id(p)) for p in norm_params]
-        return (
-            g_h.to(h.dtype),
-            None,
-            None,
-            None,
-            None,
-            g_w_gate,
-            g_w_up,
-            g_w_down,
-            g_b_gate,
-            g_b_up,
-            g_b_down,
-            *g_norm,
-        )
+        grads = (g_w_gate, g_w_up, g_w_down, g_b_gate, g_b_up, g_b_down)
+        return (g_h.to(h.dtype), None, None, None, None, *map(_like, grads, params), *g_norm)
+
+
+def _sum_over(partial: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """The sum of ``partial`` over the ranks of the (1-D) tensor-parallel ``mesh``, in float32 at least."""
+    import torch.distributed as dist
+
+    total = partial.float() if partial.dtype in (torch.float16, torch.bfloat16) else partial.clone()
+    dist.all_reduce(total, group=mesh.get_group())
+    return total.to(partial.dtype)
+
+
+def _like(grad: torch.Tensor | None, param: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad`` (this rank's part) as ``param`` is: a DTensor of its mesh and placements for a tensor-parallel one."""
+    if grad is None or param is None or not hasattr(param, "device_mesh"):
+        return grad
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 def _autocast_state(device_type: str) -> dict[str, Any]:
