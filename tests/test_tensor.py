@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runner import ROOT, free_port
+from runner import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,11 +27,18 @@ TOLERANCE = 1e-9
 
 def split_against_whole(tmp_path: Path, kind: str, sequence_parallel: bool, efficient: bool = False) -> list[dict]:
     out = tmp_path / "report"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    env["OMP_NUM_THREADS"] = "1"
+    # A file rendezvous: a port picked free here could be taken by another test's process before rank 0 binds it
+    # (seen once in a full suite: rank 0 died, rank 1 waited to connect until the bound).
+    env = {**os.environ, "INIT_METHOD": f"file://{tmp_path / 'rendezvous'}", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, str(SCRIPT), str(out), kind, "1" if sequence_parallel else "0", "1" if efficient else "0"]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    errors = [p.communicate(timeout=200)[1] for p in procs]
+    try:
+        errors = [p.communicate(timeout=200)[1] for p in procs]
+    finally:
+        for p in procs:  # a rank left waiting for a dead peer must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
 

@@ -2,11 +2,12 @@
 same model whole, on the same tokens, in float64.
 
 Run by the test as ``python tensor_parallel_check.py OUT_JSON MODEL SEQUENCE_PARALLEL [EFFICIENT]`` with RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; each rank writes OUT_JSON.RANK: the largest difference of the logits
-and of every parameter's gradient (the split ones gathered) relative to the largest magnitude of the whole model's,
-and how many parameters were split. EFFICIENT = 1: both models run MeCeFO's efficient backward (rank 8 bases, from
-the weights each holds: the split model gathers its FFN weights, so both compute the same bases); a parameter that
-gets no gradient must get none in both.
+WORLD_SIZE and INIT_METHOD (a ``file://`` rendezvous: no port to pick, so none to lose to another process) set.
+Each rank writes OUT_JSON.RANK: the largest difference of the logits and of every parameter's gradient (the split
+ones gathered) relative to the largest magnitude of the whole model's, and how many parameters were split.
+EFFICIENT = 1: both models run MeCeFO's efficient backward (rank 8 bases, from the weights each holds: the split
+model gathers its FFN weights, so both compute the same bases); a parameter that gets no gradient must get none in
+both.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -44,7 +46,8 @@ def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def main(out: str, kind: str, sequence_parallel: str, efficient: str = "0") -> None:
-    dist.init_process_group("gloo")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"], rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tensor",))
     if kind == "odd_heads":
         args = ModelArgs(dim=48, n_layers=1, n_heads=6, n_kv_heads=3, vocab_size=8, ffn_hidden=8, max_seq_len=8)
