@@ -45,18 +45,22 @@ def _fsync_dir(path: Path) -> None:
 def write_atomic(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file of this process, fsync it, rename it into place.
     ``midway`` (failure injection) is called with half of the data written."""
+    _write_through_temporary(path, lambda sink: sink.write(data), midway, len(data) // 2)
+
+
+def _write_through_temporary(
+    path: Path, write: Callable[[_Sink], Any], midway: Callable[[], None] | None, midway_at: int
+) -> _Sink:
+    """``write(sink)`` into a temporary file of this process, fsync it, rename it to ``path``; returns the sink
+    (the size and sha256 of what was written)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share a half-written file
     with open(tmp, "wb") as f:
-        if midway is not None:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            midway()
-            f.write(data[len(data) // 2 :])
-        else:
-            f.write(data)
+        sink = _Sink(f, midway, midway_at)
+        write(sink)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return sink
 
 
 class _Sink:
@@ -107,13 +111,7 @@ def write_checkpoint_stream(
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     data_path = checkpoint_path(run_dir, step)
-    tmp = data_path.with_name(f"{data_path.name}.{os.getpid()}.tmp")  # two writers never share a half-written file
-    with open(tmp, "wb") as f:
-        sink = _Sink(f, midway, midway_at)
-        write(sink)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, data_path)
+    sink = _write_through_temporary(data_path, write, midway, midway_at)
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,

@@ -222,11 +222,12 @@ def quantise_sum_many(
         while end < len(flat) and size + flat[end].numel() <= MANY_CHUNK_ELEMENTS:
             size += flat[end].numel()
             end += 1
+        sizes = [t.numel() for t in flat[start:end]]
         scaled = torch.cat(flat[start:end])
-        views = list(scaled.split([t.numel() for t in flat[start:end]]))
+        views = list(scaled.split(sizes))
         torch._foreach_mul_(views, [2.0**e for e in exponents[start:end]])
         torch._foreach_round_(views)
-        quantised = scaled.to(torch.int64).split([t.numel() for t in flat[start:end]])
+        quantised = scaled.to(torch.int64).split(sizes)
         triples = list(zip(outs[start:end], bases[start:end], quantised, strict=True))
         fresh = [(o, q) for o, b, q in triples if b is None]
         added = [(o, b, q) for o, b, q in triples if b is not None]
