@@ -626,8 +626,9 @@ class GradientReducer:
         # of each peak, peaks): read back all at once when the flags are needed (one wait for the device per
         # reduction).
         self._unread: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
-        # Off the CPU kernels (a GPU) the fold and the conversion back run over all parameters at once.
-        self._together = not kernels_serve(device)
+        # Exact mode off the CPU kernels (a GPU): the fold and the conversion back run over all parameters at
+        # once. fp32 mode never asks: loading the kernels (numba) costs a process about 57 MiB.
+        self._together = exact and not kernels_serve(device)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self._group: Group | None = None
         self._ready: list[int] = [0] * len(self.buckets)
@@ -924,7 +925,7 @@ class GradientReducer:
         views. In exact mode the integers are converted (int64 to float32 rounds once; the power-of-two scale
         is exact)."""
         converted = None
-        if self.exact and self._together and all(local_tensor(p).dtype == torch.float32 for p in self.params):
+        if self._together and all(local_tensor(p).dtype == torch.float32 for p in self.params):
             # One conversion of the whole buffer and one multi-tensor scaling: the same bits as ``dequantise``
             # parameter by parameter, without a kernel launch per parameter.
             floats = self.flat.to(torch.float32)
