@@ -348,6 +348,34 @@ def test_a_late_or_lazy_handle_computes_the_same_bases(kind: Kind) -> None:
     assert all(torch.equal(a, b) for a, b in zip(rejoined.bases(), want, strict=True))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bases_computed_in_the_background_are_those_of_the_calling_thread(threads: int) -> None:
+    """The refresh thread computes every block's bases with the process's intra-op threads: each basis is
+    bitwise ``randomized_basis`` of its weight called on the training thread, whatever the block's place in
+    the model (a pipeline stage holds other blocks first) and whatever the host's core count. On a new thread
+    the first LAPACK calls otherwise run with OpenMP's default thread count (this machine's 2 cores)."""
+    from unbroken.ft.efficient import randomized_basis
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = OURS.build(0)
+        config = EfficientConfig(rank=8)
+        eb = apply_efficient_backward(model, config)
+        eb.refresh(5)
+        got = eb.named_bases()
+        eb.remove()
+        names = {id(p): n for n, p in model.named_parameters()}
+        for i, block in enumerate(model.layers):
+            for k, linear in enumerate(OURS.ffn(block)[2]):
+                want = randomized_basis(
+                    linear.weight, config.rank, config.oversample, config.power_iters, basis_seed(5, f"layers.{i}", k)
+                )
+                assert want is not None and torch.equal(got[names[id(linear.weight)]], want), (i, k)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_the_computation_is_joined_before_the_weights_change() -> None:
     model = OURS.build(0)
     eb = apply_efficient_backward(model, EfficientConfig(rank=4))
@@ -458,7 +486,7 @@ def test_randomized_bases_are_within_the_gap_bound_of_the_svd() -> None:
             with torch.no_grad():
                 linear.weight.copy_(w)
             width = min(rank + config.oversample, out_features, in_features)
-            gen = torch.Generator().manual_seed(basis_seed(0, i, k))
+            gen = torch.Generator().manual_seed(basis_seed(0, f"layers.{i}", k))
             omega = torch.randn(out_features, width, generator=gen).double()
             n = min(out_features, in_features)
             omega_2_omega_1_pinv = (u[:, rank:n].T @ omega) @ torch.linalg.pinv(u[:, :rank].T @ omega)

@@ -23,6 +23,7 @@ from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(600)
+FIXTURE_RUNS = {"mecefo_whole": 1}  # trainings the module fixture runs (conftest adds their time to each test's bound)
 
 COMMON = ["--checkpoint.every=0", ONE_THREAD, EXACT, f"--train.steps={RECOVERY_STEPS}"]
 
@@ -178,26 +179,60 @@ def test_a_sharded_pipeline_pads_a_round_and_stays_the_unsplit_model(tmp_path: P
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
 
 
-def test_mecefo_on_sharded_replicas_is_bitwise_mecefo_on_whole_ones(tmp_path: Path, data_cache_dir: Path) -> None:
-    """MeCeFO with 2 replicas x 2 shards: replica 0 dies (its rank 1 killed mid-backward) and replica 1 takes its
-    microbatches over in efficient mode on FSDP-wrapped blocks, its projection bases computed from the FFN
-    weights gathered per block. In exact mode that is bitwise MeCeFO on 2 replicas of one rank losing replica 0:
-    the efficient backward on FSDP's unsharded weights is the same arithmetic, and so are the bases."""
-    common = [ONE_THREAD, EXACT, "--recovery.policy=mecefo", "--mecefo.rank=16", "--train.steps=10"]
-    common += ["--checkpoint.every=0"]
-    runs = {}
-    for name, workers, extra, victim in (("sharded", 4, ["--parallel.shard=2"], 1), ("whole", 2, [], 0)):
-        runs[name] = tmp_path / name
-        schedule = f"--failures.schedule=kill:worker={victim},step=3,phase=backward"
-        result = train(runs[name], data_cache_dir, *common, *extra, schedule, workers=workers)
-        assert result.returncode == 0, result.stderr[-3000:]
-    steps = {
-        name: {r["step"]: (r["loss"], r["efficient"]) for r in read_records(run, "step")} for name, run in runs.items()
-    }
-    assert steps["sharded"] == steps["whole"]
-    assert sum(efficient for _, efficient in steps["sharded"].values()) > 0  # the neighbour ran efficient microbatches
-    mine, theirs = ckpt.verify(runs["sharded"], 10), ckpt.verify(runs["whole"], 10)
+MECEFO_COMMON = [ONE_THREAD, EXACT, "--recovery.policy=mecefo", "--mecefo.rank=16", "--train.steps=10"]
+MECEFO_COMMON += ["--checkpoint.every=0"]
+
+
+def mecefo_run(run: Path, cache: Path, workers: int, victim: int, *layout: str) -> dict[int, tuple[float, int]]:
+    """A MeCeFO run of 2 replicas whose replica 0 dies at step 3 (``victim``, one of its ranks, killed
+    mid-backward) and never comes back; every step's (loss, microbatches computed in efficient mode)."""
+    schedule = f"--failures.schedule=kill:worker={victim},step=3,phase=backward"
+    result = train(run, cache, *MECEFO_COMMON, *layout, schedule, workers=workers)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {r["step"]: (r["loss"], r["efficient"]) for r in read_records(run, "step")}
+
+
+@pytest.fixture(scope="module")
+def mecefo_whole(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> tuple[Path, dict]:
+    """MeCeFO on 2 replicas of one rank, losing replica 0 at step 3."""
+    run = tmp_path_factory.mktemp("mecefo") / "whole"
+    return run, mecefo_run(run, data_cache_dir, 2, 0)
+
+
+@pytest.mark.parametrize("layout", ["--parallel.shard=2", "--parallel.pipeline=2"], ids=["shards", "stages"])
+def test_mecefo_on_split_replicas_is_bitwise_mecefo_on_whole_ones(
+    tmp_path: Path, data_cache_dir: Path, mecefo_whole: tuple[Path, dict], layout: str
+) -> None:
+    """MeCeFO with 2 replicas x 2 ranks (FSDP shards, or pipeline stages): replica 0 dies (its rank 1 killed
+    mid-backward) and replica 1 takes its microbatches over in efficient mode on its blocks: FSDP-wrapped ones,
+    whose projection bases are computed from the FFN weights gathered per block; or a stage's own blocks, each
+    microbatch's forward on every stage switched to the mode its plan gives. In exact mode that is bitwise MeCeFO
+    on 2 replicas of one rank losing replica 0: the efficient backward on FSDP's unsharded weights, or through
+    the stages, is the same arithmetic, and a block's bases are seeded by its name, which a stage keeps."""
+    run = tmp_path / "split"
+    whole, whole_steps = mecefo_whole
+    assert mecefo_run(run, data_cache_dir, 4, 1, layout) == whole_steps
+    assert sum(efficient for _, efficient in whole_steps.values()) > 0  # the neighbour ran efficient microbatches
+    mine, theirs = ckpt.verify(run, 10), ckpt.verify(whole, 10)
+    assert sorted(mine["model"]) == sorted(theirs["model"])
     assert all(torch.equal(mine["model"][k], theirs["model"][k]) for k in theirs["model"])
+    # The sharded checkpoint holds every block's bases by weight name (each stage saved its own), the same as
+    # the one-file checkpoint's list (block by block: gate w1, up w3, down w2).
+    listed = theirs["ft"]["mecefo_bases"]
+    names = [f"layers.{i}.feed_forward.{w}.weight" for i in range(len(listed) // 3) for w in ("w1", "w3", "w2")]
+    named = mine["ft"]["mecefo_bases"]
+    assert sorted(named) == sorted(names) and mine["ft"]["mecefo_bases_step"] == theirs["ft"]["mecefo_bases_step"]
+    assert all(torch.equal(named[n], v) for n, v in zip(names, listed, strict=True))
+    # Resumed by one whole-model worker, the run keeps them (no efficient microbatch: they are not recomputed),
+    # and its one-file checkpoint lists them again.
+    resume = train_cmd(data_cache_dir, "--resume", str(run), "--parallel.shard=1", "--parallel.pipeline=1", workers=1)
+    result = subprocess.run(
+        [*resume, "--train.steps=11", "--failures.schedule="], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = ckpt.verify(run, 11)["ft"]
+    assert resumed["mecefo_bases_step"] == theirs["ft"]["mecefo_bases_step"]
+    assert all(torch.equal(a, b) for a, b in zip(resumed["mecefo_bases"], listed, strict=True))
 
 
 def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
@@ -236,7 +271,6 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
             "recovery.policy = mecefo with parallel.sequence_parallel",
         ),
         (["--workers", "6", "--parallel.tensor=2", "--parallel.shard=2"], "replicas of 4 ranks (parallel.shard = 2"),
-        (["--workers", "4", "--parallel.pipeline=2", "--recovery.policy=mecefo"], "recovery.policy = mecefo with"),
         (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),
         (["--workers", "2", "--parallel.shard=0"], "parallel.shard = 0 must be >= 1"),
     ],

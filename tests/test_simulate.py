@@ -371,17 +371,21 @@ def test_one_gpu_failure_in_pipelined_replicas_worked_out_by_hand(tmp_path: Path
     step 3, and takes replica 2 down for good. recover: the 3 survivors finish their own pass (7.5 s), learn
     of the death (8.5 s), re-form (9.5 s), and run the 2 orphans as a pass of their own, one on each of two
     survivors ((1 + 1) x 0.5 s), then reduce (11 s); then 6 steps of 3 microbatches on the busiest,
-    (3 + 1) x 0.5 + 0.5 = 2.5 s. restart: stops at 6.5 s, detection 2 s + restart 5 s, no checkpoint: all 10
-    steps again, 2.5 s each."""
+    (3 + 1) x 0.5 + 0.5 = 2.5 s. mecefo: the neighbour, replica 3, runs both orphans efficiently as a pass
+    ((2 x 0.86 + 1) x 0.5 s), then its own 2 and the dead one's 2, all efficient, every step
+    ((4 x 0.86 + 1) x 0.5 + 0.5 s). mecefo-spread: one efficient orphan on each of two survivors
+    ((0.86 + 1) x 0.5 s), then 2 exact and 1 efficient on those two every step ((2 + 0.86 + 1) x 0.5 + 0.5 s).
+    restart: stops at 6.5 s, detection 2 s + restart 5 s, no checkpoint: all 10 steps again, 2.5 s each."""
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,gpu,event\n6.5,5,fail\n")
-    overrides = [o for o in GPU_FAILURE if not o.startswith("--run.policies=")]  # mecefo: no pipelines
-    overrides += ["--cluster.pipeline=2", "--cost.microbatch_s=0.5", "--run.policies=recover,drop,restart"]
+    overrides = [*GPU_FAILURE, "--cluster.pipeline=2", "--cost.microbatch_s=0.5"]
     overrides.append(f"--failures.trace={trace}")
     res = simulate(load_scenario(None, overrides))
     assert res.failure_free_step_s == pytest.approx(2.0)
     by = {r.policy: r for r in res.policies}
     assert by["recover"].wall_s == pytest.approx(9.5 + 1.0 + 0.5 + 6 * 2.5)
+    assert by["mecefo"].wall_s == pytest.approx(9.5 + (2 * 0.86 + 1) * 0.5 + 0.5 + 6 * ((4 * 0.86 + 1) * 0.5 + 0.5))
+    assert by["mecefo-spread"].wall_s == pytest.approx(9.5 + (0.86 + 1) * 0.5 + 0.5 + 6 * ((2.86 + 1) * 0.5 + 0.5))
     assert by["drop"].wall_s == pytest.approx(9.5 + 0.5 + 6 * 2.5)
     assert by["restart"].wall_s == pytest.approx(6.5 + 2 + 5 + 10 * 2.5)
     assert by["recover"].recomputed_microbatches == 2 and by["recover"].committed_microbatches == 80

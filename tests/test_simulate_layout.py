@@ -61,7 +61,6 @@ def test_the_replica_is_shard_x_pipeline_x_tensor_gpus(overrides: list[str], deg
         (["shard=3"], "cluster.gpus = 512 must be a multiple of cluster.gpus_per_replica = 3 (shard x pipeline"),
         (["tensor=0"], "cluster.tensor = 0 must be >= 1"),
         (["shard=-1"], "cluster.shard = -1 must be >= 1 (or 0"),
-        (["pipeline=2", "--run.policies=recover,mecefo"], "mecefo with pipelined replicas (cluster.pipeline = 2)"),
     ],
 )
 def test_a_contradictory_layout_is_a_one_line_value_error(overrides: list[str], message: str) -> None:

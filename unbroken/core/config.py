@@ -422,11 +422,6 @@ class RunConfig:
                 f"recovery.policy = {self.recovery.policy} with parallel.sequence_parallel (the FFN's input split by "
                 "sequence) is not supported; use sequence_parallel = false, or policy recover, drop or restart"
             )
-        if self.parallel.pipeline > 1 and self.recovery.policy.mecefo:
-            raise ValueError(
-                f"recovery.policy = {self.recovery.policy} with pipelined replicas (parallel.pipeline = "
-                f"{self.parallel.pipeline}) is not supported; allowed there: recover, drop, restart"
-            )
 
 
 def deterministic_kernels(cfg: RunConfig) -> bool:

@@ -433,6 +433,9 @@ class Context:
                 proto.reducer,
                 proto.M,
             )
+            eb = self.state.efficient
+            if eb is not None:  # MeCeFO: each microbatch's forward on every stage in its plan's mode
+                self._pipeline.before_forward = lambda j: eb.set_active(proto.is_efficient(j))
         self._pipeline.loss_fn = loss_fn
         return self._pipeline
 
@@ -735,6 +738,8 @@ class Step:
                     losses = pipe.run(ids, batch_of, padding) if ids else {}
             finally:
                 remove(hooks)
+                if proto.state.efficient is not None:
+                    proto.state.efficient.set_active(False)
             slow = proto.injector.slow_factor()
             if slow > 1.0:  # an injected slow-down: this rank (so its replica) computes `slow` x slower
                 time.sleep((slow - 1.0) * (time.perf_counter() - started))

@@ -10,7 +10,8 @@ sends a rejoining worker (``encode`` / ``decode``). The schema (``FORMAT_VERSION
     optimizer   the registered optimizer's ``state_dict()`` (or None)
     extra       {name: state} of the other registered objects
     ft          the library's replicated state: the exact mode's scale, agreed speeds, the run of
-                consecutive non-finite skips, the last step's outcome, MeCeFO's projection bases
+                consecutive non-finite skips, the last step's outcome, MeCeFO's projection bases (a list,
+                block by block; in a sharded checkpoint {weight name: basis}, each rank's own, through DCP)
     metadata    {name: str | int | float | bool} the user attached (the trainer: config, tokenizer hash, ...)
 
 On disk a checkpoint is the pair ``checkpoints/step_<N>.pt`` (``encode``) and its manifest, written atomically
@@ -214,13 +215,22 @@ def _options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)  # entries by parameter name: stages' are disjoint
 
 
-def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The model's and the optimizer's state as DCP saves and loads it (live tensors, sharded as they are)."""
+BASES_KEY = "mecefo_bases"  # MeCeFO's bases in a sharded checkpoint, by weight name: a stage holds its blocks' only
+
+
+def _tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, bases: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """The model's and the optimizer's state as DCP saves and loads it (live tensors, sharded as they are), and
+    MeCeFO's bases when given."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     optimizers = [optimizer] if optimizer is not None else []
     model_sd, optim_sd = get_state_dict(model, optimizers, options=_options())
-    return {"model": model_sd, "optimizer": optim_sd} if optimizers else {"model": model_sd}
+    tensors: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd} if optimizers else {"model": model_sd}
+    if bases:
+        tensors[BASES_KEY] = bases
+    return tensors
 
 
 def save_sharded(
@@ -232,20 +242,23 @@ def save_sharded(
     replica: Replica,
     keep: int,
     midway: Callable[[], None] | None = None,
+    bases: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Every rank of ``replica`` calls this: write the sharded checkpoint of ``step`` (``model`` and ``optimizer``
     through DCP, ``rest`` the state in the schema, its model and optimizer left out); returns its directory.
+    ``bases``: this rank's MeCeFO bases by weight name (through DCP too: each stage's are its own).
     ``midway`` (failure injection) is called once every rank's files are written, before the seal."""
     import torch.distributed.checkpoint as dcp
 
-    rest = {**rest, "model": {}, "optimizer": None}
+    rest = {**rest, "model": {}, "optimizer": None, "ft": {**rest["ft"], "mecefo_bases": None}}
     validate_state(rest)
     temp = files.sharded_temp(run_dir, step, f"{replica.index}-{replica.incarnation}")
     if replica.rank == 0:
         files.clean_partial(run_dir)  # what a dead writer left (only this rank writes checkpoints' names)
         temp.mkdir(parents=True)
     replica.agree(True)  # the directory exists before anyone writes into it
-    dcp.save(_tensors(model, optimizer), storage_writer=dcp.FileSystemWriter(temp), process_group=replica.pg)
+    tensors = _tensors(model, optimizer, bases)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temp), process_group=replica.pg)
     if midway is not None:
         midway()
     if replica.rank == 0:
@@ -256,15 +269,31 @@ def save_sharded(
 
 
 def load_sharded(
-    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, replica: Replica | None
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    replica: Replica | None,
+    bases: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Load the sharded checkpoint in ``directory`` into ``model`` and ``optimizer``: the ranks of ``replica``
     together (each reads its part), or one process holding the whole model (``replica`` None). Returns the rest
-    of the state (``ft.pt``, the schema with an empty model), which the caller restores."""
+    of the state (``ft.pt``, the schema with an empty model), which the caller restores. ``bases``: MeCeFO's,
+    by weight name, to read the checkpoint's into (``EfficientBackward.empty_named_bases``); they are in the
+    rest's ``ft`` then (None where the checkpoint has none: saved before any was computed, or without MeCeFO)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    tensors = _tensors(model, optimizer)
+    rest = read_rest(directory)
+    if bases is not None and rest["ft"].get("mecefo_bases_step") is not None:
+        # Read only bases that are there with these shapes (another mecefo.rank: none; the next needed refresh
+        # computes them).
+        saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        sizes = {name: tuple(getattr(saved.get(f"{BASES_KEY}.{name}"), "size", ())) for name in bases}
+        if any(sizes[name] != tuple(t.shape) for name, t in bases.items()):
+            bases = None
+    else:
+        bases = None
+    tensors = _tensors(model, optimizer, bases)
     if replica is None:
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
     else:
@@ -277,7 +306,8 @@ def load_sharded(
         optim_state_dict=tensors.get("optimizer", {}),
         options=_options(),
     )
-    return read_rest(directory)
+    rest["ft"]["mecefo_bases"] = tensors.get(BASES_KEY)
+    return rest
 
 
 def read_rest(directory: Path) -> dict[str, Any]:
@@ -301,6 +331,7 @@ def read_sharded(directory: Path) -> dict[str, Any]:
         tensors = _load_state_dict_from_keys(checkpoint_id=str(directory))
     rest["model"] = tensors.get("model", {})
     rest["optimizer"] = tensors.get("optimizer")
+    rest["ft"]["mecefo_bases"] = tensors.get(BASES_KEY)
     return rest
 
 

@@ -91,6 +91,7 @@ class Checkpoints:
                 replica,
                 self.cfg.checkpoint_keep,
                 midway,
+                self.state.efficient.named_bases() if self.state.efficient is not None else None,
             )
         else:
             ckpt.clean_partial(self.run_dir)  # what a writer that died left: only the group's leader writes
@@ -106,10 +107,11 @@ class Checkpoints:
             raise StopRun(f"--resume: no usable checkpoint in {ckpt.checkpoint_dir(self.run_dir)}")
         for line in loaded.skipped:
             self.membership.publish(RecordKind.CHECKPOINT_REJECTED, detail=line)
+        bases = self.state.efficient.empty_named_bases() if self.state.efficient is not None else None
         try:
             if loaded.sharded and replica is not None:
                 assert self.state.model is not None
-                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, replica)
+                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, replica, bases)
                 self.state.restore(rest, tensors=False)
             elif replica is not None:
                 raise ValueError(
@@ -118,7 +120,7 @@ class Checkpoints:
                 )
             elif loaded.sharded:
                 assert self.state.model is not None
-                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, None)
+                rest = ckpt.load_sharded(loaded.path, self.state.model, self.state.optimizer, None, bases)
                 self.state.restore(rest, tensors=False)
             else:
                 self.state.restore(loaded.state)

@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -307,6 +308,34 @@ class EfficientBackward:
             if v is not None
         }
 
+    def empty_named_bases(self) -> dict[str, torch.Tensor]:
+        """``named_bases()``'s names and shapes, uninitialised, on the weights' devices: what a sharded
+        checkpoint's bases are read into (``load_named_bases``)."""
+        return {
+            name: torch.empty(shape, dtype=linear.weight.dtype, device=linear.weight.device)
+            for b in self._blocks
+            for name, linear in zip(b.weight_names, b.linears, strict=True)
+            if (shape := _basis_shape(linear.weight, self.config.rank)) is not None
+        }
+
+    def load_named_bases(self, bases: dict[str, torch.Tensor], step: int | None = None) -> None:
+        """``load_bases`` from bases keyed by weight name (``named_bases()``: a sharded checkpoint's, where each
+        pipeline stage saved its own blocks').
+
+        Raises:
+            ValueError: a basis of this handle's is missing, or the shapes do not match.
+        """
+        names = [
+            name
+            for b in self._blocks
+            for name, linear in zip(b.weight_names, b.linears, strict=True)
+            if _basis_shape(linear.weight, self.config.rank) is not None
+        ]
+        missing = [n for n in names if n not in bases]
+        if bases and missing:
+            raise ValueError(f"MeCeFO bases do not match: none for {missing[0]} (another model or rank?)")
+        self.load_bases([bases[n] for n in names] if bases else [], step)
+
     def settle(self, timeout_s: float) -> None:
         """Wait, at most ``timeout_s``, for a computation of bases in flight: a thread still inside torch's
         kernels when the interpreter finalizes can abort the process (call before it exits)."""
@@ -383,8 +412,13 @@ class EfficientBackward:
             stream.wait_stream(torch.cuda.current_stream(device))  # the last optimizer step's writes
             pending.events = [torch.cuda.Event() for _ in range(num_blocks)]
         config, blocks = self.config, self._blocks
+        threads = torch.get_num_threads()
 
         def run() -> None:
+            # A new thread's first LAPACK calls (the QR and SVD below) run with OpenMP's default thread count
+            # (the host's cores), not the process's, until some ATen op has set the thread up: the first basis
+            # would then have other bits than the rest, and depend on the host and on which block comes first.
+            torch.set_num_threads(threads)
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for b in reversed(blocks):
@@ -394,7 +428,7 @@ class EfficientBackward:
                                 config.rank,
                                 config.oversample,
                                 config.power_iters,
-                                basis_seed(step, b.index, k),
+                                basis_seed(step, b.name, k),
                             )
                             for k, weight in enumerate(full[b.index])
                         )
@@ -590,9 +624,11 @@ def _basis_shape(weight: torch.Tensor, rank: int) -> tuple[int, int] | None:
     return None if rank >= in_features else (in_features, min(rank, out_features))
 
 
-def basis_seed(step: int, block: int, matrix: int) -> int:
-    """The test-matrix seed of one weight's basis: distinct per (step, block, matrix), equal on every worker."""
-    return (step * 1_000_003 + 3 * block + matrix) % (1 << 63)
+def basis_seed(step: int, block: str, matrix: int) -> int:
+    """The test-matrix seed of one weight's basis: distinct per (step, block, matrix), equal on every worker.
+    The block is named as in the model (``layers.5``), not numbered, so that a block has the same bases
+    whichever part of the model a process holds (a pipeline stage keeps the whole model's names)."""
+    return (step * 1_000_003 + 3 * zlib.crc32(block.encode()) + matrix) % (1 << 63)
 
 
 def randomized_basis(

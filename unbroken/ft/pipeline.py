@@ -45,6 +45,7 @@ class _FoldingStage(PipelineStage):
     def __init__(
         self,
         *args: Any,
+        before_forward: Callable[[int], None],
         on_backward: Callable[[int], None],
         before_backward: Callable[[int], None],
         padding: Callable[[int], bool],
@@ -52,10 +53,16 @@ class _FoldingStage(PipelineStage):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._before_forward = before_forward
         self._on_backward = on_backward
         self._before_backward = before_backward
         self._padding = padding
         self._exact_fsdp = exact_fsdp
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.has_backward:  # a training forward (eval() runs with the backward switched off)
+            self._before_forward(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
@@ -113,7 +120,9 @@ class Pipeline:
         # id of each scaled loss the schedule got -> the microbatch's loss (the schedule may also call the loss
         # function to infer shapes: only the losses it returns count)
         self._unscaled: dict[int, float] = {}
-        self.on_microbatch: Callable[[int], None] = lambda _id: None  # before each forward (failure injection)
+        # Before each training forward on this stage, with the microbatch's id (MeCeFO: the efficient mode is
+        # chosen per microbatch at its forward, which decides what its backward computes)
+        self.before_forward: Callable[[int], None] = lambda _id: None
 
     @property
     def first(self) -> bool:
@@ -128,6 +137,9 @@ class Pipeline:
         scaled = loss / self.M
         self._unscaled[id(scaled)] = float(loss.detach())
         return scaled
+
+    def _forward_of(self, chunk: int) -> None:
+        self.before_forward(self._ids[chunk])
 
     def _folded(self, chunk: int) -> None:
         if self.reducer.exact and chunk not in self._padding:
@@ -150,6 +162,7 @@ class Pipeline:
                 self.stages,
                 self.device,
                 group=self.group,
+                before_forward=self._forward_of,
                 on_backward=self._folded,
                 before_backward=self._backward_of,
                 padding=self._is_padding,

@@ -162,6 +162,7 @@ class TrainingState:
         assert self.model is not None
         ckpt.validate_state(state)
         if not tensors:  # the model and optimizer were loaded already (a sharded checkpoint's, through DCP)
+            self._load_bases(state["ft"])
             self._restore_rest(state)
             return
         own = local_state(self.model.state_dict()) if local else self.model.state_dict()
@@ -173,8 +174,7 @@ class TrainingState:
         if set(state["extra"]) != set(self.extra):
             raise ValueError(f"the state holds {sorted(state['extra'])}, this worker registered {sorted(self.extra)}")
         ft = state["ft"]
-        if self.efficient is not None:  # first: drops a basis computation that would read the weights loaded below
-            self.efficient.load_bases(ft.get("mecefo_bases") or [], ft.get("mecefo_bases_step"))
+        self._load_bases(ft)  # first: drops a basis computation that would read the weights loaded below
         if local:
             _restore_local_model(self.model, theirs)
         else:
@@ -185,6 +185,16 @@ class TrainingState:
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
         self._restore_rest(state)
+
+    def _load_bases(self, ft: dict[str, Any]) -> None:
+        """MeCeFO's bases: a list in a one-file state, by weight name in a sharded checkpoint (``checkpoint``)."""
+        if self.efficient is None:
+            return
+        bases, step = ft.get("mecefo_bases"), ft.get("mecefo_bases_step")
+        if isinstance(bases, dict):
+            self.efficient.load_named_bases(bases, step)
+        else:
+            self.efficient.load_bases(bases or [], step)
 
     def _restore_rest(self, state: dict[str, Any]) -> None:
         """Everything but the model and the optimizer: extra objects and the library's replicated state."""

@@ -124,6 +124,8 @@ class StepPlan:
             self.note_speed(seconds)
 
     def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
-        """A pipeline's last stage: the losses (and tokens) of the microbatches it ran."""
+        """A pipeline's last stage: the losses (and tokens) of the microbatches it ran, and which of them ran in
+        efficient mode (the last stage speaks for its replica's stages, as for the losses)."""
         self.local_losses.update(losses)
         self.local_tokens.update(tokens)
+        self.done_efficient.extend(j for j in losses if j in self.efficient_ids)

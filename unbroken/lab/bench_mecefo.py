@@ -295,7 +295,9 @@ def basis_errors(
         for p in oversamples:
             for q in power_iters:
                 bases = [
-                    None if v is None else randomized_basis(linear.weight, r, p, q, basis_seed(0, i, k)).double()
+                    None
+                    if v is None
+                    else randomized_basis(linear.weight, r, p, q, basis_seed(0, f"layers.{i}", k)).double()
                     for (i, k, linear), v in zip(ffn, svd, strict=True)
                 ]
                 e = error(bases)

@@ -196,9 +196,12 @@ class Engine:
         return self._steady[key]
 
     def _work(self, assignment: planlib.Assignment, worker: int) -> float:
+        """A pass of ``worker``'s ids, its efficient ones at ``efficient_factor``, plus a pipeline's bubble."""
         ids = assignment.ids_for(worker)
+        if not ids:
+            return 0.0
         efficient = sum(1 for j in ids if j in assignment.efficient)
-        return (len(ids) - efficient + efficient * self.c.efficient_factor) * self.c.microbatch_s
+        return (len(ids) - efficient + efficient * self.c.efficient_factor + self.c.bubble) * self.c.microbatch_s
 
     def _own_ids(self, assignment: planlib.Assignment, members: list[int], i: int) -> tuple[int, ...]:
         if self.policy.mecefo:

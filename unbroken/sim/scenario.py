@@ -284,12 +284,6 @@ def load_scenario(path: str | Path | None, overrides: list[str] | None = None) -
     """
     sc: Scenario = load_tree(Scenario, path, overrides)
     c, f = sc.cluster, sc.failures
-    for policy in sc.run.policies:
-        _check(
-            c.pipeline == 1 or not policy.mecefo,
-            f"run.policies: {policy} with pipelined replicas (cluster.pipeline = {c.pipeline}) is not supported, as "
-            "in the trainer; allowed there: recover, drop, restart",
-        )
     if f.lost_gpus:
         _check(
             f.lost_gpus % c.replica_gpus == 0 and f.lost_gpus < c.gpus,
