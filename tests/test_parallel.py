@@ -273,6 +273,8 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
         (["--workers", "6", "--parallel.tensor=2", "--parallel.shard=2"], "replicas of 4 ranks (parallel.shard = 2"),
         (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),
         (["--workers", "2", "--parallel.shard=0"], "parallel.shard = 0 must be >= 1"),
+        (["--workers", "4", "--parallel.shard=2", "--spares", "1"], "--spares = 1 with replicas of 2 ranks"),
+        (["--spares", "-1"], "--spares = -1 must be >= 0"),
     ],
 )
 def test_a_layout_that_cannot_run_is_one_line_and_exit_2(

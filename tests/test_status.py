@@ -187,6 +187,40 @@ def test_a_join_is_counted_apart_from_recoveries_everywhere(tmp_path: Path, caps
 
 
 @pytest.mark.timeout(10)
+def test_a_promoted_spare_is_shown_on_the_page_and_named_in_the_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The synthetic run with warm spares: spare 0 ready from the start, promoted to worker 1 right after its
+    death (which then rejoins at step 24), and spare 1 started in its stead. The page counts 1 starting and 1
+    promoted spare and its timeline says who took whose place; the summary names the promotion, how long after
+    the death, and the step the spare computes from, instead of a plain rejoin."""
+    records = synthetic_run()
+    start = records[0]["time"]
+    failure = next(r for r in records if r["type"] == "failure")
+    records += [
+        {"type": "spare", "time": start, "spare": 0, "state": "started", "worker": -1, "pid": 11},
+        {"type": "spare", "time": start + 0.001, "spare": 0, "state": "ready", "worker": -1, "pid": 11},
+        {"type": "spare", "time": failure["time"] + 0.05, "spare": 0, "state": "promoted", "worker": 1, "pid": 11},
+        {"type": "spare", "time": failure["time"] + 0.06, "spare": 1, "state": "started", "worker": -1, "pid": 12},
+    ]
+    view = RunView(total_steps=40)
+    view.extend(sorted(records, key=lambda r: r["time"]))
+    s = view.snapshot()
+    assert s["run"]["spares"] == {"started": 1, "ready": 0, "promoted": 1}
+    assert [(x["spare"], x["state"], x["worker"]) for x in s["spares"]] == [(0, "promoted", 1), (1, "started", -1)]
+    assert [e["text"] for e in s["timeline"] if e["kind"] == "spare"] == ["spare 0 takes the place of worker 1"]
+    (promotion,) = summarize(records, wall_s=1.0)["promotions"]
+    assert promotion["spare"] == 0 and promotion["worker"] == 1 and (promotion["step"], promotion["epoch"]) == (24, 3)
+    assert promotion["after_death_s"] == pytest.approx(0.05)
+    print_summary(tmp_path, records, 1.0, 40)
+    text = capsys.readouterr().out
+    # the table wraps its cells: the rows' text, their lines joined
+    row = " ".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3)
+    assert "spare 0 took worker 1's place 0.05 s after its death, computing from step 24 (epoch 3)" in row, text
+    assert "rejoined" not in text
+
+
+@pytest.mark.timeout(10)
 def test_the_summary_counts_microbatches_in_mecefos_approximate_mode(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -122,9 +122,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, name)
-    check_host_devices(cfg, args.workers)
+    check_host_devices(cfg, args.workers, args.spares)
     plan = plan_launch(
-        cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch
+        cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch, args.spares
     )
     if args.dry_run:
         return _dry_run(plan, f"train model {plan.cfg.model.hf_config or plan.cfg.model.flavour}")
@@ -145,9 +145,11 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
-    check_host_devices(cfg, args.workers)
+    check_host_devices(cfg, args.workers, args.spares)
     command = (sys.executable, str(script.resolve()), *args.args)
-    plan = plan_launch(cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command)
+    plan = plan_launch(
+        cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command, spares=args.spares
+    )
     if args.dry_run:
         return _dry_run(plan, f"run {args.script}")
     if args.resume is not None and extra:
@@ -335,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", nargs="?", help="TOML config or a packaged one (tiny, default); default: defaults")
     train.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    train.add_argument(
+        "--spares", type=int, default=0, help="warm spares, ready to take a dead worker's place (default 0)"
+    )
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--out", help="run directory (default: train.out_dir or runs/<config>-<time>)")
     train.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
@@ -351,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
         usage="unbroken launch [--workers N] [--out DIR] [--dry-run] [--section.key=value ...] SCRIPT.py [ARGS ...]",
     )
     launch.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    launch.add_argument(
+        "--spares", type=int, default=0, help="warm spares, ready to take a dead worker's place (default 0)"
+    )
     launch.add_argument("--config", help="TOML config for the run (default: the defaults)")
     launch.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     launch.add_argument("--out", help="run directory (default: train.out_dir or runs/<script>-<time>)")
@@ -393,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT]", help="the leader first")
     agent.add_argument("--workers", type=int, required=True, help="workers on this host")
+    agent.add_argument(
+        "--spares", type=int, default=0, help="warm spares, ready to take a dead worker's place (default 0)"
+    )
     agent.add_argument(
         "--node-rank", type=int, help="this host's rank: its workers are R*K..R*K+K-1 (default: SLURM_NODEID, ...)"
     )
@@ -486,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LAUNCH_VALUES = (
-    *("--workers", "--config", "--resume", "--out", "--host", "--port"),
+    *("--workers", "--spares", "--config", "--resume", "--out", "--host", "--port"),
     *("--coordinator", "--node-rank", "--log-dir", "--wait-s"),
 )
 

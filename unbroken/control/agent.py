@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control import keys
-from unbroken.control.client import COORDINATOR_ENV, LOCAL_WORKERS_ENV, WORKER_ID_ENV
+from unbroken.control.client import COORDINATOR_ENV, DEVICE_INDEX_ENV, LOCAL_WORKERS_ENV, SPARE_ENV, WORKER_ID_ENV
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
 from unbroken.control.store import connect_store, publish_record, request_stop, ring
@@ -42,7 +42,7 @@ from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
 from unbroken.core.numerics import DETERMINISTIC_ENV
-from unbroken.core.records import RecordKind, make
+from unbroken.core.records import RecordKind, SpareState, make
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,18 @@ class Agent:
         injections: bool = False,
         own_sessions: bool = True,
         layout: ReplicaLayout | None = None,
+        spares: int = 0,
     ) -> None:
         self.layout = layout or ReplicaLayout()
+        check_spares(spares, self.layout)
+        self.num_spares = spares
+        self.spares: dict[int, subprocess.Popen[bytes]] = {}  # warm spares by index, not yet promoted
+        self.next_spare = 0
+        # The host's device index of each spare (the workers' come from their ids): the first spares take the
+        # ones after the workers'; a spare started to replace a promoted one takes the dead worker's.
+        self.spare_devices: dict[int, int] = {}
+        self.free_devices = list(range(len(worker_ids), len(worker_ids) + spares))
+        self.worker_devices = {wid: i for i, wid in enumerate(worker_ids)}  # a promoted spare keeps its own
         self.incarnations: dict[int, str] = {}  # replica -> the incarnation its running ranks were started with
         self.ids = list(worker_ids)
         self.command = command
@@ -135,8 +145,12 @@ class Agent:
         if self.console is not None:  # worker 0 speaks for the job until the group forms, on its first start only
             env[CONSOLE_ENV] = self.console.env(worker_id == 0 and worker_id not in self.workers)
             fds = (self.console.write_fd,)
-        with open(self.log_dir / f"worker-{worker_id}.log", "ab") as out:
-            self.workers[worker_id] = subprocess.Popen(
+        self.workers[worker_id] = self._popen(env, f"worker-{worker_id}.log", fds)
+        self.reported.discard(worker_id)
+
+    def _popen(self, env: dict[str, str], log_name: str, fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / log_name, "ab") as out:
+            return subprocess.Popen(
                 list(self.command),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -144,13 +158,55 @@ class Agent:
                 env=env,
                 pass_fds=fds,
             )
-        self.reported.discard(worker_id)
+
+    def start_spare(self) -> None:
+        """Start warm spare ``next_spare``: a worker process without an id, which builds everything a worker
+        builds and then waits outside the group for the id of a dead worker (``promote``)."""
+        k, self.next_spare = self.next_spare, self.next_spare + 1
+        self.spare_devices[k] = device = self.free_devices.pop(0)
+        env = {**self.env, COORDINATOR_ENV: self.address, SPARE_ENV: str(k), LOCAL_WORKERS_ENV: str(len(self.ids))}
+        env[DEVICE_INDEX_ENV] = str(device)
+        env.pop(WORKER_ID_ENV, None)
+        self.spares[k] = proc = self._popen(env, f"spare-{k}.log")
+        self._record(make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.STARTED, worker=-1, pid=proc.pid))
 
     def start_all(self) -> None:
         for replica in self.layout.replicas(self.alive_ids()):
             self.incarnations[replica] = secrets.token_hex(4)
         for wid in self.alive_ids():
             self.start_worker(wid)
+        for _ in range(self.num_spares):
+            self.start_spare()
+
+    def _record(self, record: dict[str, Any]) -> None:
+        self._call(lambda s: publish_record(s, record))
+
+    def promote(self, wid: int) -> bool:
+        """Dead worker ``wid`` (no longer a member) is replaced by the oldest live spare, which joins under its id
+        in the next epoch and receives the state; a new spare is started in its stead. False: no spare left."""
+        for k in sorted(self.spares):
+            if self.spares[k].poll() is not None:
+                del self.spares[k]  # a spare that died (or left): another takes its place, on its device
+                self.free_devices.append(self.spare_devices.pop(k))
+                self.start_spare()
+        if not self.spares or self.store is None:
+            return False
+        k = min(self.spares)
+        proc = self.spares.pop(k)
+        self.free_devices.append(self.worker_devices[wid])
+        self.worker_devices[wid] = self.spare_devices.pop(k)
+        self._tell(keys.spare(k), str(wid))
+        self.workers[wid] = proc
+        self.reported.discard(wid)
+        self.down.pop(wid, None)
+        self.last_event.pop(wid, None)
+        note = f"[agent] {time.strftime('%Y-%m-%d %H:%M:%S')} worker {wid} continues as spare {k} (logs/spare-{k}.log)"
+        with open(self.log_dir / f"worker-{wid}.log", "a") as log_file:
+            log_file.write(note + "\n")
+        self._record(make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.PROMOTED, worker=wid, pid=proc.pid))
+        log.info("spare %d takes the place of worker %d", k, wid)
+        self.start_spare()
+        return True
 
     def _restart(self, wid: int) -> None:
         """Start ``wid`` again (a replica of several ranks: all of its ranks, under a new incarnation)."""
@@ -182,7 +238,8 @@ class Agent:
         return [w for w in self.ids if w not in self.down]
 
     def processes(self) -> list[subprocess.Popen[bytes]]:
-        return list(self.workers.values())
+        """The workers' processes, then the waiting spares'."""
+        return [*self.workers.values(), *self.spares.values()]
 
     def tick(self) -> None:
         """One look: scheduled faults to deliver, exits to report, paused or replaced workers to see to."""
@@ -277,6 +334,13 @@ class Agent:
                     FailureKind.STALL,
                 ):
                     self.down[wid] = {"rejoin": event.rejoin_after_s, "at": now, "hung": False}
+        if self.spares and not self.finished and self.store is not None:
+            dead = [w for w, p in self.workers.items() if p.poll() not in (None, 0) and w not in self.pauses]
+            members = self.newest_members() if dead else None
+            for wid in dead:
+                # Once the coordinator has removed it: a registration under the id of a member gets another id.
+                if members is not None and wid not in members and not self.promote(wid):
+                    break
         if self.restart_after_s > 0 and not self.finished:
             for wid, proc in self.workers.items():
                 if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
@@ -335,7 +399,10 @@ class Agent:
         """Wait ``grace_s`` for the workers (and ``others``) to end, then kill what is left."""
         for info in self.down.values():
             info["hung"] = False
-        procs = [*self.workers.values(), *(others or [])]
+        for spare in self.spares.values():  # holds no state: no grace (it may still be importing torch)
+            if spare.poll() is None:
+                spare.kill()
+        procs = [*self.processes(), *(others or [])]
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
@@ -343,6 +410,17 @@ class Agent:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def check_spares(spares: int, layout: ReplicaLayout) -> None:
+    """ValueError (one line) unless ``spares`` warm spares can serve workers of ``layout``."""
+    if spares < 0:
+        raise ValueError(f"--spares = {spares} must be >= 0")
+    if spares and layout.size > 1:
+        raise ValueError(
+            f"--spares = {spares} with replicas of {layout.size} ranks is not supported (a spare takes one worker's "
+            "place); use --spares 0, or parallel.shard = parallel.pipeline = parallel.tensor = 1"
+        )
 
 
 def worker_defaults(cfg: RunConfig) -> dict[str, str]:
@@ -428,6 +506,7 @@ def run_agent(args: argparse.Namespace) -> int:
         bool(cfg.failures.schedule),
         own_sessions=False,
         layout=layout,
+        spares=args.spares,
     )
     agent.connect(address, token)
     agent.env[COORDINATOR_ENV] = ",".join(addresses)
@@ -462,7 +541,7 @@ def run_agent(args: argparse.Namespace) -> int:
     for line in console.drain():
         print(line, flush=True)
     console.close()
-    codes = [p.returncode for p in agent.processes()]
+    codes = [p.returncode for p in agent.workers.values()]
     if any(codes) or not agent.finished:
         ended = ", ".join(f"{wid}: {p.returncode}" for wid, p in agent.workers.items())
         log.warning("agent %d: the run %s; exit statuses of the workers: %s", rank,

@@ -62,6 +62,8 @@ LEFT_CHECK_S = 0.05  # how often a member blocked in a superseded group's collec
 COORDINATOR_ENV = "UNBROKEN_COORDINATOR"  # HOST:PORT of the coordinator (a comma-separated list: standbys)
 WORKER_ID_ENV = "UNBROKEN_WORKER_ID"  # this worker's id (else RANK or SLURM_PROCID; else the coordinator picks)
 LOCAL_WORKERS_ENV = "UNBROKEN_LOCAL_WORKERS"  # workers on this host (to size each one's threads)
+SPARE_ENV = "UNBROKEN_SPARE"  # a warm spare's index: it waits, initialised, for the id of a dead worker to replace
+DEVICE_INDEX_ENV = "UNBROKEN_DEVICE_INDEX"  # a warm spare's device on its host (the workers' come from their ids)
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # where this worker writes checkpoints (default: the coordinator's run dir)
 
 

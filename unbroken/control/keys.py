@@ -40,6 +40,8 @@
                                                            (pg/<e>/c<r>/...: rank r of every replica)
     replica/<a>/<inc>/...     torch.distributed            the ranks of replica a (incarnation inc): the
                                                            rendezvous of the replica's own process group
+    spare/<k>                 launcher / agent             warm spare k: the id of the dead worker whose place
+                                                           it takes (it waits for this key, initialised)
 
 docs/library.md lists the same table for users.
 """
@@ -87,6 +89,10 @@ def forming(worker: int) -> str:
 
 def dead(worker: int) -> str:
     return f"dead/{worker}"
+
+
+def spare(k: int) -> str:
+    return f"spare/{k}"
 
 
 def epoch(e: int) -> str:

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.agent import IDLE_WAIT_S, POLL_S, STOP_GRACE_S, Agent, wait_for_exit, worker_defaults
+from unbroken.control.agent import (
+    IDLE_WAIT_S,
+    POLL_S,
+    STOP_GRACE_S,
+    Agent,
+    check_spares,
+    wait_for_exit,
+    worker_defaults,
+)
 from unbroken.control.console import ConsoleRelay
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
@@ -55,6 +63,7 @@ class LaunchPlan:
     command: tuple[str, ...]  # what each worker runs: the trainer, or a user's script and its arguments
     host: str = "127.0.0.1"
     restart_after_s: float = 0.0  # restart a worker that died (scheduled or not) after this long; 0 = never
+    spares: int = 0  # warm spares kept ready beside the workers (control.agent)
 
 
 def idle_warning(cfg: RunConfig, workers: int) -> str:
@@ -92,6 +101,7 @@ def plan_launch(
     port: int,
     command: tuple[str, ...] = TRAINER,
     validate: Callable[[RunConfig, Path, bool], RunConfig | None] | None = None,
+    spares: int = 0,
 ) -> LaunchPlan:
     """Validate the launch (``validate`` checks what the workers will run: the trainer's data and model, and
     may return the config with what it learnt, e.g. prepared data's vocabulary); raises ValueError (one line)
@@ -99,6 +109,7 @@ def plan_launch(
     if workers < 1:
         raise ValueError(f"--workers = {workers} must be >= 1")
     ReplicaLayout.of(cfg.parallel).replicas_in(workers)  # whole replicas only
+    check_spares(spares, ReplicaLayout.of(cfg.parallel))
     if resume:
         if not (run_dir / "config.toml").is_file():
             raise ValueError(f"--resume {run_dir}: not a run directory (no config.toml)")
@@ -128,7 +139,7 @@ def plan_launch(
     except BaseException:
         sock.close()
         raise
-    return LaunchPlan(cfg, run_dir, workers, resume, sock, tuple(command), host, f.mttr_s)
+    return LaunchPlan(cfg, run_dir, workers, resume, sock, tuple(command), host, f.mttr_s, spares)
 
 
 class Launcher:
@@ -171,6 +182,7 @@ class Launcher:
             plan.restart_after_s,
             injections=bool(schedule.events),
             layout=ReplicaLayout.of(self.cfg.parallel),
+            spares=plan.spares,
         )
         self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
         self.agent.console = self.console

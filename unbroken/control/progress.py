@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.failures import parse_event
-from unbroken.core.records import WorkerError, committed_steps, is_join, sessions
+from unbroken.core.records import SpareState, WorkerError, committed_steps, is_join, sessions
 from unbroken.core.throughput import run_throughput
 
 
@@ -118,6 +118,8 @@ class ProgressView:
                 self.alive = len(record["members"])
                 self.members[int(record["epoch"])] = list(record["members"])
             self.note(describe(record))
+        elif kind == "spare" and record["state"] == SpareState.PROMOTED:
+            self.note(f"spare {record['spare']} takes the place of worker {record['worker']}")
         elif kind == "impure_data":  # a warning, shown under --quiet too
             print(f"unbroken: warning: {record['reason']}", file=sys.stderr, flush=True)
         elif kind == "step":
@@ -204,7 +206,13 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             if is_join(r, members):
                 joined = sorted(set(members[r["epoch"]]) - set(members[r["from_epoch"]]))
                 joins.append(
-                    {"workers": joined, "step": r["step"], "epoch": r["epoch"], "members": members[r["epoch"]]}
+                    {
+                        "workers": joined,
+                        "step": r["step"],
+                        "epoch": r["epoch"],
+                        "members": members[r["epoch"]],
+                        "time": r["time"],
+                    }
                 )
                 continue
             recoveries.append(r)
@@ -216,6 +224,20 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     at_end = set(next((r["members"] for r in reversed(records) if r.get("type") == "membership"), []))
     gone: dict[int, dict[str, Any]] = {f["worker"]: f for f in failures if f["worker"] not in at_end}
     resumes = [r for r in records if r.get("type") == "resume"]
+    promotions = []
+    for p in (r for r in records if r.get("type") == "spare" and r["state"] == SpareState.PROMOTED):
+        died = [f["time"] for f in failures if f["worker"] == p["worker"] and f["time"] <= p["time"]]
+        # the first join of the worker after the promotion: where the spare started computing
+        join = next((j for j in joins if p["worker"] in j["workers"] and j["time"] >= p["time"]), None)
+        promotions.append(
+            {
+                "spare": p["spare"],
+                "worker": p["worker"],
+                "after_death_s": p["time"] - died[-1] if died else None,
+                "step": join["step"] if join else None,
+                "epoch": join["epoch"] if join else None,
+            }
+        )
     trained = [r["step"] for r in records if r.get("type") == "step" and not r.get("republished")]
     rates = run_throughput(ordered)
     return {
@@ -236,6 +258,7 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "failures": failures,
         "skipped": sorted(r["step"] for r in records if r.get("type") == "nonfinite_skip"),
         "rejoins": joins,
+        "promotions": promotions,
         "not_rejoined": [gone[w] for w in sorted(gone)],
         "restarts": sum(1 for r in records if r.get("type") == "restart"),
         "detection_s": [f["detection_s"] for f in failures if "detection_s" in f],
@@ -331,7 +354,14 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
             "approximate (MeCeFO)",
             f"{_plural(s['efficient'], 'microbatch')} in efficient mode, in steps {_steps(s['efficient_steps'])}",
         )
+    promoted = {p["worker"]: p for p in s["promotions"]}
+    for p in s["promotions"]:
+        since = f"{p['after_death_s']:.2f} s after its death, " if p["after_death_s"] is not None else ""
+        joined = f"computing from step {p['step']} (epoch {p['epoch']})" if p["step"] is not None else "not joined"
+        table.add_row("spare promoted", f"spare {p['spare']} took worker {p['worker']}'s place {since}{joined}")
     for j in s["rejoins"]:
+        if all(w in promoted and promoted[w]["step"] == j["step"] for w in j["workers"]):
+            continue  # said above
         who = ", ".join(map(str, j["workers"]))
         table.add_row("rejoined", f"worker {who} at step {j['step']} (epoch {j['epoch']}): members {j['members']}")
     for f in s["not_rejoined"]:

@@ -169,6 +169,7 @@ class RunView:
         self._checkpoints: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_CHECKPOINTS)
         self._num_checkpoints = 0
         self._final: dict[str, Any] | None = None
+        self._spares: dict[int, dict[str, Any]] = {}  # warm spare -> its state (started, ready, promoted) and worker
 
     @classmethod
     def from_run_dir(cls, run_dir: Path | str, max_points: int = MAX_POINTS) -> RunView:
@@ -452,6 +453,12 @@ class RunView:
             f"a collective of epoch {r.get('epoch')} stalled (suspects {r.get('suspects')}): {r.get('decision')}",
         )
 
+    def _on_spare(self, r: Mapping[str, Any], t: float | None) -> None:
+        k = int(r.get("spare", -1))
+        self._spares[k] = {"spare": k, "state": r.get("state"), "worker": r.get("worker"), "since": t}
+        if r.get("state") == "promoted":
+            self._event(t, "spare", f"spare {k} takes the place of worker {r.get('worker')}", worker=r.get("worker"))
+
     def _on_gateway(self, r: Mapping[str, Any], t: float | None) -> None:
         self._event(t, "gateway", f"gateway: {r.get('admitted')} admitted, {r.get('rejected')} rejected")
 
@@ -496,6 +503,10 @@ class RunView:
                 "checkpoints": self._num_checkpoints,
                 "last_checkpoint": checkpoint,
                 "final": self._final,
+                "spares": {
+                    state: sum(1 for x in self._spares.values() if x["state"] == state)
+                    for state in ("started", "ready", "promoted")
+                },
             }
             return {
                 "version": SNAPSHOT_VERSION,
@@ -510,6 +521,7 @@ class RunView:
                 "timeline": sorted((dict(e) for e in self._timeline), key=lambda e: e["time"] or 0.0),
                 "timeline_dropped": self._num_events - len(self._timeline),
                 "checkpoints": [dict(c) for c in self._checkpoints],
+                "spares": [dict(x) for _, x in sorted(self._spares.items())],
             }
 
     def _worker_rows(self) -> list[dict[str, Any]]:

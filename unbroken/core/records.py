@@ -52,6 +52,7 @@ class RecordKind(StrEnum):
     USER = "user"  # anything a user's script logs
     ERROR = "error"  # a worker died of an exception (``WorkerError``: where, and the traceback's last frames)
     IMPURE_DATA = "impure_data"  # the data check found a microbatch whose inputs differ between two workers
+    SPARE = "spare"  # a warm spare started, ready (initialised, outside the group) or promoted to a dead worker
 
 
 FIELDS: dict[RecordKind, frozenset[str]] = {
@@ -85,7 +86,16 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
         {"worker", "exception", "message", "file", "line", "function", "phase", "step", "microbatch", "traceback"}
     ),
     RecordKind.IMPURE_DATA: frozenset({"step", "microbatch", "workers", "reason"}),
+    RecordKind.SPARE: frozenset({"spare", "state", "worker", "pid"}),
 }
+
+
+class SpareState(StrEnum):
+    """What a ``spare`` record says of a warm spare (``control.agent``)."""
+
+    STARTED = "started"  # its process was started
+    READY = "ready"  # initialised (model, optimizer, data) and waiting outside the group
+    PROMOTED = "promoted"  # it took the place of dead worker ``worker``
 
 
 class ErrorPhase(StrEnum):

@@ -13,6 +13,7 @@ worker), which is what a plain ``python my_script.py`` gets.
 from __future__ import annotations
 
 import atexit
+import datetime
 import gc
 import logging
 import os
@@ -29,18 +30,20 @@ import torch
 from unbroken.control import keys
 from unbroken.control.client import (
     COORDINATOR_ENV,
+    DEVICE_INDEX_ENV,
     LOCAL_WORKERS_ENV,
     RUN_DIR_ENV,
+    SPARE_ENV,
     WORKER_ID_ENV,
     CoordinatorClient,
     addresses_of,
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
-from unbroken.control.store import bind_listen_socket, connect_store, report_error
+from unbroken.control.store import bind_listen_socket, connect_store, publish_record, report_error
 from unbroken.core import ckptfiles
 from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels, dump_config
 from unbroken.core.logs import init_logger
-from unbroken.core.records import RecordKind, WorkerError, make
+from unbroken.core.records import RecordKind, SpareState, WorkerError, make
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import determinism
 from unbroken.ft.hostmem import retain_freed_memory
@@ -56,6 +59,7 @@ class WorkerLeft(SystemExit):
     """Raised instead of ending the process when ``Job.exit_process`` is off (threads as workers in tests)."""
 
 
+SPARE_WAIT_S = 0.5  # a warm spare's bounded wait for its promotion, between looks at whether the run is over
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID")  # a worker's index on its host, as torchrun and srun give it
 # How many workers share the host, as our launcher / agent, torchrun and srun say it.
 LOCAL_COUNT_ENVS = (LOCAL_WORKERS_ENV, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
@@ -84,12 +88,13 @@ def default_backend(requested: str, device: torch.device, workers_per_gpu: int =
 def local_index(worker_id: int | None) -> int:
     """This worker's index among the workers of its host: ``LOCAL_RANK`` (torchrun) or ``SLURM_LOCALID``
     (srun), else its worker id modulo ``UNBROKEN_LOCAL_WORKERS`` (the launcher and the agents give a host's
-    workers consecutive ids, ``node_rank * K`` to ``node_rank * K + K - 1``).
+    workers consecutive ids, ``node_rank * K`` to ``node_rank * K + K - 1``); a warm spare's is the one its
+    agent gave it (``UNBROKEN_DEVICE_INDEX``).
 
     Raises:
         ValueError: none of these tells it (a worker whose id the coordinator will choose, several per host).
     """
-    for name in LOCAL_RANK_ENVS:
+    for name in (DEVICE_INDEX_ENV, *LOCAL_RANK_ENVS):
         value = os.environ.get(name, "").strip()
         if value.isdigit():
             return int(value)
@@ -143,18 +148,19 @@ def check_device(requested: str, backend: str) -> str:
     return "cuda" if cuda else "cpu"
 
 
-def check_host_devices(cfg: RunConfig, workers: int) -> None:
-    """ValueError (one line) unless ``workers`` workers of this host can each have a device: on CUDA at most
-    ``train.workers_per_gpu`` per GPU (checked at launch, before anything starts)."""
+def check_host_devices(cfg: RunConfig, workers: int, spares: int = 0) -> None:
+    """ValueError (one line) unless ``workers`` workers and ``spares`` warm spares of this host can each have a
+    device: on CUDA at most ``train.workers_per_gpu`` per GPU (checked at launch, before anything starts)."""
     tc = cfg.train
     if check_device(str(tc.device), str(cfg.comm.backend)) != "cuda":
         return
     count = torch.cuda.device_count()
-    if workers > count * tc.workers_per_gpu:
+    if workers + spares > count * tc.workers_per_gpu:
+        with_spares = f" and --spares = {spares}" if spares else ""
         raise ValueError(
-            f"--workers = {workers} on a host with {count} GPU{'s' if count != 1 else ''} and "
-            f"train.workers_per_gpu = {tc.workers_per_gpu}: at most {count * tc.workers_per_gpu} workers here; "
-            "raise train.workers_per_gpu (gloo) or start fewer workers"
+            f"--workers = {workers}{with_spares} on a host with {count} GPU{'s' if count != 1 else ''} and "
+            f"train.workers_per_gpu = {tc.workers_per_gpu}: at most {count * tc.workers_per_gpu} processes here "
+            "(a spare holds a device of its own); raise train.workers_per_gpu (gloo) or start fewer"
         )
 
 
@@ -190,6 +196,11 @@ def set_nccl_environment(timeout_s: float) -> None:
         os.environ.setdefault(name, value)
 
 
+def _spare_from_env() -> int | None:
+    value = os.environ.get(SPARE_ENV, "").strip()
+    return int(value) if value.isdigit() else None
+
+
 def _worker_id_from_env() -> int | None:
     for name in (WORKER_ID_ENV, "RANK", "SLURM_PROCID"):
         value = os.environ.get(name)
@@ -215,6 +226,7 @@ class Job:
     worker_id: int | None
     exit_process: bool = True
     local: Any = None  # the in-process coordinator of a job of one worker
+    spare: int | None = None  # a warm spare's index (``SPARE_ENV``): its worker id comes with its promotion
     _probe: Any = field(default=None, repr=False)
     _device: torch.device | None = field(default=None, repr=False)
 
@@ -252,7 +264,9 @@ class Job:
                     "ft.init(config=..., overrides=...) is ignored: the job's config comes from its coordinator "
                     "(give --section.key=value to the launcher, before SCRIPT.py)"
                 )
-            job = Job(address, token or os.environ[TOKEN_ENV], cfg, directory, _worker_id_from_env(), exit_process)
+            spare = _spare_from_env()
+            worker_id = None if spare is not None else _worker_id_from_env()
+            job = Job(address, token or os.environ[TOKEN_ENV], cfg, directory, worker_id, exit_process, spare=spare)
             job._probe = probe
         else:
             job = Job.standalone(config or RunConfig(), run_dir, exit_process)
@@ -282,7 +296,7 @@ class Job:
         """Threads, logs and host memory of a training process (only from the main thread)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        init_logger(f"worker {self.worker_id if self.worker_id is not None else '?'}")
+        init_logger(self._name())
         if self.exit_process:
             # The interpreter's last full collection at exit can run for many seconds in a worker that lived
             # through a coordinator's replacement (seen: > 10 s, past the agent's grace); the OS frees the
@@ -298,9 +312,17 @@ class Job:
         if self.backend == "nccl":
             set_nccl_environment(self.config.comm.op_timeout_s)
 
+    def _name(self) -> str:
+        if self.worker_id is not None:
+            return f"worker {self.worker_id}"
+        return f"spare {self.spare}" if self.spare is not None else "worker ?"
+
     def register(self) -> CoordinatorClient:
         """Register with the coordinator (the heartbeats start): do it once the model is built, so a joiner
-        never makes the others wait for it."""
+        never makes the others wait for it. A warm spare first waits, built, for the worker it replaces."""
+        if self.spare is not None and self.worker_id is None:
+            self.worker_id = self._await_promotion(self.spare)
+            name_logs(self._name())
         comm = self.config.comm
         try:
             return CoordinatorClient(
@@ -321,6 +343,33 @@ class Job:
             log.error(
                 "cannot join the job at %s: %s", self.address, str(e).splitlines()[0] if str(e) else type(e).__name__
             )
+            self.leave(EXIT_STOPPED)
+            raise AssertionError("leave() returned") from None  # pragma: no cover
+
+    def _await_promotion(self, spare: int) -> int:
+        """A warm spare, initialised: say so (a ``spare`` record), then wait outside the group until its agent
+        gives it a dead worker's id (``keys.spare``); leave with 0 once the run is over or stopped, and with
+        ``EXIT_STOPPED`` if the coordinator is gone."""
+        try:
+            store = self._store()
+            ready = make(RecordKind.SPARE, time.time(), spare=spare, state=SpareState.READY, worker=-1, pid=os.getpid())
+            publish_record(store, ready)
+            log.info("spare %d ready: waiting for a worker to replace", spare)
+            while True:
+                try:  # the store answers the moment the key is set
+                    store.wait([keys.spare(spare)], datetime.timedelta(seconds=SPARE_WAIT_S))
+                except RuntimeError as e:
+                    if "timeout" not in str(e).lower():
+                        raise
+                if store.check([keys.spare(spare)]):
+                    worker = int(store.get(keys.spare(spare)))
+                    log.info("spare %d takes the place of worker %d", spare, worker)
+                    return worker
+                if store.check([keys.DONE]) or (store.check([keys.STOP]) and store.get(keys.STOP)):
+                    log.info("the run is over: spare %d was not needed", spare)
+                    self.leave(0)
+        except (TunnelError, RuntimeError, OSError) as e:
+            log.error("spare %d lost the job: %s", spare, str(e).splitlines()[0] if str(e) else type(e).__name__)
             self.leave(EXIT_STOPPED)
             raise AssertionError("leave() returned") from None  # pragma: no cover
 

@@ -505,6 +505,7 @@ class Bench(StrEnum):
     SIMULATOR = "simulator"
     DATA = "data"
     PARALLEL = "parallel"
+    SPARES = "spares"
     GPU = "gpu"  # needs a CUDA GPU: not part of ``all`` (bench_gpu)
 
 
@@ -607,6 +608,10 @@ def run_one(
         from unbroken.lab.bench_parallel import bench_parallel
 
         return bench_parallel(config, max(worker_counts), repeats, overrides)
+    if what == "spares":
+        from unbroken.lab.bench_spares import STEPS_AFTER, bench_spares, format_spares
+
+        return format_spares(bench_spares(config, repeats, overrides, steps or STEPS_AFTER))
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 

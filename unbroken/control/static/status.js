@@ -190,6 +190,9 @@ function drawSummary(s) {
     card("tokens", fmt.int(r.tokens)),
     card("failed / recovered / rejoined", `${r.failures} / ${r.recoveries} / ${r.joins ?? 0}`),
     card("recomputed / dropped", `${r.recomputed_microbatches} / ${r.dropped_microbatches}`),
+    ...(!r.spares || r.spares.started + r.spares.ready + r.spares.promoted === 0 ? [] : [
+      card("spares starting / ready / promoted", `${r.spares.started} / ${r.spares.ready} / ${r.spares.promoted}`),
+    ]),
     card("last checkpoint", ckpt ? fmt.after(ckpt.step) : "-"),
     card("last record", ago),
   );

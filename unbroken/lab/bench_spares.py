@@ -1,0 +1,106 @@
+"""``unbroken bench spares``: how long a job runs short of a worker after a ``kill -9``, a cold restart against a
+warm spare (issue 31).
+
+Per model (``small`` and ``60m`` unless a config is given) and per round, two runs of ``unbroken train`` with 2
+workers, both with worker 1 killed in its backward at step ``KILL_STEP``:
+
+- **cold**: the agent starts a new process for worker 1 at once (``rejoin=0``): it imports torch, builds the
+  model, optimizer and data, registers, joins and receives the state;
+- **warm**: ``--spares 1``: spare 0, started with the job and waiting initialised, is given worker 1's id.
+
+From the run's records, in seconds from the kill (the ``injected`` record): the replacement's join (the
+membership epoch that admits it again), the state received (the join's ``recovery`` record: ``time_recovered``),
+and the replacement's first committed step (the step record of the join's step). The state transfer is reported
+apart: its bytes and the seconds from the group's formation to the state's arrival.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from unbroken.core.config import RunConfig, load_config, preset_path
+from unbroken.core.records import read_records
+
+KILL_STEP = 4
+STEPS_AFTER = 40  # steps after the kill (``--steps``): room for a cold start to come back while the survivor goes on
+MODELS = ("small", "60m")
+WORKERS = 2
+
+
+def _config(config: str | None, flavour: str, overrides: list[str]) -> RunConfig:
+    base = config or str(preset_path("tiny"))
+    chosen = [] if config else [f"--model.flavour={flavour}"]
+    return load_config(base, [*chosen, "--checkpoint.every=0", "--train.eval_every=0", *overrides])
+
+
+def run_once(cfg: RunConfig, warm: bool, steps: int) -> dict[str, float]:
+    """One run with worker 1 killed at ``KILL_STEP``; its figures in seconds from the kill."""
+    from dataclasses import replace
+
+    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.train.trainer import validate_launch
+
+    rejoin = "" if warm else ",rejoin=0"
+    failures = replace(cfg.failures, schedule=f"kill:worker=1,step={KILL_STEP},phase=backward{rejoin}")
+    cfg = replace(cfg, train=replace(cfg.train, steps=steps), failures=failures)
+    with tempfile.TemporaryDirectory(prefix="unbroken-bench-spares-") as tmp:
+        run_dir = Path(tmp) / "run"
+        plan = plan_launch(cfg, run_dir, WORKERS, False, "127.0.0.1", 0, TRAINER, validate_launch, 1 if warm else 0)
+        code = Launcher(plan, show_progress=False, show_summary=False).run()
+        records = read_records(run_dir)
+        if code != 0:
+            raise RuntimeError(f"bench spares: a {'warm' if warm else 'cold'} run failed (exit {code})")
+    kill = next(r["time"] for r in records if r["type"] == "injected")
+    join = next((m for m in records if m["type"] == "membership" and m["reason"].startswith("joined")), None)
+    if join is None:
+        raise RuntimeError("bench spares: the replacement did not join before the run ended; give more --steps")
+    recovery = next(r for r in records if r["type"] == "recovery" and r["epoch"] == join["epoch"])
+    first = min(r["time"] for r in records if r["type"] == "step" and r["step"] == recovery["step"])
+    return {
+        "joined": join["time"] - kill,
+        "state_received": recovery["time_recovered"] - kill,
+        "first_step": first - kill,
+        "state_bytes": float(recovery.get("state_bytes", 0)),
+        "transfer_s": recovery["time_recovered"] - recovery["time_reformed"],
+    }
+
+
+def bench_spares(config: str | None, repeats: int, overrides: list[str], after: int = STEPS_AFTER) -> dict[str, Any]:
+    """``repeats`` rounds of (cold, warm) per model, alternating; runs of ``after`` steps after the kill."""
+    out: dict[str, Any] = {}
+    for flavour in MODELS if config is None else ("config",):
+        cfg = _config(config, flavour, overrides)
+        rows: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+        for _ in range(repeats):
+            for mode in ("cold", "warm"):
+                rows[mode].append(run_once(cfg, mode == "warm", KILL_STEP + after))
+        out[cfg.model.flavour if config is None else Path(config).stem] = rows
+    return out
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def format_spares(result: dict[str, Any]) -> str:
+    lines = [
+        f"{WORKERS} workers, worker 1 killed in its backward at step {KILL_STEP}; seconds from the kill, median "
+        "[min, max] over the rounds",
+        "",
+        "| model | replacement | joined | state received | first committed step | state (MiB) | transfer (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, rows in result.items():
+        for mode in ("cold", "warm"):
+            r = rows[mode]
+            mib = statistics.median(x["state_bytes"] for x in r) / 2**20
+            lines.append(
+                f"| {model} | {'cold restart' if mode == 'cold' else 'warm spare'} (n={len(r)}) | "
+                f"{_cell([x['joined'] for x in r])} | {_cell([x['state_received'] for x in r])} | "
+                f"{_cell([x['first_step'] for x in r])} | {mib:.1f} | "
+                f"{_cell([x['transfer_s'] for x in r])} |"
+            )
+    return "\n".join(lines)
