@@ -106,11 +106,12 @@ def _dry_run(plan: LaunchPlan, what: str) -> int:
     plan.sock.close()
     cfg = plan.cfg
     events = len(FailureSchedule.parse(cfg.failures.schedule).events)
+    spares = f" and {plan.spares} warm spare{'s' if plan.spares != 1 else ''}" if plan.spares else ""
     into = f"continuing {plan.run_dir}" if plan.resume else f"into {plan.run_dir}"
     print(
-        f"dry run: would {what} on {plan.workers} worker{'s' if plan.workers != 1 else ''} for {cfg.train.steps} "
-        f"steps of {cfg.train.microbatches} microbatches, {into}, {events} failure event{'s' if events != 1 else ''} "
-        "scheduled; nothing started or written"
+        f"dry run: would {what} on {plan.workers} worker{'s' if plan.workers != 1 else ''}{spares} for "
+        f"{cfg.train.steps} steps of {cfg.train.microbatches} microbatches, {into}, {events} failure "
+        f"event{'s' if events != 1 else ''} scheduled; nothing started or written"
     )
     return 0
 
