@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,34 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
     assert "spare 0 took worker 1's place" in out and "spare 1 took worker 2's place" in out, out[-3000:]
     assert step_losses(run) == step_losses(control_reference)
     same_final(control_reference, run, CONTROL_STEPS)
+
+
+def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_times(tmp_path: Path) -> None:
+    """The agent's own bookkeeping, with real processes and no coordinator: spares whose program exits 3 at once
+    (a host that cannot start one) are started again on the same device until 3 deaths per spare, then no more;
+    one that exits 0 (the run is over) is not replaced."""
+    import time
+
+    from unbroken.control.agent import MAX_SPARE_DEATHS, Agent
+
+    failing = Agent([0, 1], (sys.executable, "-c", "import sys; sys.exit(3)"), dict(os.environ), tmp_path, spares=2)
+    failing.start_all()
+    starts = 2
+    while failing.spares:
+        for proc in failing.processes():
+            proc.wait(timeout=60)
+        before = failing.next_spare
+        failing.replace_dead_spares()
+        starts += failing.next_spare - before
+        assert sorted(failing.spare_devices.values()) == sorted(set(failing.spare_devices.values()))
+        assert set(failing.spare_devices.values()) <= {2, 3}  # the devices after the workers', never another
+        time.sleep(0.01)
+    assert failing.spare_deaths == starts and starts == MAX_SPARE_DEATHS * 2 + 2
+    assert sorted(failing.free_devices) == [2, 3]
+
+    finished = Agent([0], (sys.executable, "-c", "pass"), dict(os.environ), tmp_path / "done", spares=1)
+    (tmp_path / "done").mkdir()
+    finished.start_all()
+    finished.spares[0].wait(timeout=60)
+    finished.replace_dead_spares()
+    assert finished.next_spare == 1 and finished.spare_deaths == 0

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.005  # with a failure schedule: injection points need a prompt answer
 IDLE_WAIT_S = 0.25  # otherwise; a process exit wakes the agent at once
 STOP_GRACE_S = 10.0
+MAX_SPARE_DEATHS = 3  # per spare: a host whose spares keep dying while they wait stops starting them
 
 
 class Agent:
@@ -71,6 +72,7 @@ class Agent:
         self.num_spares = spares
         self.spares: dict[int, subprocess.Popen[bytes]] = {}  # warm spares by index, not yet promoted
         self.next_spare = 0
+        self.spare_deaths = 0  # spares that died while they waited
         # The host's device index of each spare (the workers' come from their ids): the first spares take the
         # ones after the workers'; a spare started to replace a promoted one takes the dead worker's.
         self.spare_devices: dict[int, int] = {}
@@ -181,14 +183,27 @@ class Agent:
     def _record(self, record: dict[str, Any]) -> None:
         self._call(lambda s: publish_record(s, record))
 
+    def replace_dead_spares(self) -> None:
+        """A spare that died while it waited (not one that left because the run is over) is started again, on
+        its device; after ``MAX_SPARE_DEATHS`` x the spares' count of such deaths (a host that cannot start
+        one) no more are started."""
+        for k in sorted(self.spares):
+            code = self.spares[k].poll()
+            if code is None or code == 0:
+                continue
+            del self.spares[k]
+            self.free_devices.append(self.spare_devices.pop(k))
+            self.spare_deaths += 1
+            if self.spare_deaths > MAX_SPARE_DEATHS * self.num_spares:
+                log.warning("spare %d exited with status %s; too many spares died: starting no more", k, code)
+                continue
+            log.warning("spare %d exited with status %s while it waited: starting another", k, code)
+            self.start_spare()
+
     def promote(self, wid: int) -> bool:
         """Dead worker ``wid`` (no longer a member) is replaced by the oldest live spare, which joins under its id
         in the next epoch and receives the state; a new spare is started in its stead. False: no spare left."""
-        for k in sorted(self.spares):
-            if self.spares[k].poll() is not None:
-                del self.spares[k]  # a spare that died (or left): another takes its place, on its device
-                self.free_devices.append(self.spare_devices.pop(k))
-                self.start_spare()
+        self.replace_dead_spares()
         if not self.spares or self.store is None:
             return False
         k = min(self.spares)
@@ -335,6 +350,7 @@ class Agent:
                 ):
                     self.down[wid] = {"rejoin": event.rejoin_after_s, "at": now, "hung": False}
         if self.spares and not self.finished and self.store is not None:
+            self.replace_dead_spares()
             dead = [w for w, p in self.workers.items() if p.poll() not in (None, 0) and w not in self.pauses]
             members = self.newest_members() if dead else None
             for wid in dead:
