@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -540,6 +541,27 @@ def test_the_terminal_view_shows_the_same_facts(finished_view: RunView, tmp_path
     console = Console(record=True, width=120)
     assert run_status(str(run_dir), as_json=True, console=console) == 0
     assert _strict_json(console.export_text())["run"]["steps_done"] == 40  # the torn last line is skipped
+
+
+@pytest.mark.timeout(10)
+def test_a_straggler_fits_80_columns_whole() -> None:
+    """A worker flagged as a straggler (its state reads "slow") next to a dead one with a long last
+    failure, in 80 columns: no line is longer and nothing ends in an ellipsis. Which worker is a straggler
+    depends on timing, so a real run shows this only sometimes (tests/test_agree.py met it once in CI)."""
+    view = RunView(total_steps=40)
+    view.extend(synthetic_run())
+    snapshot = view.snapshot()
+    for w in snapshot["workers"]:
+        if w["state"] == "alive":
+            w.update(straggler=True, s_per_microbatch=12.345, compute_s=123.456)
+            break
+    else:
+        raise AssertionError("no alive worker in the synthetic run")
+    console = Console(record=True, width=80)
+    console.print(render(snapshot, 80))
+    text = console.export_text()
+    assert re.search(r"^ *\d +slow +\d\d:\d\d:\d\d ", text, re.M), text
+    assert max(map(len, text.splitlines())) <= 80 and "…" not in text, text
 
 
 @pytest.mark.timeout(10)

@@ -50,6 +50,9 @@ INCIDENT_COLUMNS = (
     *(("recom-\nputed/\ndropped", True), ("rejoined", True)),
 )
 FAULT_WIDTH = 16  # the narrowest the fault column gets (its event wraps between fields)
+# The narrowest the workers' state column gets: its longest state whole ("slow": an alive straggler, so short
+# that the 80 columns of a pipe still show every header whole).
+STATE_WIDTH = len("alive")
 
 
 def base_url(target: str) -> str:
@@ -204,12 +207,12 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     # Headers of one short word a line and times unwrapped: 80 columns (a pipe's width) show them whole.
     workers = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col, nowrap in WORKER_COLUMNS:
-        workers.add_column(col, no_wrap=nowrap)
+        workers.add_column(col, no_wrap=nowrap, min_width=STATE_WIDTH if col == "state" else None)
     for w in snapshot["workers"]:
         row_style = "red" if w["state"] in ("dead", "left") else "yellow" if w.get("straggler") else ""
         workers.add_row(
             str(w["id"]),
-            w["state"] + (" (straggler)" if w.get("straggler") else ""),
+            "slow" if w.get("straggler") and w["state"] == "alive" else w["state"],
             _clock(w["since"]),
             "-" if w["quota"] is None else str(w["quota"]),
             _num(w["s_per_microbatch"], 3),
