@@ -222,6 +222,28 @@ def test_a_promoted_spare_is_shown_on_the_page_and_named_in_the_summary(
 
 
 @pytest.mark.timeout(10)
+def test_a_spare_that_joins_before_the_survivors_reform_computes_from_the_interrupted_step() -> None:
+    """A warm spare can be admitted within the step its worker died in, before the survivors re-form without
+    it (seen in `unbroken train configs/default.toml --workers 4 --spares 1`): the one re-formation then goes
+    from epoch 1 to epoch 3, whose members are the same, a recovery and a join at once. The summary still
+    says the spare computes from that step."""
+    t = 1_800_000_000.0
+    records = [
+        {"type": "membership", "time": t, "epoch": 1, "members": [0, 1, 2], "reason": "start", "elapsed_s": 1.0},
+        {"type": "membership", "time": t + 10, "epoch": 2, "members": [0, 2], "reason": "died: 1", "elapsed_s": 11.0},
+        {"type": "failure", "time": t + 10, "worker": 1, "why": "process killed by SIGKILL", "epoch": 2},
+        {"type": "spare", "time": t + 10.02, "spare": 0, "state": "promoted", "worker": 1, "pid": 7},
+        {"type": "membership", "time": t + 10.05, "epoch": 3, "members": [0, 1, 2], "reason": "joined: 1",
+         "elapsed_s": 0},
+        {"type": "recovery", "time": t + 11, "step": 20, "from_epoch": 1, "epoch": 3, "alive": 3, "reform_s": 0.3,
+         "missing": [4, 5]},
+    ]  # fmt: skip
+    (promotion,) = summarize(records, wall_s=1.0)["promotions"]
+    assert (promotion["step"], promotion["epoch"]) == (20, 3)
+    assert promotion["after_death_s"] == pytest.approx(0.02)
+
+
+@pytest.mark.timeout(10)
 def test_the_summary_counts_microbatches_in_mecefos_approximate_mode(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

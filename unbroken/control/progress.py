@@ -227,15 +227,25 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     promotions = []
     for p in (r for r in records if r.get("type") == "spare" and r["state"] == SpareState.PROMOTED):
         died = [f["time"] for f in failures if f["worker"] == p["worker"] and f["time"] <= p["time"]]
-        # the first join of the worker after the promotion: where the spare started computing
-        join = next((j for j in joins if p["worker"] in j["workers"] and j["time"] >= p["time"]), None)
+        # The first epoch after the promotion that has the worker again, and the step its group formed in: where
+        # the spare started computing. A spare can join before the survivors re-form without it (the one
+        # re-formation is then a recovery and a join at once, between epochs with the same members).
+        epoch = next(
+            (
+                m["epoch"]
+                for m in records
+                if m.get("type") == "membership" and m["time"] >= p["time"] and p["worker"] in m["members"]
+            ),
+            None,
+        )
+        formed = next((r for r in records if r.get("type") == "recovery" and r["epoch"] == epoch), None)
         promotions.append(
             {
                 "spare": p["spare"],
                 "worker": p["worker"],
                 "after_death_s": p["time"] - died[-1] if died else None,
-                "step": join["step"] if join else None,
-                "epoch": join["epoch"] if join else None,
+                "step": formed["step"] if formed else None,
+                "epoch": epoch if formed else None,
             }
         )
     trained = [r["step"] for r in records if r.get("type") == "step" and not r.get("republished")]
