@@ -206,13 +206,7 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             if is_join(r, members):
                 joined = sorted(set(members[r["epoch"]]) - set(members[r["from_epoch"]]))
                 joins.append(
-                    {
-                        "workers": joined,
-                        "step": r["step"],
-                        "epoch": r["epoch"],
-                        "members": members[r["epoch"]],
-                        "time": r["time"],
-                    }
+                    {"workers": joined, "step": r["step"], "epoch": r["epoch"], "members": members[r["epoch"]]}
                 )
                 continue
             recoveries.append(r)

@@ -308,14 +308,19 @@ class EfficientBackward:
             if v is not None
         }
 
+    def _projected(self) -> Iterator[tuple[str, nn.Linear, tuple[int, int]]]:
+        """(weight name, linear, basis shape) of every FFN weight with a basis, in ``bases()``'s order."""
+        for b in self._blocks:
+            for name, linear in zip(b.weight_names, b.linears, strict=True):
+                if (shape := _basis_shape(linear.weight, self.config.rank)) is not None:
+                    yield name, linear, shape
+
     def empty_named_bases(self) -> dict[str, torch.Tensor]:
         """``named_bases()``'s names and shapes, uninitialised, on the weights' devices: what a sharded
         checkpoint's bases are read into (``load_named_bases``)."""
         return {
             name: torch.empty(shape, dtype=linear.weight.dtype, device=linear.weight.device)
-            for b in self._blocks
-            for name, linear in zip(b.weight_names, b.linears, strict=True)
-            if (shape := _basis_shape(linear.weight, self.config.rank)) is not None
+            for name, linear, shape in self._projected()
         }
 
     def load_named_bases(self, bases: dict[str, torch.Tensor], step: int | None = None) -> None:
@@ -325,12 +330,7 @@ class EfficientBackward:
         Raises:
             ValueError: a basis of this handle's is missing, or the shapes do not match.
         """
-        names = [
-            name
-            for b in self._blocks
-            for name, linear in zip(b.weight_names, b.linears, strict=True)
-            if _basis_shape(linear.weight, self.config.rank) is not None
-        ]
+        names = [name for name, _, _ in self._projected()]
         missing = [n for n in names if n not in bases]
         if bases and missing:
             raise ValueError(f"MeCeFO bases do not match: none for {missing[0]} (another model or rank?)")
