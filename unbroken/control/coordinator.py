@@ -58,7 +58,7 @@ from unbroken.control import keys
 from unbroken.control.gateway import Gateway, require_token
 from unbroken.control.live_tensorboard import open_tensorboard
 from unbroken.control.progress import describe_error
-from unbroken.control.runview import MetricsTee, RunView
+from unbroken.control.runview import GoodputRecorder, MetricsTee, RunView
 from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
 from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, request_stop, ring, wait_key
@@ -204,6 +204,7 @@ class Coordinator:
         self.saver: int | None = None  # the member named to save the state it holds at that stop
         tensorboard = open_tensorboard(run_dir, cfg.metrics.tensorboard)
         self.metrics = MetricsTee(MetricsFile(run_dir), self.view, tensorboard)
+        self.metrics.sinks.append(GoodputRecorder(self.metrics, cfg.metrics.goodput_every, records))
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.stall: Stall | None = None

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.failures import parse_event
+from unbroken.core.goodput import account
 from unbroken.core.records import SpareState, WorkerError, committed_steps, is_join, sessions
 from unbroken.core.throughput import run_throughput
 
@@ -332,6 +333,7 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s (coordinator start to last record)",
     )
     table.add_row("per device", _per_device(s))
+    table.add_row("goodput", account(records).line())
     if s["failures"]:
         for f in s["failures"]:
             what = f.get("event") or f["why"]

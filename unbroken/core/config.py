@@ -395,6 +395,13 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     tensorboard: bool = option(False, "also write TensorBoard event files (needs the tensorboard extra)")
+    goodput_every: int = option(
+        50, "a goodput record (core.goodput: the account so far) every N committed steps; 0: none"
+    )
+
+    def __post_init__(self) -> None:
+        if self.goodput_every < 0:
+            raise ValueError(f"metrics.goodput_every = {self.goodput_every} must be >= 0 (0: no goodput records)")
 
 
 @dataclass(frozen=True)
