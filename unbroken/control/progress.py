@@ -372,6 +372,13 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         table.add_row("rejoined", f"worker {who} at step {j['step']} (epoch {j['epoch']}): members {j['members']}")
     for f in s["not_rejoined"]:
         table.add_row("not rejoined", _not_rejoined(f))
+    for r in (r for r in records if r.get("type") == "slow"):
+        said = "fail-slow" if r["state"] == "slow" else "no longer slow"
+        table.add_row(
+            "fail-slow",
+            f"worker {r['worker']} {said} at step {r['step']}: {r['relative']:.2f}x the other members' time per "
+            f"microbatch ({r['decision']})",
+        )
     if s["identical_params"] is not None:
         table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
     impure = [r for r in records if r.get("type") == "impure_data"]

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from unbroken.core.config import SlowPolicy
+from unbroken.core.failslow import SlowDetector, SlowRule, SlowState
 from unbroken.core.goodput import Bucket, Tracker
 from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
 
@@ -398,6 +400,16 @@ class RunView:
         seconds = _ms(_num(r.get("seconds")))
         self._event(t, "checkpoint", f"checkpoint {_after(r.get('step'))} written in {seconds}")
 
+    def _on_slow(self, r: Mapping[str, Any], t: float | None) -> None:
+        wid = int(r.get("worker", -1))
+        relative = _num(r.get("relative"))
+        times = "?" if relative is None else f"{relative:.2f}x"
+        if r.get("state") == "slow":
+            text = f"worker {wid} is fail-slow: {times} the others' time per microbatch, {r.get('windows')} windows"
+        else:
+            text = f"worker {wid} is no longer slow ({times} the others)"
+        self._event(t, "slow", f"{text} (step {r.get('step')}; {r.get('decision')})", worker=wid)
+
     def _on_goodput(self, r: Mapping[str, Any], t: float | None) -> None:
         buckets = r.get("buckets") or {}
         head = (int(r.get("step", self._max_step)), _num(r.get("tokens_per_s")), _num(r.get("ideal_tokens_per_s")))
@@ -612,3 +624,31 @@ class GoodputRecorder:
         fields = self.tracker.add(record)
         if fields is not None:
             self.tee.write(make(RecordKind.GOODPUT, time.time(), **fields))
+
+
+class SlowRecorder:
+    """A sink that watches the step records for fail-slow workers (``core.failslow``) and writes a ``slow``
+    record into ``tee`` for each verdict (``recovery.slow = "report"``: that, and a warning, is all it does);
+    ``records``: the run's so far, replayed without records (a restarted coordinator goes on where it was)."""
+
+    def __init__(self, tee: MetricsTee, rule: SlowRule, records: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.tee = tee
+        self.detector = SlowDetector(rule)
+        for r in records:
+            if r.get("type") == RecordKind.STEP:
+                self.detector.observe(r)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if record.get("type") != RecordKind.STEP:
+            return
+        for v in self.detector.observe(record):
+            if v.state is SlowState.SLOW:
+                log.warning(
+                    "worker %d is fail-slow: %.2fx the other members' time per microbatch over %d windows (step %d)",
+                    v.worker, v.relative, v.windows, v.step,
+                )  # fmt: skip
+            else:
+                log.info("worker %d is no longer slow (%.2fx the others, step %d)", v.worker, v.relative, v.step)
+            fields = {"worker": v.worker, "state": str(v.state), "step": v.step, "relative": v.relative}
+            fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowPolicy.REPORT)}
+            self.tee.write(make(RecordKind.SLOW, time.time(), **fields))

@@ -49,6 +49,13 @@ class Workload(StrEnum):
     THROUGHPUT = "throughput"  # quotas minimise the slowest worker's time given per-microbatch times
 
 
+class SlowPolicy(StrEnum):
+    """What the coordinator does about a fail-slow worker (core.failslow: the rule that finds one)."""
+
+    OFF = "off"  # nothing is watched
+    REPORT = "report"  # a ``slow`` record and a warning; the run goes on unchanged
+
+
 class NonfinitePolicy(StrEnum):
     SKIP = "skip"  # the whole step is skipped on every member (no optimizer step), and recorded
     STOP = "stop"  # the run stops, keeping the last good checkpoint
@@ -287,9 +294,18 @@ class RecoveryConfig:
     reduction: Reduction = option(
         Reduction.FP32, "fp32, or exact (int64 fixed point: bitwise the failure-free run whoever computed what)"
     )
+    slow: SlowPolicy = option(SlowPolicy.REPORT, "off, or report a fail-slow worker (core.failslow, docs/goodput.md)")
+    slow_window: int = option(10, "fail-slow rule: steps per window")
+    slow_windows: int = option(3, "fail-slow rule: consecutive slow windows that make a worker fail-slow")
+    slow_ratio: float = option(1.5, "fail-slow rule: a window's median time over the other members' must exceed this")
 
     def __post_init__(self) -> None:
         _enum_fields(self)
+        if self.slow_window < 2 or self.slow_windows < 1 or not self.slow_ratio > 1.0:
+            raise ValueError(
+                f"recovery.slow_window = {self.slow_window}, slow_windows = {self.slow_windows}, slow_ratio = "
+                f"{self.slow_ratio}: needs slow_window >= 2, slow_windows >= 1 and slow_ratio > 1"
+            )
 
 
 @dataclass(frozen=True)
