@@ -4,6 +4,7 @@ worker is said to be, and the threshold rises with the members' noise."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -97,10 +98,14 @@ def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unch
     the run is bitwise the failure-free one."""
     run = tmp_path / "run"
     rule = ["--recovery.slow=report", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
-    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, f"--failures.schedule={SLOWDOWNS}", workers=3)
+    alerts = tmp_path / "alerts.jsonl"
+    notify = f"--metrics.alert_command=sh -c 'cat >> {alerts}'"
+    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, notify, f"--failures.schedule={SLOWDOWNS}", workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     slow = read_records(run, "slow")
     assert [(r["worker"], r["state"], r["decision"]) for r in slow] == [(2, "slow", "report")], slow
+    (alert,) = [json.loads(line) for line in alerts.read_text().splitlines()]  # the operator is told
+    assert alert["alert"] == "fail_slow" and alert["record"] == slow[0]
     assert slow[0]["step"] in (11, 15) and slow[0]["relative"] > 1.5
     assert step_losses(run) == step_losses(control_reference)
     same_final(run, control_reference, CONTROL_STEPS)

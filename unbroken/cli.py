@@ -117,6 +117,7 @@ def _dry_run(plan: LaunchPlan, what: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.control.alerts import check_alert_command
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
     from unbroken.ft.process import check_host_devices
     from unbroken.train.trainer import validate_launch
@@ -124,6 +125,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, name)
     check_host_devices(cfg, args.workers, args.spares)
+    check_alert_command(cfg.metrics)
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch, args.spares
     )
@@ -142,11 +144,13 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
+    from unbroken.control.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
 
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
     check_host_devices(cfg, args.workers, args.spares)
+    check_alert_command(cfg.metrics)
     command = (sys.executable, str(script.resolve()), *args.args)
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command, spares=args.spares
@@ -179,7 +183,10 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         if not state.campaign():
             raise ValueError(f"coordinator.state = {cfg.coordinator.state}: another coordinator leads this run")
     else:
+        from unbroken.control.alerts import check_alert_command
+
         cfg, name = _load(args.config, extra, None)
+        check_alert_command(cfg.metrics)
         run_dir = Path(args.run_dir or cfg.train.out_dir or f"runs/{name}").resolve()
         shared = cfg.coordinator.state.startswith("etcd://")  # a standby shares the run directory
         if run_dir.exists() and any(run_dir.iterdir()) and not (args.resume or shared):

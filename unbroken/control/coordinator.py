@@ -55,6 +55,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from unbroken.control import keys
+from unbroken.control.alerts import Alerter
 from unbroken.control.gateway import Gateway, require_token
 from unbroken.control.live_tensorboard import open_tensorboard
 from unbroken.control.progress import describe_error
@@ -206,6 +207,9 @@ class Coordinator:
         tensorboard = open_tensorboard(run_dir, cfg.metrics.tensorboard)
         self.metrics = MetricsTee(MetricsFile(run_dir), self.view, tensorboard)
         self.metrics.sinks.append(GoodputRecorder(self.metrics, cfg.metrics.goodput_every, records))
+        self.alerter = Alerter(cfg.metrics, str(run_dir))
+        if self.alerter.enabled:
+            self.metrics.sinks.append(self.alerter)
         if cfg.recovery.slow is not SlowPolicy.OFF:
             rule = SlowRule(cfg.recovery.slow_window, cfg.recovery.slow_windows, cfg.recovery.slow_ratio)
             self.metrics.sinks.append(SlowRecorder(self.metrics, rule, records))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
+import shlex
 import tomllib
 import types
 import typing
@@ -414,10 +415,27 @@ class MetricsConfig:
     goodput_every: int = option(
         50, "a goodput record (core.goodput: the account so far) every N committed steps; 0: none"
     )
+    alert_command: str = option("", "run on each alert with its JSON on stdin (control.alerts); empty: none")
+    alert_webhook: str = option("", "an http(s) URL to POST each alert's JSON to; empty: none")
+    alert_goodput: float = option(0.0, "alert when goodput stays below this fraction of the ideal; 0: never")
+    alert_goodput_minutes: float = option(10.0, "... for this many minutes")
 
     def __post_init__(self) -> None:
         if self.goodput_every < 0:
             raise ValueError(f"metrics.goodput_every = {self.goodput_every} must be >= 0 (0: no goodput records)")
+        try:
+            words = shlex.split(self.alert_command)
+        except ValueError as e:
+            raise ValueError(f"metrics.alert_command = {self.alert_command!r}: {e}; give a command line") from None
+        if self.alert_command and not words:
+            raise ValueError(f"metrics.alert_command = {self.alert_command!r} names no program; give one, or ''")
+        if self.alert_webhook and not self.alert_webhook.startswith(("http://", "https://")):
+            raise ValueError(f"metrics.alert_webhook = {self.alert_webhook!r} must be an http:// or https:// URL")
+        if not 0.0 <= self.alert_goodput < 1.0 or not self.alert_goodput_minutes > 0:
+            raise ValueError(
+                f"metrics.alert_goodput = {self.alert_goodput}, alert_goodput_minutes = {self.alert_goodput_minutes}: "
+                "needs 0 <= alert_goodput < 1 (a fraction of the ideal; 0: never) and minutes > 0"
+            )
 
 
 @dataclass(frozen=True)
