@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from runner import EXACT, ONE_THREAD, ROOT, train
 
+from unbroken.cli import main
 from unbroken.core.goodput import Bucket, Tracker, account
 from unbroken.core.records import RecordKind, make, read_records
+from unbroken.sim.replay import replay
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,3 +231,39 @@ def test_the_status_page_stacks_every_bucket_but_the_unattributed() -> None:
     script = (ROOT / "unbroken" / "control" / "static" / "status.js").read_text()
     stacked = re.findall(r'\["(\w+)", "#[0-9a-f]{6}"\]', script)
     assert sorted(stacked) == sorted(str(b) for b in Bucket if b is not Bucket.UNATTRIBUTED)
+
+
+def test_a_real_run_replayed_by_the_simulator_is_compared_bucket_by_bucket(
+    recovery_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``unbroken simulate --replay``: the exact run's two kills and its rejoin, costs fitted from its records.
+    The simulator commits what the run committed (recover keeps every microbatch of every step), its
+    failure-free step is the run's ideal one (microbatch time fitted from it, the 4 workers sharing 2 cores as
+    they did), and the buckets the kills fill in the run are filled in the simulation too."""
+    run = recovery_runs["exact_failures"]
+    result = replay(run, cores=2)
+    real, sim = result.real, result.sim.policies[0]
+    assert sim.committed_tokens == real.tokens
+    assert result.sim.failure_free_step_s == pytest.approx(real.ideal_step_s)
+    simulated = result.sim_buckets()
+    for bucket in (Bucket.DETECTION, Bucket.REFORMATION, Bucket.RECOMPUTE):
+        assert real.buckets[bucket] > 0 and simulated[bucket] > 0, bucket
+    assert main(["simulate", "--replay", str(run), "--cores", "2"]) == 0
+    table = capsys.readouterr().out
+    assert f"| committed tokens | {real.tokens:,} | {sim.committed_tokens:,} |" in table
+    assert all(f"| {b} (s) |" in table for b in (Bucket.DETECTION, Bucket.REFORMATION, Bucket.RECOMPUTE))
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--replay", "/nonexistent/run"], "not a run directory"),
+        (["configs/sim/recover_512.toml", "--replay", "/nonexistent/run"], "one of them"),
+        ([], "one of them"),
+    ],
+    ids=["no-run", "both", "neither"],
+)
+def test_replay_bad_input_is_one_line(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert says in line

@@ -81,6 +81,7 @@ class Goodput:
     ideal_step_s: float  # the median time of a clean step (nan: no step yet)
     ideal_tokens_per_s: float
     buckets: dict[Bucket, float] = field(default_factory=dict)
+    cadence_s: float = 0.0  # the usual time from a commit to the next step's start (part of the ideal step)
 
     @property
     def tokens_per_s(self) -> float:
@@ -280,7 +281,7 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
             ledger.split(end - cursor, [], Bucket.RESTART)
         else:
             _gap(ledger, timeline.between(cursor, end), end - cursor)
-    return Goodput(wall, tokens, ideal_step, ideal_rate, ledger.buckets)
+    return Goodput(wall, tokens, ideal_step, ideal_rate, ledger.buckets, cadence)
 
 
 def _gap(ledger: _Ledger, inside: list[Mapping[str, Any]], length: float) -> None:
