@@ -169,6 +169,8 @@ class _Ledger:
 def _slow_wait(step: Mapping[str, Any]) -> float:
     """The seconds the step waited for its slowest member beyond the median member: each member's microbatches
     (``quotas``) times its seconds per microbatch (``speeds``)."""
+    if (kept := _number(step.get("slow_wait_s"))) is not None:
+        return kept  # a Tracker's slim copy of the record
     quotas, speeds = step.get("quotas") or {}, step.get("speeds") or {}
     busy = []
     for worker, quota in quotas.items():
@@ -238,6 +240,7 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
     ideal_step = statistics.median(balanced) + cadence if clean else math.nan
     ideal_tokens = statistics.median(r.get("tokens", 0) for r in clean) if clean else 0
     ideal_rate = ideal_tokens / ideal_step if clean and ideal_step > 0 else math.nan
+    per_token = 1.0 / ideal_rate if ideal_rate > 0 else 0.0  # (nan > 0 is False: then every step is excess)
 
     members = {int(r["epoch"]): list(r["members"]) for r in records if r.get("type") == RecordKind.MEMBERSHIP}
     events = _Timeline(r for r in records if r.get("type") in (RecordKind.FAILURE, RecordKind.RECOVERY))
@@ -272,7 +275,7 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
             elif id(r) not in counted:  # computed again later (after a restart or resume): this attempt is lost
                 ledger.split(seconds + usual, [], Bucket.RESTART)
             else:
-                excess = seconds + usual - r.get("tokens", 0) / ideal_rate
+                excess = seconds + usual - r.get("tokens", 0) * per_token
                 if k == 0:
                     ledger.split(excess, [], opening)  # the first step's warm-up
                 else:
@@ -347,19 +350,28 @@ class Tracker:
         }
     )
 
+    # What the account reads of a step record: the members' quotas and speeds (as many as there are members, at
+    # every step) are kept as the one number they give (the wait for the slowest member).
+    STEP_FIELDS = ("type", "time", "step", "step_time_s", "tokens", "alive", "committed", "skipped", "recoveries")
+    STEP_FIELDS += ("recomputed", "overflow_redos", "republished")
+
     def __init__(self, every: int, records: Iterable[Mapping[str, Any]] = ()) -> None:
         self.every = every
-        self.records = [r for r in records if r.get("type") in self.KINDS]
-        self.committed = sum(1 for r in self.records if r.get("type") == RecordKind.STEP and r.get("committed"))
+        self.records: list[Mapping[str, Any]] = []
+        self.committed = 0
+        for r in records:
+            self.add(r, replaying=True)
 
-    def add(self, record: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Keep ``record``; the fields of a ``goodput`` record when one is due."""
+    def add(self, record: Mapping[str, Any], replaying: bool = False) -> dict[str, Any] | None:
+        """Keep ``record``; the fields of a ``goodput`` record when one is due (never while ``replaying``)."""
         if record.get("type") not in self.KINDS:
             return None
+        if record.get("type") == RecordKind.STEP:
+            record = {**{k: record[k] for k in self.STEP_FIELDS if k in record}, "slow_wait_s": _slow_wait(record)}
         self.records.append(record)
         if record.get("type") != RecordKind.STEP or not record.get("committed") or record.get("republished"):
             return None
         self.committed += 1
-        if self.every <= 0 or self.committed % self.every:
+        if self.every <= 0 or self.committed % self.every or replaying:
             return None
         return {"step": record.get("step"), **account(self.records).fields()}
