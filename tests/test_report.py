@@ -17,6 +17,7 @@ from runner import RECOVERY_SCHEDULE, RECOVERY_STEPS, ROOT
 
 from unbroken.cli import main
 from unbroken.core.failures import FailureSchedule
+from unbroken.core.goodput import Bucket, account
 from unbroken.core.records import read_records
 from unbroken.lab.report import PLOTS, load_run, render_markdown
 
@@ -75,7 +76,11 @@ def test_report_of_a_kill_and_rejoin_run_claims_bitwise_equality_with_its_refere
     _check_png(out / "loss.png", ["C0", "C1"])  # the run's loss and the difference curve
     _check_png(out / "throughput.png", ["C0", "C3"])  # throughput and the failure line
     _check_png(out / "membership.png", ["C3", "C1"])  # fault-injected and detected markers
+    _check_png(out / "goodput.png", ["C3"])  # the badput bars
     md = (out / "report.md").read_text()
+    goodput = account(read_records(runs["kill"]))
+    assert goodput.line() + "." in md  # the run's account, and each of its buckets in the table
+    assert f"| detection | {goodput.buckets[Bucket.DETECTION]:.2f} |" in md and goodput.buckets[Bucket.DETECTION] > 0
 
     failures = [f for f in read_records(runs["kill"], "failure") if f["worker"] == 2]
     assert len(failures) == 1 and "detection_s" in failures[0], failures

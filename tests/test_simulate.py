@@ -22,7 +22,8 @@ import pytest
 
 from unbroken.cli import main
 from unbroken.core import plan as planlib
-from unbroken.sim.engine import finish_offsets, makespan
+from unbroken.core.goodput import Bucket
+from unbroken.sim.engine import BUCKET_OF, LOST_CAUSES, finish_offsets, makespan
 from unbroken.sim.planner import Planner
 from unbroken.sim.report import PLOTS, run_simulate
 from unbroken.sim.scenario import HOUR, Costs, load_scenario
@@ -177,6 +178,14 @@ def test_one_kill_worked_out_by_hand_for_every_policy() -> None:
     assert by["restart"].lost_s["rollback"] == pytest.approx(kill)
     assert by["recover"].lost_s["detection"] == pytest.approx(kill + 2 - 9.5)
     assert by["recover"].lost_s["re-formation"] == pytest.approx(1.0)
+    # The same seconds in a real run's goodput buckets: detection, reformation, the rest of losing a worker.
+    badput = by["recover"].badput()
+    assert badput[Bucket.DETECTION] == pytest.approx(kill + 2 - 9.5) and badput[Bucket.REFORMATION] == 1.0
+    assert sum(badput.values()) == pytest.approx(sum(by["recover"].lost_s.values()))
+    assert by["restart"].badput()[Bucket.RESTART] == pytest.approx(
+        sum(by["restart"].lost_s[c] for c in ("restart", "rollback", "idle"))
+    )
+    assert set(BUCKET_OF) == set(LOST_CAUSES)
 
 
 def test_restart_rolls_back_to_the_last_checkpoint() -> None:

@@ -29,7 +29,8 @@ from unbroken.control.progress import print_summary, summarize
 from unbroken.control.runview import MetricsTee, RunView
 from unbroken.control.status import StatusServer, is_trusted_local
 from unbroken.control.status_view import base_url, fetch_snapshot, render, run_status, sparkline
-from unbroken.core.records import MetricsFile, read_records
+from unbroken.core.goodput import Tracker
+from unbroken.core.records import MetricsFile, RecordKind, make, read_records
 from unbroken.lab.report import load_run, render_markdown
 
 TOKEN = "0123456789abcdef" * 4
@@ -345,10 +346,20 @@ def test_the_tee_feeds_the_views_and_survives_a_broken_one(tmp_path: Path) -> No
 
 
 # -- the server ---------------------------------------------------------------------------------------------
+def with_goodput(records: list[dict[str, Any]], every: int = 10) -> list[dict[str, Any]]:
+    """``records`` with the coordinator's ``goodput`` records (core.goodput.Tracker) after the steps that make them."""
+    tracker, out = Tracker(every), []
+    for r in records:
+        out.append(r)
+        if (fields := tracker.add(r)) is not None:
+            out.append(make(RecordKind.GOODPUT, r["time"], **fields))
+    return out
+
+
 @pytest.fixture
 def finished_view() -> RunView:
     view = RunView(total_steps=40, run_dir="/runs/x")
-    view.extend(synthetic_run())
+    view.extend(with_goodput(synthetic_run()))
     return view
 
 
@@ -534,7 +545,8 @@ def test_the_page_renders_in_a_headless_browser(finished_view: RunView, tmp_path
 
     html = dom.stdout
     assert f'data-seq="{finished_view.seq}"' in html and 'data-state="finished"' in html  # the script ran
-    assert html.count("<canvas") >= 2  # uPlot made both charts
+    assert html.count("<canvas") >= 3  # uPlot made the loss, step-time and goodput charts
+    assert '<div class="k">goodput (of the ideal)</div>' in html and "tokens/s committed" in html
     assert KILL in html and "process killed by SIGKILL" in html  # the incident table
     assert "epoch 2: members [0, 2] (died: 1)" in html  # the timeline
     # the summary cards: a rejoin is not a recovery; the checkpoint is shown by the last step it holds
@@ -556,6 +568,8 @@ def test_the_terminal_view_shows_the_same_facts(finished_view: RunView, tmp_path
     assert "finished" in text and "40 of 40" in text
     assert "process killed by SIGKILL" in text and "worker 1 rejoined at step 24" in text and "(epoch 3)" in text
     assert "epoch 3: members [0, 1, 2] (joined: 1)" in text
+    newest = [r for r in with_goodput(synthetic_run()) if r["type"] == "goodput"][-1]
+    assert f"{newest['tokens_per_s']:,.0f} tokens/s, {100 * newest['ratio']:.1f} % of the ideal" in text
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -635,5 +649,13 @@ def test_live_tensorboard_can_be_read_while_the_run_goes(tmp_path: Path) -> None
         assert [e.value for e in events.Scalars("recovery/detection_s")] == pytest.approx([0.02])
         assert [e.step for e in events.Scalars("val/loss")] == [r["step"] for r in records if r["type"] == "eval"]
         assert [e.value for e in events.Scalars("membership/members")] == [3, 2, 3]
+        goodput = [r for r in with_goodput(records) if r["type"] == "goodput"]
+        for r in goodput:
+            tb.write(r)
+        events.Reload()
+        assert [e.step for e in events.Scalars("goodput/ratio")] == [r["step"] for r in goodput]
+        assert [e.value for e in events.Scalars("badput_s/start")] == pytest.approx(
+            [r["buckets"]["start"] for r in goodput], rel=1e-6
+        )
     finally:
         tb.close()

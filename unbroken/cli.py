@@ -17,6 +17,7 @@ Plots and a markdown summary of a run, optionally against a reference run (writt
     unbroken report runs/default-20261122-101500 [REFERENCE_RUN_DIR]
 Simulate a cluster (no torch; policies side by side; tables printed, plots written with --out):
     unbroken simulate configs/sim/recover_512.toml [--run.policies=recover,restart] [--out DIR]
+    unbroken simulate --replay RUN_DIR [--cores 2]
     unbroken simulate configs/sim/replicas_512.toml --sweep cluster.gpus_per_replica=1,8,64
 Several hosts (the coordinator binds to 127.0.0.1 unless --host says otherwise):
     host A:  unbroken coordinator configs/default.toml --workers 8 --host 0.0.0.0 --port 29400
@@ -117,6 +118,7 @@ def _dry_run(plan: LaunchPlan, what: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from unbroken.control.alerts import check_alert_command
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
     from unbroken.ft.process import check_host_devices
     from unbroken.train.trainer import validate_launch
@@ -124,6 +126,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, name)
     check_host_devices(cfg, args.workers, args.spares)
+    check_alert_command(cfg.metrics)
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch, args.spares
     )
@@ -142,11 +145,13 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
+    from unbroken.control.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
 
     cfg, name = _load(args.config, extra, args.resume)
     run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
     check_host_devices(cfg, args.workers, args.spares)
+    check_alert_command(cfg.metrics)
     command = (sys.executable, str(script.resolve()), *args.args)
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command, spares=args.spares
@@ -179,7 +184,10 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         if not state.campaign():
             raise ValueError(f"coordinator.state = {cfg.coordinator.state}: another coordinator leads this run")
     else:
+        from unbroken.control.alerts import check_alert_command
+
         cfg, name = _load(args.config, extra, None)
+        check_alert_command(cfg.metrics)
         run_dir = Path(args.run_dir or cfg.train.out_dir or f"runs/{name}").resolve()
         shared = cfg.coordinator.state.startswith("etcd://")  # a standby shares the run directory
         if run_dir.exists() and any(run_dir.iterdir()) and not (args.resume or shared):
@@ -298,6 +306,14 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
+    if (args.scenario is None) == (args.replay is None):
+        raise ValueError("unbroken simulate needs SCENARIO.toml or --replay RUN_DIR (one of them)")
+    if args.replay is not None:
+        if extra or args.sweep or args.out:
+            raise ValueError("--replay RUN_DIR takes its scenario from the run: no overrides, --sweep or --out")
+        from unbroken.sim.replay import run_replay
+
+        return run_replay(args.replay, args.cores)
     out = Path(args.out) if args.out else None
     if args.sweep:
         from unbroken.sim.sweep import run_sweep
@@ -484,7 +500,16 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--churn", type=int, metavar="CHANGES", help=churn_help)
     chaos.set_defaults(func=cmd_chaos)
     simulate = sub.add_parser("simulate", help="discrete-event model of a cluster: recovery policies side by side")
-    simulate.add_argument("scenario", metavar="SCENARIO.toml", help="e.g. configs/sim/recover_512.toml")
+    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.toml", help="e.g. configs/sim/recover_512.toml")
+    simulate.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        help="instead: a finished run's own failure timeline, costs fitted from its records, its goodput buckets "
+        "and the simulated ones side by side (docs/goodput.md)",
+    )
+    simulate.add_argument(
+        "--cores", type=int, default=0, help="with --replay: the run's workers shared this many CPU cores (0: devices)"
+    )
     simulate.add_argument("--out", help="also write scenario.toml, summary.md, results.json and plots here")
     simulate.add_argument(
         "--sweep",

@@ -55,15 +55,17 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from unbroken.control import keys
+from unbroken.control.alerts import Alerter
 from unbroken.control.gateway import Gateway, require_token
 from unbroken.control.live_tensorboard import open_tensorboard
 from unbroken.control.progress import describe_error
-from unbroken.control.runview import MetricsTee, RunView
+from unbroken.control.runview import GoodputRecorder, MetricsTee, RunView, SlowRecorder
 from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
 from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, request_stop, ring, wait_key
 from unbroken.core import bugs, ckptfiles
-from unbroken.core.config import Reduction, RunConfig, to_toml
+from unbroken.core.config import Reduction, RunConfig, SlowPolicy, to_toml
+from unbroken.core.failslow import SlowRule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.numerics import group_fingerprint, refusal
 from unbroken.core.records import (
@@ -204,6 +206,13 @@ class Coordinator:
         self.saver: int | None = None  # the member named to save the state it holds at that stop
         tensorboard = open_tensorboard(run_dir, cfg.metrics.tensorboard)
         self.metrics = MetricsTee(MetricsFile(run_dir), self.view, tensorboard)
+        self.metrics.sinks.append(GoodputRecorder(self.metrics, cfg.metrics.goodput_every, records))
+        self.alerter = Alerter(cfg.metrics, str(run_dir))
+        if self.alerter.enabled:
+            self.metrics.sinks.append(self.alerter)
+        if cfg.recovery.slow is not SlowPolicy.OFF:
+            rule = SlowRule(cfg.recovery.slow_window, cfg.recovery.slow_windows, cfg.recovery.slow_ratio)
+            self.metrics.sinks.append(SlowRecorder(self.metrics, rule, records))
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.stall: Stall | None = None

@@ -108,6 +108,14 @@ class LiveTensorBoard:
             w.add_scalar("membership/members", len(members), self._step, walltime=t)
             text = f"epoch {record.get('epoch')}: members {members} ({record.get('reason')})"
             w.add_text("events", text, self._step, walltime=t)
+        elif kind == "goodput":
+            step = int(record.get("step", self._step))
+            for field, tag in (("tokens_per_s", "goodput/tokens_per_s"), ("ratio", "goodput/ratio")):
+                if _finite(record.get(field)):
+                    w.add_scalar(tag, record[field], step, walltime=t)
+            for bucket, seconds in (record.get("buckets") or {}).items():
+                if _finite(seconds):
+                    w.add_scalar(f"badput_s/{bucket}", seconds, step, walltime=t)
         elif kind in ("final", "stopped", "stall", "coordinator_lost", "resume", "restart", "nonfinite_skip"):
             fields = ", ".join(f"{k}={v}" for k, v in sorted(record.items()) if k not in ("type", "time", "checksums"))
             w.add_text("events", f"{kind}: {fields}", self._step, walltime=t)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.failures import parse_event
+from unbroken.core.goodput import account
 from unbroken.core.records import SpareState, WorkerError, committed_steps, is_join, sessions
 from unbroken.core.throughput import run_throughput
 
@@ -332,6 +333,7 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s (coordinator start to last record)",
     )
     table.add_row("per device", _per_device(s))
+    table.add_row("goodput", account(records).line())
     if s["failures"]:
         for f in s["failures"]:
             what = f.get("event") or f["why"]
@@ -370,6 +372,13 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         table.add_row("rejoined", f"worker {who} at step {j['step']} (epoch {j['epoch']}): members {j['members']}")
     for f in s["not_rejoined"]:
         table.add_row("not rejoined", _not_rejoined(f))
+    for r in (r for r in records if r.get("type") == "slow"):
+        said = "fail-slow" if r["state"] == "slow" else "no longer slow"
+        table.add_row(
+            "fail-slow",
+            f"worker {r['worker']} {said} at step {r['step']}: {r['relative']:.2f}x the other members' time per "
+            f"microbatch ({r['decision']})",
+        )
     if s["identical_params"] is not None:
         table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
     impure = [r for r in records if r.get("type") == "impure_data"]

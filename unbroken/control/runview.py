@@ -29,7 +29,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.core.records import WorkerError, decode, is_join, read_records
+from unbroken.core.config import SlowPolicy
+from unbroken.core.failslow import SlowDetector, SlowRule, SlowState
+from unbroken.core.goodput import Bucket, Tracker
+from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +173,8 @@ class RunView:
         self._num_checkpoints = 0
         self._final: dict[str, Any] | None = None
         self._spares: dict[int, dict[str, Any]] = {}  # warm spare -> its state (started, ready, promoted) and worker
+        # the goodput records (core.goodput): the account at each, badput seconds by bucket
+        self._goodput = _Series(("step", "tokens_per_s", "ideal_tokens_per_s", "ratio", *map(str, Bucket)), max_points)
 
     @classmethod
     def from_run_dir(cls, run_dir: Path | str, max_points: int = MAX_POINTS) -> RunView:
@@ -395,6 +400,21 @@ class RunView:
         seconds = _ms(_num(r.get("seconds")))
         self._event(t, "checkpoint", f"checkpoint {_after(r.get('step'))} written in {seconds}")
 
+    def _on_slow(self, r: Mapping[str, Any], t: float | None) -> None:
+        wid = int(r.get("worker", -1))
+        relative = _num(r.get("relative"))
+        times = "?" if relative is None else f"{relative:.2f}x"
+        if r.get("state") == "slow":
+            text = f"worker {wid} is fail-slow: {times} the others' time per microbatch, {r.get('windows')} windows"
+        else:
+            text = f"worker {wid} is no longer slow ({times} the others)"
+        self._event(t, "slow", f"{text} (step {r.get('step')}; {r.get('decision')})", worker=wid)
+
+    def _on_goodput(self, r: Mapping[str, Any], t: float | None) -> None:
+        buckets = r.get("buckets") or {}
+        head = (int(r.get("step", self._max_step)), _num(r.get("tokens_per_s")), _num(r.get("ideal_tokens_per_s")))
+        self._goodput.add((*head, _num(r.get("ratio")), *(_num(buckets.get(str(b))) for b in Bucket)))
+
     def _on_final(self, r: Mapping[str, Any], t: float | None) -> None:
         checksums = {str(k): v for k, v in _workers(r.get("checksums")).items()}
         self._final = {"step": r.get("step"), "identical": r.get("identical"), "checksums": checksums}
@@ -522,6 +542,7 @@ class RunView:
                 "timeline_dropped": self._num_events - len(self._timeline),
                 "checkpoints": [dict(c) for c in self._checkpoints],
                 "spares": [dict(x) for _, x in sorted(self._spares.items())],
+                "goodput": self._goodput.columns(),
             }
 
     def _worker_rows(self) -> list[dict[str, Any]]:
@@ -589,3 +610,45 @@ class MetricsTee:
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
+
+
+class GoodputRecorder:
+    """A sink that writes a ``goodput`` record (``core.goodput.Tracker``) into ``tee`` every ``every`` committed
+    steps; ``records``: the run's so far (a restarted coordinator's account starts where the run is)."""
+
+    def __init__(self, tee: MetricsTee, every: int, records: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.tee = tee
+        self.tracker = Tracker(every, records)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        fields = self.tracker.add(record)
+        if fields is not None:
+            self.tee.write(make(RecordKind.GOODPUT, time.time(), **fields))
+
+
+class SlowRecorder:
+    """A sink that watches the step records for fail-slow workers (``core.failslow``) and writes a ``slow``
+    record into ``tee`` for each verdict (``recovery.slow = "report"``: that, and a warning, is all it does);
+    ``records``: the run's so far, replayed without records (a restarted coordinator goes on where it was)."""
+
+    def __init__(self, tee: MetricsTee, rule: SlowRule, records: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.tee = tee
+        self.detector = SlowDetector(rule)
+        for r in records:
+            if r.get("type") == RecordKind.STEP:
+                self.detector.observe(r)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if record.get("type") != RecordKind.STEP:
+            return
+        for v in self.detector.observe(record):
+            if v.state is SlowState.SLOW:
+                log.warning(
+                    "worker %d is fail-slow: %.2fx the other members' time per microbatch over %d windows (step %d)",
+                    v.worker, v.relative, v.windows, v.step,
+                )  # fmt: skip
+            else:
+                log.info("worker %d is no longer slow (%.2fx the others, step %d)", v.worker, v.relative, v.step)
+            fields = {"worker": v.worker, "state": str(v.state), "step": v.step, "relative": v.relative}
+            fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowPolicy.REPORT)}
+            self.tee.write(make(RecordKind.SLOW, time.time(), **fields))

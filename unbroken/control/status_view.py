@@ -35,6 +35,7 @@ from rich.text import Text
 from unbroken.control.gateway import TOKEN_ENV, token_from_env
 from unbroken.control.runview import TERMINAL_STATES, RunView
 from unbroken.control.status import MAX_WAIT_S
+from unbroken.core.goodput import Bucket
 
 LONG_POLL_S = 20.0
 RETRY_S = 3.0
@@ -150,6 +151,20 @@ def _marks(incidents: list[dict[str, Any]], first: int, last: int, width: int) -
     return "".join(line).rstrip()
 
 
+def goodput_line(columns: dict[str, Any]) -> str:
+    """The newest goodput record of the snapshot's ``goodput`` columns in a line (empty before the first):
+    ``812 tokens/s, 79.6 % of the ideal; badput start 3.0 s, recompute 1.2 s, checkpoint 0.4 s``."""
+    if not columns.get("step"):
+        return ""
+    newest = {name: values[-1] for name, values in columns.items() if isinstance(values, list) and values}
+    ratio = "" if newest.get("ratio") is None else f", {100 * newest['ratio']:.1f} % of the ideal"
+    named = [(b, newest.get(b)) for b in map(str, Bucket) if b != Bucket.UNATTRIBUTED]
+    top = sorted(((b, s) for b, s in named if s), key=lambda item: -item[1])[:3]
+    rate = "-" if newest.get("tokens_per_s") is None else f"{newest['tokens_per_s']:,.0f}"
+    worst = "; badput " + ", ".join(f"{b} {s:.1f} s" for b, s in top) if top else ""
+    return f"{rate} tokens/s{ratio}{worst}"
+
+
 def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     """The snapshot as rich renderables: summary, loss sparkline, workers, failures, timeline, checkpoints."""
     run = snapshot["run"]
@@ -181,6 +196,8 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
         f"{run['failures']} failed, {run['recoveries']} recovered, {run.get('joins', 0)} rejoined; microbatches "
         f"recomputed {run['recomputed_microbatches']}, dropped {run['dropped_microbatches']}",
     )
+    if line := goodput_line(snapshot.get("goodput") or {}):
+        summary.add_row("goodput", line)
     summary.add_row("checkpoint", "-" if ckpt is None else f"{after_step(ckpt['step'])} ({ckpt['path']})")
     summary.add_row("last record", f"{_age(age)} ago")
     parts: list[RenderableType] = [Panel(summary, title="unbroken status", expand=False)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
+import shlex
 import tomllib
 import types
 import typing
@@ -47,6 +48,13 @@ class Workload(StrEnum):
 
     EVEN = "even"  # equal quotas (the first M mod R workers get one more)
     THROUGHPUT = "throughput"  # quotas minimise the slowest worker's time given per-microbatch times
+
+
+class SlowPolicy(StrEnum):
+    """What the coordinator does about a fail-slow worker (core.failslow: the rule that finds one)."""
+
+    OFF = "off"  # nothing is watched
+    REPORT = "report"  # a ``slow`` record and a warning; the run goes on unchanged
 
 
 class NonfinitePolicy(StrEnum):
@@ -287,9 +295,18 @@ class RecoveryConfig:
     reduction: Reduction = option(
         Reduction.FP32, "fp32, or exact (int64 fixed point: bitwise the failure-free run whoever computed what)"
     )
+    slow: SlowPolicy = option(SlowPolicy.REPORT, "off, or report a fail-slow worker (core.failslow, docs/goodput.md)")
+    slow_window: int = option(10, "fail-slow rule: steps per window")
+    slow_windows: int = option(3, "fail-slow rule: consecutive slow windows that make a worker fail-slow")
+    slow_ratio: float = option(1.5, "fail-slow rule: a window's median time over the other members' must exceed this")
 
     def __post_init__(self) -> None:
         _enum_fields(self)
+        if self.slow_window < 2 or self.slow_windows < 1 or not self.slow_ratio > 1.0:
+            raise ValueError(
+                f"recovery.slow_window = {self.slow_window}, slow_windows = {self.slow_windows}, slow_ratio = "
+                f"{self.slow_ratio}: needs slow_window >= 2, slow_windows >= 1 and slow_ratio > 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -395,6 +412,30 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     tensorboard: bool = option(False, "also write TensorBoard event files (needs the tensorboard extra)")
+    goodput_every: int = option(
+        50, "a goodput record (core.goodput: the account so far) every N committed steps; 0: none"
+    )
+    alert_command: str = option("", "run on each alert with its JSON on stdin (control.alerts); empty: none")
+    alert_webhook: str = option("", "an http(s) URL to POST each alert's JSON to; empty: none")
+    alert_goodput: float = option(0.0, "alert when goodput stays below this fraction of the ideal; 0: never")
+    alert_goodput_minutes: float = option(10.0, "... for this many minutes")
+
+    def __post_init__(self) -> None:
+        if self.goodput_every < 0:
+            raise ValueError(f"metrics.goodput_every = {self.goodput_every} must be >= 0 (0: no goodput records)")
+        try:
+            words = shlex.split(self.alert_command)
+        except ValueError as e:
+            raise ValueError(f"metrics.alert_command = {self.alert_command!r}: {e}; give a command line") from None
+        if self.alert_command and not words:
+            raise ValueError(f"metrics.alert_command = {self.alert_command!r} names no program; give one, or ''")
+        if self.alert_webhook and not self.alert_webhook.startswith(("http://", "https://")):
+            raise ValueError(f"metrics.alert_webhook = {self.alert_webhook!r} must be an http:// or https:// URL")
+        if not 0.0 <= self.alert_goodput < 1.0 or not self.alert_goodput_minutes > 0:
+            raise ValueError(
+                f"metrics.alert_goodput = {self.alert_goodput}, alert_goodput_minutes = {self.alert_goodput_minutes}: "
+                "needs 0 <= alert_goodput < 1 (a fraction of the ideal; 0: never) and minutes > 0"
+            )
 
 
 @dataclass(frozen=True)

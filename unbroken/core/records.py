@@ -53,6 +53,8 @@ class RecordKind(StrEnum):
     ERROR = "error"  # a worker died of an exception (``WorkerError``: where, and the traceback's last frames)
     IMPURE_DATA = "impure_data"  # the data check found a microbatch whose inputs differ between two workers
     SPARE = "spare"  # a warm spare started, ready (initialised, outside the group) or promoted to a dead worker
+    GOODPUT = "goodput"  # the run's goodput account so far (core.goodput), every metrics.goodput_every steps
+    SLOW = "slow"  # a worker found fail-slow, or recovered from it (core.failslow), and what was decided
 
 
 FIELDS: dict[RecordKind, frozenset[str]] = {
@@ -87,6 +89,10 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     ),
     RecordKind.IMPURE_DATA: frozenset({"step", "microbatch", "workers", "reason"}),
     RecordKind.SPARE: frozenset({"spare", "state", "worker", "pid"}),
+    RecordKind.SLOW: frozenset({"worker", "state", "step", "relative", "threshold", "windows", "decision"}),
+    RecordKind.GOODPUT: frozenset(
+        {"step", "wall_s", "tokens", "tokens_per_s", "ideal_tokens_per_s", "ratio", "buckets"}
+    ),
 }
 
 

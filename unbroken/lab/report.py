@@ -2,9 +2,10 @@
 
 Owns turning a run directory's ``metrics.jsonl`` into ``report/``: ``loss.png`` (loss against step, overlaid
 on a reference run's with the per-step difference), ``throughput.png`` (tokens/s over wall time),
-``membership.png`` (which workers were alive when, with failure, detection, re-formation and rejoin markers)
-and ``report.md`` (steps, losses, throughput, failures survived and what they cost, and, with a reference,
-whether the two loss trajectories are bitwise equal).
+``membership.png`` (which workers were alive when, with failure, detection, re-formation and rejoin markers),
+``goodput.png`` (where the badput went, ``core.goodput``: by bucket, and over the steps from the run's ``goodput``
+records) and ``report.md`` (steps, losses, throughput, goodput, failures survived and what they cost, and, with a
+reference, whether the two loss trajectories are bitwise equal).
 
 It only reads: it never imports torch (a report runs anywhere the files are), and matplotlib, an optional
 extra (``pip install 'unbroken[plots]'``), is imported only when the plots are drawn. Everything is read and
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.goodput import account
 from unbroken.core.records import committed_steps, is_join, sessions, wall_s
 
-PLOTS = ("loss.png", "throughput.png", "membership.png")
+PLOTS = ("loss.png", "throughput.png", "membership.png", "goodput.png")
 # The fields the report reads unconditionally, per record type (metrics.py lists the types).
 REQUIRED = {
     "step": ("step", "loss", "time"),
@@ -353,6 +355,13 @@ def render_markdown(run: Run, reference: Run | None) -> str:
             "then rolled back to the last checkpoint."
         )
 
+    g = account(run.records)
+    lines += ["", "## Goodput", "", g.line() + ".", "", "| badput | seconds | share |", "|---|---|---|"]
+    for bucket, seconds in sorted(g.buckets.items(), key=lambda item: -abs(item[1])):
+        if seconds:
+            share = f"{100 * seconds / g.badput_s:.1f} %" if g.badput_s > 0 else "-"
+            lines.append(f"| {bucket} | {seconds:.2f} | {share} |")
+
     if reference is not None:
         c = compare(run, reference)
         lines += ["", f"## Against the reference `{reference.path}`", ""]
@@ -485,6 +494,33 @@ def plot_membership(run: Run, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_goodput(run: Run, path: Path) -> None:
+    """Where the badput went: the run's account (core.goodput), seconds by bucket; over the steps too when the
+    run has ``goodput`` records (stacked)."""
+    g = account(run.records)
+    over_time = [r for r in run.of("goodput") if isinstance(r.get("buckets"), dict)]
+    fig, axes = _figure(rows=2 if over_time else 1, height=3.2)
+    named = sorted(((b, s) for b, s in g.buckets.items() if s), key=lambda item: item[1])
+    ax = axes[-1] if over_time else axes[0]
+    ax.barh(
+        [str(b) for b, _ in named],
+        [s for _, s in named],
+        color=["C7" if b == "unattributed" else "C3" for b, _ in named],
+    )
+    ax.set_xlabel("badput (s)")
+    ax.set_title(g.line(), fontsize=8)
+    if over_time:
+        top = axes[0]
+        steps = [r["step"] for r in over_time]
+        buckets = [b for b in g.buckets if b != "unattributed"]
+        stacks = [[max(0.0, r["buckets"].get(str(b), 0.0)) for r in over_time] for b in buckets]
+        top.stackplot(steps, stacks, labels=[str(b) for b in buckets])
+        top.set_ylabel("badput so far (s)")
+        top.set_xlabel("step")
+        top.legend(loc="upper left", fontsize=6, ncol=4, frameon=False)
+    fig.savefig(path, dpi=100)
+
+
 # -- entry point --------------------------------------------------------------------------------------
 def write_report(run_dir: Path, reference_dir: Path | None = None, out: Path | None = None) -> Path:
     """Write the plots and ``report.md`` to ``out`` (default ``run_dir/report``); returns ``report.md``'s path.
@@ -503,5 +539,6 @@ def write_report(run_dir: Path, reference_dir: Path | None = None, out: Path | N
     plot_loss(run, reference, out / "loss.png")
     plot_throughput(run, out / "throughput.png")
     plot_membership(run, out / "membership.png")
+    plot_goodput(run, out / "goodput.png")
     (out / "report.md").write_text(markdown)
     return out / "report.md"

@@ -20,11 +20,23 @@ import numpy as np
 from unbroken.core import plan as planlib
 from unbroken.core.config import RecoveryPolicy
 from unbroken.core.failures import FailureSchedule, Phase
+from unbroken.core.goodput import Bucket
 from unbroken.sim.planner import Planner
 from unbroken.sim.scenario import HOUR, Costs, Scenario
 from unbroken.sim.timeline import Timeline
 
 LOST_CAUSES = ("detection", "re-formation", "recompute", "restart", "rollback", "idle", "checkpoint", "degraded")
+# The goodput bucket (core.goodput, what a real run's records are accounted in) of each cause.
+BUCKET_OF = {
+    "detection": Bucket.DETECTION,
+    "re-formation": Bucket.REFORMATION,
+    "recompute": Bucket.RECOMPUTE,
+    "restart": Bucket.RESTART,
+    "rollback": Bucket.RESTART,
+    "idle": Bucket.RESTART,
+    "checkpoint": Bucket.CHECKPOINT,
+    "degraded": Bucket.WORKERS_DOWN,
+}
 
 
 def _rates(active: np.ndarray, cores: int, penalty: float) -> np.ndarray:

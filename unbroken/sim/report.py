@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from unbroken.core.config import to_toml
+from unbroken.core.goodput import Bucket
 from unbroken.sim.engine import LOST_CAUSES
 from unbroken.sim.scenario import HOUR, load_scenario
 from unbroken.sim.simulate import PolicyResult, SimResult, simulate
@@ -95,6 +96,14 @@ def format_markdown(res: SimResult) -> str:
         lost = [r.lost_s[k] for k in LOST_CAUSES]
         share = sum(lost) / r.wall_s if r.wall_s else 0.0
         lines.append(f"| {r.policy} | " + " | ".join(f"{v / scale:.3g}" for v in lost) + f" | {share:.1%} |")
+    # The same time in the buckets a real run's goodput is accounted in (core.goodput; docs/goodput.md).
+    badput = [r.badput() for r in res.policies]
+    used = [b for b in Bucket if any(x[b] for x in badput)]
+    if used:
+        lines += ["", f"The same in goodput buckets ({unit}), as a real run's summary and report give them", ""]
+        lines += ["| policy | " + " | ".join(map(str, used)) + " |", "|---|" + "---|" * len(used)]
+        for r, x in zip(res.policies, badput, strict=True):
+            lines.append(f"| {r.policy} | " + " | ".join(f"{x[b] / scale:.3g}" for b in used) + " |")
     return "\n".join(lines)
 
 

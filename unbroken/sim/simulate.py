@@ -35,7 +35,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from unbroken.core.config import RecoveryPolicy
-from unbroken.sim.engine import Engine, NeedLongerTimeline, makespan
+from unbroken.core.goodput import Bucket
+from unbroken.sim.engine import BUCKET_OF, Engine, NeedLongerTimeline, makespan
 from unbroken.sim.planner import Planner
 from unbroken.sim.scenario import GIVE_UP_S, HOUR, Costs, Scenario
 from unbroken.sim.timeline import Timeline, build_timeline, failure_rate_per_s
@@ -72,6 +73,13 @@ class PolicyResult:
     @property
     def tokens_per_s(self) -> float:
         return self.committed_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def badput(self) -> dict[Bucket, float]:
+        """The time lost, in the buckets of a real run's goodput account (``core.goodput``; ``BUCKET_OF``)."""
+        out = {b: 0.0 for b in Bucket}
+        for cause, seconds in self.lost_s.items():
+            out[BUCKET_OF[cause]] += seconds
+        return out
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,27 @@ function chartWidth(container) {
 
 let lossChart = null;
 let timeChart = null;
+let goodputChart = null;
+
+// The badput buckets of unbroken.core.goodput.Bucket, bottom of the stack first (unattributed, which can be
+// negative, is left out of the stack and said in the note).
+const BUCKETS = [
+  ["start", "#8c959f"], ["restart", "#57606a"], ["detection", "#d1242f"], ["reformation", "#fb8f44"],
+  ["recompute", "#bf8700"], ["transfer", "#1a7f37"], ["workers_down", "#cf222e"], ["slow", "#8250df"],
+  ["checkpoint", "#1f6feb"], ["evaluation", "#0969da"], ["nonfinite", "#d97706"], ["coordinator", "#6e7781"],
+];
+
+// Stacked: series k is the sum of buckets 0..k, drawn from the top of the stack down, each filled to zero.
+function goodputData(s) {
+  const g = s.goodput;
+  const stacks = [];
+  let below = g.step.map(() => 0);
+  for (const [name] of BUCKETS) {
+    below = below.map((x, i) => x + Math.max(0, g[name]?.[i] ?? 0));
+    stacks.push(below);
+  }
+  return [g.step, ...stacks.reverse()];
+}
 
 function lossData(s) {
   const train = new Map(s.series.step.map((step, i) => [step, s.series.loss[i]]));
@@ -157,6 +178,41 @@ function drawCharts(s) {
     lossChart.setData(lossData(s));
     timeChart.setData(timeData(s));
   }
+  drawGoodput(s);
+}
+
+function drawGoodput(s) {
+  const g = s.goodput;
+  const n = g ? g.step.length : 0;
+  if (n === 0) {
+    $("goodput-note").textContent = "No goodput record yet (one every metrics.goodput_every committed steps).";
+    return;
+  }
+  const ratio = g.ratio[n - 1];
+  const rate = g.tokens_per_s[n - 1];
+  const unattributed = g.unattributed[n - 1];
+  $("goodput-note").textContent =
+    `${fmt.int(rate === null ? null : Math.round(rate))} tokens/s committed, ` +
+    `${ratio === null ? "-" : (100 * ratio).toFixed(1) + " %"} of the ideal ` +
+    `${fmt.int(g.ideal_tokens_per_s[n - 1] === null ? null : Math.round(g.ideal_tokens_per_s[n - 1]))}; ` +
+    `badput seconds so far by cause, stacked (unattributed: ${fmt.secs(unattributed)}).`;
+  const box = $("goodput-chart");
+  if (goodputChart === null) {
+    goodputChart = new uPlot(
+      {
+        width: chartWidth(box),
+        height: 220,
+        scales: { x: { time: false } },
+        axes: [{ label: "step" }, { label: "badput s" }],
+        series: [{ label: "step" }, ...[...BUCKETS].reverse().map(([name, color]) => ({ label: name, stroke: color, fill: color, width: 1 }))],
+      },
+      goodputData(s),
+      box,
+    );
+    window.addEventListener("resize", () => goodputChart.setSize({ width: chartWidth(box), height: 220 }));
+  } else {
+    goodputChart.setData(goodputData(s));
+  }
 }
 
 // -- tables -------------------------------------------------------------------------------------------------
@@ -188,6 +244,9 @@ function drawSummary(s) {
       card("MFU", r.mfu === null ? "-" : `${(100 * r.mfu).toFixed(1)} %`),
     ]),
     card("tokens", fmt.int(r.tokens)),
+    ...(!s.goodput || s.goodput.step.length === 0 ? [] : [
+      card("goodput (of the ideal)", s.goodput.ratio.at(-1) === null ? "-" : `${(100 * s.goodput.ratio.at(-1)).toFixed(1)} %`),
+    ]),
     card("failed / recovered / rejoined", `${r.failures} / ${r.recoveries} / ${r.joins ?? 0}`),
     card("recomputed / dropped", `${r.recomputed_microbatches} / ${r.dropped_microbatches}`),
     ...(!r.spares || r.spares.started + r.spares.ready + r.spares.promoted === 0 ? [] : [

@@ -1,0 +1,111 @@
+"""The fail-slow rule (unbroken.core.failslow) on step records with seeded noise: a persistent slow-down is found
+within its documented window and only then, one-off slow steps and short slow spells never are, a recovered
+worker is said to be, and the threshold rises with the members' noise."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from runner import CONTROL_COMMON, CONTROL_STEPS, same_final, train
+
+from unbroken.core.failslow import SlowDetector, SlowRule, SlowState, Verdict, relative_times
+from unbroken.core.records import read_records, step_losses
+
+pytestmark = pytest.mark.timeout(30)
+
+RULE = SlowRule(window=10, windows=3, ratio=1.5, mad_z=3.0)
+
+
+def steps(n: int, workers: int, factor: dict[int, dict[int, float]], noise: float, seed: int = 0) -> list[dict]:
+    """``n`` step records of ``workers`` members, each 0.1 s per microbatch times lognormal noise (sigma
+    ``noise``) times ``factor[step][worker]`` where given."""
+    rng = random.Random(seed)
+    out = []
+    for s in range(n):
+        speeds = {str(w): 0.1 * rng.lognormvariate(0.0, noise) * factor.get(s, {}).get(w, 1.0) for w in range(workers)}
+        out.append({"type": "step", "step": s, "committed": True, "speeds": speeds})
+    return out
+
+
+def verdicts(records: list[dict], rule: SlowRule = RULE) -> list[Verdict]:
+    detector = SlowDetector(rule)
+    return [v for r in records for v in detector.observe(r)]
+
+
+def test_a_worker_slow_from_step_35_on_is_fail_slow_within_three_windows_of_whole_slow_ones() -> None:
+    slow = {s: {2: 3.0} for s in range(35, 200)}
+    (verdict,) = verdicts(steps(200, 4, slow, noise=0.1))
+    assert verdict.worker == 2 and verdict.state is SlowState.SLOW and verdict.windows == 3
+    # The window 30-39 is half slow (its median may go either way); 40-49, 50-59 and 60-69 are wholly slow.
+    assert verdict.step in (59, 69)
+    assert verdict.relative == pytest.approx(3.0, rel=0.2) and verdict.threshold == pytest.approx(1.5)
+
+
+def test_one_off_slow_steps_and_a_slow_spell_shorter_than_two_windows_are_never_fail_slow() -> None:
+    rng = random.Random(1)
+    pauses = {s: {rng.randrange(4): 20.0} for s in range(0, 300, 3)}  # a GC pause or a checkpoint every 3 steps
+    assert verdicts(steps(300, 4, pauses, noise=0.1)) == []
+    for start in (40, 45, 51):  # 19 slow steps, (windows - 1) x window - 1, wherever they fall
+        spell = {s: {1: 5.0} for s in range(start, start + 19)}
+        assert verdicts(steps(300, 4, spell, noise=0.1)) == [], start
+    spell = {s: {1: 5.0} for s in range(45, 65)}  # 20: the last half of one window, a whole one, half the next
+    found = [(v.state, v.step) for v in verdicts(steps(300, 4, spell, noise=0.1))]
+    assert found == [(SlowState.SLOW, 69), (SlowState.RECOVERED, 79)]
+
+
+def test_a_fail_slow_worker_that_gets_well_again_is_said_to_have_recovered() -> None:
+    slow = {s: {0: 4.0} for s in range(20, 80)}
+    found = verdicts(steps(150, 4, slow, noise=0.1))
+    assert [(v.worker, v.state, v.step) for v in found] == [(0, SlowState.SLOW, 49), (0, SlowState.RECOVERED, 89)]
+
+
+def test_with_two_members_the_other_one_is_the_yardstick() -> None:
+    assert relative_times({"speeds": {"0": 0.3, "1": 0.1}}) == pytest.approx({0: 3.0, 1: 1 / 3})
+    (verdict,) = verdicts(steps(60, 2, {s: {1: 3.0} for s in range(60)}, noise=0.1))
+    assert (verdict.worker, verdict.step) == (1, 29)
+
+
+def test_the_threshold_rises_with_the_members_noise() -> None:
+    noisy = steps(600, 6, {}, noise=0.4, seed=3)  # everyone wanders: relative times spread widely
+    assert verdicts(noisy) == []
+    assert verdicts(noisy, SlowRule(window=10, windows=3, ratio=1.01, mad_z=0.0)) != []  # without the noise term
+    (verdict,) = verdicts(steps(60, 6, {s: {5: 6.0} for s in range(60)}, noise=0.4, seed=3))
+    assert verdict.worker == 5 and verdict.threshold > RULE.ratio
+
+
+@pytest.mark.parametrize(
+    "rule", [{"window": 1}, {"windows": 0}, {"ratio": 1.0}, {"mad_z": -1.0}], ids=["window", "windows", "ratio", "z"]
+)
+def test_a_bad_rule_is_refused(rule: dict) -> None:
+    with pytest.raises(ValueError, match="needs window >= 2"):
+        SlowRule(**rule)
+
+
+# Worker 2 computes 4x slower from step 4 to the end; worker 1 is 20x slower in step 12 alone (a pause).
+SLOWDOWNS = "slow:worker=2,factor=4,steps=4-39; slow:worker=1,factor=20,steps=12-12"
+
+
+@pytest.mark.timeout(240)
+def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unchanged(
+    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+) -> None:
+    """Windows of 4 steps, 2 of them: worker 2 (slow from step 4) is fail-slow at the end of the window 8-11 or,
+    if its first whole window is not yet slow in the records' speeds (a step's speeds are those agreed in its
+    reduction), of 12-15; worker 1's one slow step never makes it fail-slow. ``report`` changes nothing else:
+    the run is bitwise the failure-free one."""
+    run = tmp_path / "run"
+    rule = ["--recovery.slow=report", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
+    alerts = tmp_path / "alerts.jsonl"
+    notify = f"--metrics.alert_command=sh -c 'cat >> {alerts}'"
+    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, notify, f"--failures.schedule={SLOWDOWNS}", workers=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    slow = read_records(run, "slow")
+    assert [(r["worker"], r["state"], r["decision"]) for r in slow] == [(2, "slow", "report")], slow
+    (alert,) = [json.loads(line) for line in alerts.read_text().splitlines()]  # the operator is told
+    assert alert["alert"] == "fail_slow" and alert["record"] == slow[0]
+    assert slow[0]["step"] in (11, 15) and slow[0]["relative"] > 1.5
+    assert step_losses(run) == step_losses(control_reference)
+    same_final(run, control_reference, CONTROL_STEPS)

@@ -1,0 +1,269 @@
+"""The goodput account (unbroken.core.goodput): a hand-worked timeline whose every second is known, a restart
+policy's relaunch, and the account of a real run with kills and a rejoin against its own recovery records."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runner import EXACT, ONE_THREAD, ROOT, train
+
+from unbroken.cli import main
+from unbroken.core.goodput import Bucket, Tracker, account
+from unbroken.core.records import RecordKind, make, read_records
+from unbroken.sim.replay import replay
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKENS = 128  # every step's
+
+
+class Timeline:
+    """Records of a run made by hand: steps one after the other, each ``gap`` after the previous commit."""
+
+    def __init__(self, start: float = 100.0) -> None:
+        self.now = start
+        self.records: list[dict[str, Any]] = [make(RecordKind.COORDINATOR, start, incarnation="a", restored_epoch=0,
+                                                   address="-", status="-")]  # fmt: skip
+        self.step = 0
+
+    def at(self, kind: RecordKind, offset: float = 0.0, **fields: Any) -> None:
+        self.records.append(make(kind, self.now + offset, **fields))
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+
+    def commit(self, seconds: float, alive: int = 4, **fields: Any) -> None:
+        """A step of ``seconds`` from now; its events are recorded by ``events(start)`` before it commits."""
+        self.now += seconds
+        record = {
+            "step": self.step,
+            "loss": 1.0,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "step_time_s": seconds,
+            "tokens": TOKENS,
+            "alive": alive,
+            "epoch": 1,
+            "microbatches": 4,
+            "committed": True,
+            "recomputed": 0,
+            "dropped": 0,
+            "recoveries": 0,
+            "efficient": 0,
+        }
+        record.update(fields)
+        self.records.append(make(RecordKind.STEP, self.now, **record))
+        self.step += 1
+
+
+def test_a_hand_worked_run_puts_every_second_where_it_went() -> None:
+    """Steps of 1.0 s, 0.1 s apart (the cadence): the ideal step is 1.1 s. Every deviation is placed by hand."""
+    t = Timeline()
+    t.wait(2.0)  # launch to the first step: start
+    t.commit(1.5)  # the first step: 0.4 s of warm-up beyond the ideal 1.1, start again
+    for _ in range(2):
+        t.wait(0.1)
+        t.commit(1.0)
+    t.wait(0.1)
+    t.at(RecordKind.EVAL, 0.4, step=2, val_loss=1.0, val_ppl=math.e)
+    t.wait(0.5)  # 0.5 s beyond the cadence, an evaluation in it
+    t.commit(1.0)
+    t.at(RecordKind.CHECKPOINT, 0.35, step=4, path="-", seconds=0.3)
+    t.wait(0.4)  # 0.3 of it the checkpoint's, 0.0 left beyond the cadence: 0.3 checkpoint, -0.0 unattributed
+    # A kill in step 4, declared 0.2 s after its delivery; the group re-formed in 0.05 s; one microbatch
+    # recomputed: the step took 1.6 s and the usual 0.1 before it, 0.6 beyond the ideal: 0.2 + 0.05 measured,
+    # 0.35 recomputing.
+    t.at(RecordKind.FAILURE, 0.8, worker=2, why="killed", epoch=2, detection_s=0.2)
+    t.at(RecordKind.MEMBERSHIP, 0.8, epoch=2, members=[0, 1, 3], reason="died: 2", elapsed_s=1.0)
+    t.at(RecordKind.RECOVERY, 1.0, step=4, from_epoch=1, epoch=2, alive=3, reform_s=0.05, missing=[2],
+         time_reformed=t.now + 0.95, time_recovered=t.now + 1.0, state_bytes=0)  # fmt: skip
+    t.commit(1.6, alive=3, recoveries=1, recomputed=1)
+    t.wait(0.1)
+    t.commit(1.3, alive=3)  # three workers do four's work: 0.3 s workers_down
+    t.wait(0.1)
+    # Worker 2 joins in step 6: formed in 0.02 s, the state sent in 0.4 s; 0.6 beyond the ideal, 0.18 unexplained.
+    t.at(RecordKind.MEMBERSHIP, 0.0, epoch=3, members=[0, 1, 2, 3], reason="joined: 2", elapsed_s=1.0)
+    t.at(RecordKind.RECOVERY, 0.5, step=6, from_epoch=2, epoch=3, alive=4, reform_s=0.02, missing=[0, 1, 2, 3],
+         time_reformed=t.now + 0.1, time_recovered=t.now + 0.5, state_bytes=1000)  # fmt: skip
+    t.commit(1.6, recoveries=1)
+    t.wait(0.1)
+    t.commit(1.0, committed=False, skipped=True)  # a non-finite gradient: 1.1 s for nothing
+    t.wait(0.1)
+    # Worker 0 three times slower than the median member: it waits 0.6 s for it, of 0.5 s beyond the ideal.
+    t.commit(1.5, quotas={"0": 1, "1": 1, "2": 1, "3": 1}, speeds={"0": 0.9, "1": 0.3, "2": 0.3, "3": 0.3})
+    t.at(RecordKind.FINAL, 0.2, step=9, checksums={}, identical=True, checkpoint="-")
+
+    g = account(t.records)
+    assert g.ideal_step_s == pytest.approx(1.1)  # the median clean step (1, 2, 3, 8) and the cadence
+    assert g.tokens == 8 * TOKENS  # step 7 was skipped
+    assert g.wall_s == pytest.approx(t.now + 0.2 - 100.0)
+    expected = {
+        Bucket.START: 2.0 + 0.4,
+        Bucket.EVALUATION: 0.5,
+        Bucket.CHECKPOINT: 0.3,
+        Bucket.DETECTION: 0.2,
+        Bucket.REFORMATION: 0.05 + 0.02,
+        Bucket.RECOMPUTE: 0.35,
+        Bucket.WORKERS_DOWN: 0.3,
+        Bucket.TRANSFER: 0.4,
+        Bucket.NONFINITE: 1.1,
+        Bucket.SLOW: 0.5,
+        Bucket.UNATTRIBUTED: 0.18 + 0.2,  # the join's unexplained rest; the tail after the last commit
+    }
+    got = {b: s for b, s in g.buckets.items() if abs(s) > 1e-9}
+    assert got == pytest.approx(expected)
+    assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
+    assert [b for b, _ in g.top(3)] == [Bucket.START, Bucket.NONFINITE, Bucket.EVALUATION]
+    assert "goodput" in g.line() and "start 2.40 s" in g.line()
+
+
+def test_a_restart_policy_relaunch_counts_the_down_time_and_the_steps_trained_again() -> None:
+    t = Timeline()
+    t.wait(1.0)
+    for _ in range(4):
+        t.commit(1.0)
+        t.wait(0.1)
+    # Killed in step 4; the job stops and relaunches from the checkpoint of step 2: steps 2 and 3 again.
+    t.wait(2.0)
+    t.at(RecordKind.STOPPED, reason="restart")
+    t.wait(3.0)  # down between the sessions
+    t.at(RecordKind.COORDINATOR, incarnation="b", restored_epoch=0, address="-", status="-")
+    t.at(RecordKind.RESTART, 0.5, workers=[0, 1, 2, 3], stop_and_relaunch_s=3.5)
+    t.at(RecordKind.RESUME, 0.6, step=2, path="-")
+    t.wait(1.5)  # the relaunch's start
+    t.step = 2
+    for _ in range(3):
+        t.commit(1.0)
+        t.wait(0.1)
+
+    g = account(t.records)
+    assert g.ideal_step_s == pytest.approx(1.1)
+    assert g.tokens == 5 * TOKENS
+    assert g.buckets[Bucket.START] == pytest.approx(1.0)
+    # Steps 2 and 3 of the first session (each 1.0 s and the 0.1 s before it), its 2.1 s after its last step,
+    # the 3.0 s between the sessions, the relaunch's 1.5 s before its first step.
+    assert g.buckets[Bucket.RESTART] == pytest.approx(2.2 + 2.1 + 3.0 + 1.5)
+    # Each session's first step took 1.0 s, 0.1 less than the ideal (the cadence before it is the start's).
+    assert g.buckets[Bucket.UNATTRIBUTED] == pytest.approx(-0.2)
+    assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
+
+
+def test_a_real_run_with_kills_and_a_rejoin_is_accounted_by_its_own_records(recovery_runs: dict[str, Path]) -> None:
+    """The recovery fixture's exact run: two kills (detected in the time the failure records say), their
+    re-formations and a rejoin with a state transfer; each bucket holds what those records measured."""
+    records = read_records(recovery_runs["exact_failures"])
+    g = account(records)
+    failures = [r for r in records if r["type"] == "failure"]
+    recoveries = [r for r in records if r["type"] == "recovery"]
+    joins = [r for r in recoveries if r["state_bytes"]]
+    assert len(failures) == 2 and joins
+    assert g.buckets[Bucket.DETECTION] == pytest.approx(sum(f["detection_s"] for f in failures))
+    assert g.buckets[Bucket.REFORMATION] == pytest.approx(sum(r["reform_s"] for r in recoveries))
+    assert g.buckets[Bucket.TRANSFER] == pytest.approx(sum(r["time_recovered"] - r["time_reformed"] for r in joins))
+    for bucket in (Bucket.START, Bucket.CHECKPOINT, Bucket.EVALUATION, Bucket.SLOW):
+        assert g.buckets[bucket] > 0, bucket
+    assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
+    assert 0 < g.ratio < 1
+
+
+def test_the_live_tracker_gives_the_account_so_far_every_n_committed_steps() -> None:
+    t = Timeline()
+    t.wait(1.0)
+    for _ in range(7):
+        t.commit(1.0)
+        t.wait(0.1)
+    t.records.insert(3, make(RecordKind.USER, 102.5, note="not kept"))
+    tracker = Tracker(3, t.records[:2])  # a restarted coordinator: the coordinator record and step 0 so far
+    due = [(r["step"], fields) for r in t.records[2:] if (fields := tracker.add(r)) is not None]
+    assert [step for step, _ in due] == [2, 5]  # the 3rd and 6th committed steps
+    assert due[-1][1] == {"step": 5, **account(t.records[: t.records.index(next(
+        r for r in t.records if r.get("step") == 5 and r["type"] == "step")) + 1]).fields()}  # fmt: skip
+    assert all(r["type"] != "user" for r in tracker.records)
+    assert Tracker(0).add(t.records[1]) is None
+
+
+# A kill mid-backward with a restart 0.5 s later (it rejoins at a step boundary, receiving the state), worker 0
+# 4x slower over steps 4-19 (so the rejoin lands mid-run however long a cold start takes here), a NaN gradient
+# in step 24 (the step is skipped on every member), and a checkpoint every 10 steps.
+SCHEDULE = "kill:worker=2,step=3,phase=backward,rejoin=0.5; slow:worker=0,factor=4,steps=4-19; nan:worker=1,step=24"
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_a_kill_a_rejoin_a_checkpoint_and_a_skipped_step_is_accounted(
+    tmp_path: Path, data_cache_dir: Path
+) -> None:
+    run = tmp_path / "run"
+    overrides = [EXACT, ONE_THREAD, "--train.steps=30", "--checkpoint.every=10", "--metrics.goodput_every=5"]
+    result = train(run, data_cache_dir, *overrides, f"--failures.schedule={SCHEDULE}", workers=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_records(run)
+    (failure,) = [r for r in records if r["type"] == "failure"]
+    recoveries = [r for r in records if r["type"] == "recovery"]
+    joins = [r for r in recoveries if r["state_bytes"]]
+    (skip,) = [r for r in records if r["type"] == "nonfinite_skip"]
+    assert joins and failure["detection_s"] > 0, recoveries
+
+    g = account(records)
+    assert g.buckets[Bucket.DETECTION] == pytest.approx(failure["detection_s"])
+    assert g.buckets[Bucket.REFORMATION] == pytest.approx(sum(r["reform_s"] for r in recoveries))
+    assert g.buckets[Bucket.TRANSFER] == pytest.approx(sum(r["time_recovered"] - r["time_reformed"] for r in joins))
+    skipped = next(r for r in records if r["type"] == "step" and r["step"] == skip["step"])
+    assert g.buckets[Bucket.NONFINITE] >= skipped["step_time_s"]  # the whole skipped step, and the gap before it
+    checkpoints = [r for r in records if r["type"] == "checkpoint"]
+    assert len(checkpoints) >= 3 and g.buckets[Bucket.CHECKPOINT] > 0
+    for bucket in (Bucket.START, Bucket.SLOW, Bucket.RECOMPUTE, Bucket.WORKERS_DOWN):
+        assert g.buckets[bucket] > 0, bucket
+    assert g.tokens == 29 * sum(r["tokens"] for r in records if r["type"] == "step" and r["step"] == 0)
+    assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
+
+    # The coordinator's live records: one every 5 committed steps, each the account of the records before it.
+    live = [r for r in records if r["type"] == "goodput"]
+    assert [r["step"] for r in live] == [
+        r["step"] for r in records if r["type"] == "step" and r["committed"] and not r.get("republished")
+    ][4::5]
+
+
+def test_the_status_page_stacks_every_bucket_but_the_unattributed() -> None:
+    script = (ROOT / "unbroken" / "control" / "static" / "status.js").read_text()
+    stacked = re.findall(r'\["(\w+)", "#[0-9a-f]{6}"\]', script)
+    assert sorted(stacked) == sorted(str(b) for b in Bucket if b is not Bucket.UNATTRIBUTED)
+
+
+def test_a_real_run_replayed_by_the_simulator_is_compared_bucket_by_bucket(
+    recovery_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``unbroken simulate --replay``: the exact run's two kills and its rejoin, costs fitted from its records.
+    The simulator commits what the run committed (recover keeps every microbatch of every step), its
+    failure-free step is the run's ideal one (microbatch time fitted from it, the 4 workers sharing 2 cores as
+    they did), and the buckets the kills fill in the run are filled in the simulation too."""
+    run = recovery_runs["exact_failures"]
+    result = replay(run, cores=2)
+    real, sim = result.real, result.sim.policies[0]
+    assert sim.committed_tokens == real.tokens
+    assert result.sim.failure_free_step_s == pytest.approx(real.ideal_step_s)
+    simulated = result.sim_buckets()
+    for bucket in (Bucket.DETECTION, Bucket.REFORMATION, Bucket.RECOMPUTE):
+        assert real.buckets[bucket] > 0 and simulated[bucket] > 0, bucket
+    assert main(["simulate", "--replay", str(run), "--cores", "2"]) == 0
+    table = capsys.readouterr().out
+    assert f"| committed tokens | {real.tokens:,} | {sim.committed_tokens:,} |" in table
+    assert all(f"| {b} (s) |" in table for b in (Bucket.DETECTION, Bucket.REFORMATION, Bucket.RECOMPUTE))
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--replay", "/nonexistent/run"], "not a run directory"),
+        (["configs/sim/recover_512.toml", "--replay", "/nonexistent/run"], "one of them"),
+        ([], "one of them"),
+    ],
+    ids=["no-run", "both", "neither"],
+)
+def test_replay_bad_input_is_one_line(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert says in line
