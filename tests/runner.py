@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 from unbroken.lab.figures import free_port  # noqa: F401 - the tests take it from here
@@ -39,11 +40,16 @@ def train_cmd(cache: Path, *args: str, workers: int = 4) -> list[str]:
 
 
 def train(
-    out: Path, cache: Path, *overrides: str, workers: int = 4, timeout_s: float = RUN_TIMEOUT_S
+    out: Path,
+    cache: Path,
+    *overrides: str,
+    workers: int = 4,
+    timeout_s: float = RUN_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``unbroken train configs/tiny.toml`` with ``workers`` worker processes into ``out``."""
     cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -111,12 +117,8 @@ def worker_pids(token: str) -> dict[int, int]:
             continue
         try:
             env = (entry / "environ").read_bytes().split(b"\0")
-            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if wanted not in env or b"unbroken.train" not in cmdline:
-            continue
-        for item in env:
-            if item.startswith(b"UNBROKEN_WORKER_ID="):
-                found[int(item.split(b"=", 1)[1])] = int(entry.name)
+        if wanted in env and (worker := worker_of(int(entry.name))) is not None:
+            found[worker] = int(entry.name)
     return found
