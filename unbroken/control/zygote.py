@@ -241,6 +241,7 @@ def _become(job: _Job) -> None:
     for fd, number in parked:
         os.dup2(fd, number)
         os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(job.env)
     os.environ[FORKED_ENV] = "1"
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
     args = parser.parse_args(argv)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the agent's death ends the zygote (its workers go on)
+    # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
+    # order, and the zygote must live on to serve that job's restarts (a worker gets Python's handler back).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = socket.socket(fileno=args.fd)
     for name in PRELOAD:
         __import__(name)
