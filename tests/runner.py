@@ -75,9 +75,10 @@ CONTROL_COMMON = [
 
 # -- the recovery runs (tests/conftest.py makes them; test_recovery and test_report read them) ------------------
 RECOVERY_STEPS = 50
-# Two kills (backward, reduction) and a rejoin. 50 steps: the restarted worker needs a few seconds to start
-# (import torch, build the model) before it can rejoin, and a tiny-model step takes about 0.15 s here.
-RECOVERY_SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
+# Two kills (backward, reduction) and a rejoin. Worker 1's kill comes two steps after worker 2's: worker 2 is
+# restarted 3 s after its kill (a fork: it starts at once) and rejoins at a step boundary well after that, and
+# well before the end (a tiny-model step takes about 0.15 s here, a few times that on a loaded machine).
+RECOVERY_SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=3.0; kill:worker=1,step=7,phase=reduction"
 FP32_STEPS = 20  # the fp32 runs: both kills, no need to wait for the rejoin
 
 
