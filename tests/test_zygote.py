@@ -68,6 +68,14 @@ def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, 
     assert forks == 2  # its first start and its restart
     assert "started by a fork" not in (runs["cold"] / "logs" / "worker-1.log").read_text()
     assert [tuple(m["members"]) for m in read_records(runs["forked"], "membership")] == [(0, 1), (0,), (0, 1)]
+    # The admissions say how each start went, forked or cold as the setting says, each with the wall time since its
+    # agent asked for it and its own CPU until then: two starts and the restart (a cold one may come too late).
+    for name, run in runs.items():
+        admitted = read_records(run, "admitted")
+        expected = [[0, 1, 1]] if name == "forked" else [[0, 1, 1], [0, 1]]
+        assert sorted(r["worker"] for r in admitted) in expected, admitted
+        assert all(r["forked"] is (name == "forked") for r in admitted), admitted
+        assert all(r["start_s"] > 0 and r["start_cpu_s"] > 0 for r in admitted), admitted
     assert step_losses(runs["forked"]) == step_losses(runs["cold"])
     cold = final_params(runs["cold"])
     assert all(torch.equal(tensor, cold[name]) for name, tensor in final_params(runs["forked"]).items())

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control import keys, zygote
-from unbroken.control.client import COORDINATOR_ENV, DEVICE_INDEX_ENV, LOCAL_WORKERS_ENV, SPARE_ENV, WORKER_ID_ENV
+from unbroken.control.client import (
+    COORDINATOR_ENV,
+    DEVICE_INDEX_ENV,
+    LOCAL_WORKERS_ENV,
+    SPARE_ENV,
+    STARTED_AT_ENV,
+    WORKER_ID_ENV,
+)
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
 from unbroken.control.store import connect_store, publish_record, request_stop, ring
@@ -144,6 +151,7 @@ class Agent:
             COORDINATOR_ENV: self.address,
             WORKER_ID_ENV: str(worker_id),
             LOCAL_WORKERS_ENV: str(len(self.ids)),
+            STARTED_AT_ENV: repr(time.time()),
         }
         if self.layout.size > 1:
             env[INCARNATION_ENV] = self.incarnations[self.layout.replica_of(worker_id)]

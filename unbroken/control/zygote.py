@@ -26,6 +26,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import runpy
 import signal
 import socket
@@ -36,17 +37,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.client import WORKER_ID_ENV
+from unbroken.control.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
 
 ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold
-FORKED_ENV = "UNBROKEN_FORKED"  # set in a forked worker's environment (its logs and tests tell the two apart)
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "unbroken.train.trainer")
 READY_TIMEOUT_S = 120.0  # the zygote's imports, on a loaded machine
 MESSAGE_BYTES = 1 << 20
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+READY_LINE = "zygote ready: imports took {wall:.3f} s wall, {cpu:.3f} s CPU"
+READY_PATTERN = r"zygote ready: imports took (?P<wall>[\d.]+) s wall, (?P<cpu>[\d.]+) s CPU"
 _FD_HIGH = 1000  # received descriptors are parked above every number a worker is told to use
+
+
+def ready_cost(log_path: Path) -> tuple[float, float] | None:
+    """(wall, CPU) seconds the zygote logging to ``log_path`` took from its start to ready (its imports); None
+    if it never got there."""
+    for line in log_path.read_text(errors="replace").splitlines() if log_path.exists() else []:
+        if match := re.fullmatch(READY_PATTERN, line):
+            return float(match["wall"]), float(match["cpu"])
+    return None
 
 
 def forkable(command: tuple[str, ...]) -> bool:
@@ -139,7 +150,7 @@ class Zygote:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),),
-                env=env,
+                env={**env, STARTED_AT_ENV: repr(time.time())},
             )
         theirs.close()
         self.sock = mine
@@ -272,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     conn = socket.socket(fileno=args.fd)
     for name in PRELOAD:
         __import__(name)
+    print(READY_LINE.format(wall=time.time() - float(os.environ[STARTED_AT_ENV]), cpu=time.process_time()), flush=True)
     job = _serve(conn)
     if job is None:
         return 0
