@@ -96,7 +96,8 @@ def format_start(samples: dict[str, list[float]], workers: int) -> str:
     ]
     for mode in MODES:
         for kind in ("first", "restart"):
-            lines.append(f"| {mode}, {kind} start | {cell(f'{mode} {kind} wall')} | {cell(f'{mode} {kind} cpu')} |")
+            label = f"{mode}, {'first start' if kind == 'first' else 'restart'}"
+            lines.append(f"| {label} | {cell(f'{mode} {kind} wall')} | {cell(f'{mode} {kind} cpu')} |")
     lines.append(f"| the zygote's imports (once per agent) | {cell('zygote wall')} | {cell('zygote cpu')} |")
     ratios = []
     for kind in ("first", "restart"):
@@ -104,6 +105,6 @@ def format_start(samples: dict[str, list[float]], workers: int) -> str:
             cold, forked = samples.get(f"cold {kind} {measure}"), samples.get(f"forked {kind} {measure}")
             if cold and forked:
                 ratio = stats(cold)["median"] / max(stats(forked)["median"], 1e-9)
-                ratios.append(f"{kind} start {measure}: cold / forked = {ratio:.1f}")
+                ratios.append(f"{'first start' if kind == 'first' else 'restart'} {measure}: cold / forked = {ratio:.1f}")
     lines += ["", "; ".join(ratios) + "."]
     return "\n".join(lines)
