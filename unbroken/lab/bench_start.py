@@ -87,6 +87,7 @@ def format_start(samples: dict[str, list[float]], workers: int) -> str:
         st = stats(samples[key])
         return f"{st['median']:.2f} [{st['min']:.2f}, {st['max']:.2f}] (n={st['n']})"
 
+    names = {"first": "first start", "restart": "restart"}
     lines = [
         f"Tiny config, {workers} workers a run, worker 1 killed at step 2 and restarted at once. Seconds from the "
         "agent's request to the worker's registration (`admitted` records): median [min, max] (n samples).",
@@ -96,7 +97,7 @@ def format_start(samples: dict[str, list[float]], workers: int) -> str:
     ]
     for mode in MODES:
         for kind in ("first", "restart"):
-            label = f"{mode}, {'first start' if kind == 'first' else 'restart'}"
+            label = f"{mode}, {names[kind]}"
             lines.append(f"| {label} | {cell(f'{mode} {kind} wall')} | {cell(f'{mode} {kind} cpu')} |")
     lines.append(f"| the zygote's imports (once per agent) | {cell('zygote wall')} | {cell('zygote cpu')} |")
     ratios = []
@@ -105,6 +106,6 @@ def format_start(samples: dict[str, list[float]], workers: int) -> str:
             cold, forked = samples.get(f"cold {kind} {measure}"), samples.get(f"forked {kind} {measure}")
             if cold and forked:
                 ratio = stats(cold)["median"] / max(stats(forked)["median"], 1e-9)
-                ratios.append(f"{'first start' if kind == 'first' else 'restart'} {measure}: cold / forked = {ratio:.1f}")
+                ratios.append(f"{names[kind]} {measure}: cold / forked = {ratio:.1f}")
     lines += ["", "; ".join(ratios) + "."]
     return "\n".join(lines)
