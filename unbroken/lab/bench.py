@@ -611,14 +611,14 @@ def run_one(
         from unbroken.lab.bench_parallel import bench_parallel
 
         return bench_parallel(config, max(worker_counts), repeats, overrides)
-from unbroken.control.client import (
-    COORDINATOR_ENV,
-    DEVICE_INDEX_ENV,
-    LOCAL_WORKERS_ENV,
-    SPARE_ENV,
-    STARTED_AT_ENV,
-    WORKER_ID_ENV,
-)
+    if what == "spares":
+        from unbroken.lab.bench_spares import STEPS_AFTER, bench_spares, format_spares
+
+        return format_spares(bench_spares(config, repeats, overrides, steps or STEPS_AFTER))
+    if what == "start":
+        from unbroken.lab.bench_start import bench_start, format_start
+
+        return format_start(bench_start(max(worker_counts), repeats, overrides), max(worker_counts))
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 
