@@ -30,6 +30,8 @@ from enum import StrEnum
 from typing import Any
 
 from unbroken.core.config import MetricsConfig
+from unbroken.core.failslow import SlowState
+from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.records import RecordKind
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,8 @@ class Alerter:
         if kind == RecordKind.FAILURE:
             text = f"worker {record.get('worker')} failed: {record.get('why')}"
             return Alert(AlertKind.FAILURE, t, text, record)
-        if kind == RecordKind.SLOW and record.get("state") == "slow":
-            text = (
-                f"worker {record.get('worker')} is fail-slow: {record.get('relative', 0):.2f}x the other members' "
-                f"time per microbatch (step {record.get('step')}; {record.get('decision')})"
-            )
-            return Alert(AlertKind.FAIL_SLOW, t, text, record)
+        if kind == RecordKind.SLOW and record.get("state") == SlowState.SLOW:
+            return Alert(AlertKind.FAIL_SLOW, t, describe_slow(record), record)
         if kind == RecordKind.STOPPED:
             return Alert(AlertKind.STOPPED, t, f"the run stopped: {record.get('reason')}", record)
         if kind == RecordKind.COORDINATOR and record.get("restored_epoch"):

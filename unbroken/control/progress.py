@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.failures import parse_event
 from unbroken.core.goodput import account
 from unbroken.core.records import SpareState, WorkerError, committed_steps, is_join, sessions
@@ -373,12 +374,7 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
     for f in s["not_rejoined"]:
         table.add_row("not rejoined", _not_rejoined(f))
     for r in (r for r in records if r.get("type") == "slow"):
-        said = "fail-slow" if r["state"] == "slow" else "no longer slow"
-        table.add_row(
-            "fail-slow",
-            f"worker {r['worker']} {said} at step {r['step']}: {r['relative']:.2f}x the other members' time per "
-            f"microbatch ({r['decision']})",
-        )
+        table.add_row("fail-slow", describe_slow(r))
     if s["identical_params"] is not None:
         table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
     impure = [r for r in records if r.get("type") == "impure_data"]

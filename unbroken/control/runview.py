@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from unbroken.core.config import SlowPolicy
 from unbroken.core.failslow import SlowDetector, SlowRule, SlowState
+from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.goodput import Bucket, Tracker
 from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
 
@@ -401,14 +402,7 @@ class RunView:
         self._event(t, "checkpoint", f"checkpoint {_after(r.get('step'))} written in {seconds}")
 
     def _on_slow(self, r: Mapping[str, Any], t: float | None) -> None:
-        wid = int(r.get("worker", -1))
-        relative = _num(r.get("relative"))
-        times = "?" if relative is None else f"{relative:.2f}x"
-        if r.get("state") == "slow":
-            text = f"worker {wid} is fail-slow: {times} the others' time per microbatch, {r.get('windows')} windows"
-        else:
-            text = f"worker {wid} is no longer slow ({times} the others)"
-        self._event(t, "slow", f"{text} (step {r.get('step')}; {r.get('decision')})", worker=wid)
+        self._event(t, "slow", describe_slow(r), worker=int(r.get("worker", -1)))
 
     def _on_goodput(self, r: Mapping[str, Any], t: float | None) -> None:
         buckets = r.get("buckets") or {}
@@ -642,13 +636,8 @@ class SlowRecorder:
         if record.get("type") != RecordKind.STEP:
             return
         for v in self.detector.observe(record):
-            if v.state is SlowState.SLOW:
-                log.warning(
-                    "worker %d is fail-slow: %.2fx the other members' time per microbatch over %d windows (step %d)",
-                    v.worker, v.relative, v.windows, v.step,
-                )  # fmt: skip
-            else:
-                log.info("worker %d is no longer slow (%.2fx the others, step %d)", v.worker, v.relative, v.step)
             fields = {"worker": v.worker, "state": str(v.state), "step": v.step, "relative": v.relative}
             fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowPolicy.REPORT)}
-            self.tee.write(make(RecordKind.SLOW, time.time(), **fields))
+            slow = make(RecordKind.SLOW, time.time(), **fields)
+            log.log(logging.WARNING if v.state is SlowState.SLOW else logging.INFO, "%s", describe_slow(slow))
+            self.tee.write(slow)

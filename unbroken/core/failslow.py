@@ -69,6 +69,17 @@ class Verdict:
     windows: int  # consecutive slow windows so far (0 for a recovery)
 
 
+def describe(record: Mapping[str, Any]) -> str:
+    """One line for a ``slow`` record (a verdict): the summary, the status page, the log and the alerts say it so."""
+    relative = record.get("relative")
+    times = f"{relative:.2f}x" if isinstance(relative, int | float) else "?x"
+    if record.get("state") == SlowState.SLOW:
+        what = f"is fail-slow: {times} the other members' time per microbatch over {record.get('windows')} windows"
+    else:
+        what = f"is no longer slow: {times} the other members' time per microbatch"
+    return f"worker {record.get('worker')} {what} (step {record.get('step')}; {record.get('decision')})"
+
+
 def relative_times(step: Mapping[str, Any]) -> dict[int, float]:
     """Each member's seconds per microbatch over the median of the other members', in one step record (empty
     without ``speeds`` for two members or more)."""

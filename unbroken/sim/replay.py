@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from unbroken.core.config import RunConfig, load_config
-from unbroken.core.failures import FailureKind, FailureSchedule
+from unbroken.core.failures import FailureEvent, FailureKind, FailureSchedule
 from unbroken.core.flavours import FLAVOURS
 from unbroken.core.goodput import Bucket, Goodput, account
 from unbroken.core.records import RecordKind, committed_steps, is_join, read_records
@@ -52,10 +53,11 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def fit(records: list[dict[str, Any]], cfg: RunConfig, cores: int) -> tuple[dict[str, float], list[str]]:
-    """The simulator's cost overrides from one run's records (see the module's doc), and the scenario's other
-    keys; ValueError when the records cannot calibrate it."""
-    real = account(records)
+def fit(
+    records: list[dict[str, Any]], real: Goodput, events: Sequence[FailureEvent], cfg: RunConfig, cores: int
+) -> tuple[dict[str, float], list[str]]:
+    """The simulator's cost overrides from one run's records, its account ``real`` and its scheduled ``events``
+    (see the module's doc), and the scenario's other keys; ValueError when the records cannot calibrate it."""
     steps = list(committed_steps(records).values())
     full = max((int(r["alive"]) for r in steps), default=0)
     if not full or math.isnan(real.ideal_step_s):
@@ -90,7 +92,6 @@ def fit(records: list[dict[str, Any]], cfg: RunConfig, cores: int) -> tuple[dict
             restarts.append(min(resumed) - real.ideal_step_s - max(failed))
     measured["restart_s"] = _median(restarts)
     costs |= {k: max(0.0, v) for k, v in measured.items() if v is not None}
-    events = FailureSchedule.parse(cfg.failures.schedule).events
     kills = [e for e in events if e.kind is FailureKind.KILL]
     flavour = cfg.model.flavour if cfg.model.flavour in FLAVOURS and not cfg.model.hf_config else "tiny"
     scenario = [
@@ -114,7 +115,7 @@ def fit(records: list[dict[str, Any]], cfg: RunConfig, cores: int) -> tuple[dict
     return costs, scenario
 
 
-def _event_text(event: Any) -> str:
+def _event_text(event: FailureEvent) -> str:
     parts = [f"kill:worker={event.worker}", f"step={event.step}", f"phase={event.phase}"]
     if event.rejoin_after_s is not None:
         parts.append(f"rejoin={event.rejoin_after_s}")
@@ -134,8 +135,9 @@ def replay(run_dir: Path, cores: int = 0) -> Replay:
         raise ValueError(f"--cores {cores} must be >= 0 (0: the workers had devices of their own)")
     cfg = load_config(run_dir / "config.toml")
     records = read_records(run_dir)
-    costs, scenario = fit(records, cfg, cores)
+    real = account(records)
     events = FailureSchedule.parse(cfg.failures.schedule).events
+    costs, scenario = fit(records, real, events, cfg, cores)
     other = sorted({str(e.kind) for e in events if e.kind is not FailureKind.KILL})
     outside = sum(1 for r in records if r.get("type") == RecordKind.FAILURE and not r.get("event"))
     not_modelled = ["the start-up", "evaluations", "noise"]
@@ -143,7 +145,6 @@ def replay(run_dir: Path, cores: int = 0) -> Replay:
         not_modelled.append(f"the scheduled {', '.join(other)} events")
     if outside:
         not_modelled.append(f"{outside} failure{'s' if outside > 1 else ''} not in the schedule (from outside)")
-    real = account(records)
     return Replay(run_dir, real, simulate(load_scenario(None, scenario)), costs, not_modelled)
 
 
