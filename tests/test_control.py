@@ -4,6 +4,7 @@ bitwise (exact reduction)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from runner import (
     wait_for,
 )
 
+from unbroken.control.client import CoordinatorClient
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
 
@@ -213,7 +215,9 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
 ) -> None:
     """The coordinator's process is stopped (SIGSTOP) for twice the heartbeat timeout, as an overloaded or
     paused host does to it, then continued: the workers' heartbeats never stopped, so nobody is declared
-    dead (its own gap is not their silence), and the run ends bitwise the failure-free one."""
+    dead (its own gap is not their silence), and the run ends bitwise the failure-free one. Their heartbeats
+    were late meanwhile, so each worker's log holds its threads' stacks, the heartbeat sender's inside a store
+    call (the coordinator was slow, not the worker)."""
     out = tmp_path / "paused"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
     proc = subprocess.Popen([*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True)
@@ -231,3 +235,11 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
     assert not read_records(out, "failure")
     assert step_losses(out) == step_losses(reference)
     same_final(reference, out, STEPS)
+    source, first = inspect.getsourcelines(CoordinatorClient._send)
+    beat = f'client.py", line {first + next(i for i, line in enumerate(source) if "store.add(key, 1)" in line)} '
+    for wid in (0, 1):
+        dump = (out / "logs" / f"worker-{wid}.log").read_text().split("Timeout (0:00:01.500000)!", 1)
+        assert len(dump) == 2, f"worker {wid} logged no stacks for its late heartbeats"
+        sender = next(t for t in dump[1].split("\n\n") if " in _send" in t)
+        innermost = sender.splitlines()[1]  # in a store call: the beat's add, or a record's publication
+        assert beat in innermost or "unbroken/control/store.py" in innermost, sender

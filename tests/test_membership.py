@@ -78,6 +78,15 @@ def test_a_group_of_one_is_never_behind(tmp_path: Path) -> None:
     assert members.state_bytes == 0 and state.step == 5
 
 
+def test_joiners_left_alone_stop_the_job_rather_than_train_from_nothing(tmp_path: Path) -> None:
+    state = mlp_state()
+    state.step = -1  # a joiner: it was to receive the state, and whoever held it has died
+    members = member(protocol_config(), state, tmp_path)
+    with pytest.raises(StopRun) as stop:
+        members.sync_state()
+    assert "holds the training state" in str(stop.value) and stop.value.fatal and stop.value.shared
+
+
 def test_publishes_as_the_leader_and_writes_what_the_coordinator_left(tmp_path: Path) -> None:
     client = Client()
     members = member(protocol_config(), mlp_state(), tmp_path, client, formed=False)

@@ -327,6 +327,30 @@ def test_stragglers_come_from_the_published_speeds() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_the_state_says_slow_only_for_a_fail_slow_verdict_not_for_one_slow_step() -> None:
+    """A straggler of the last step is a hint (a yellow row); the state "slow" is the fail-slow rule's verdict
+    (a ``slow`` record), kept until its ``recovered`` record."""
+    base = {"type": "step", "step": 0, "loss": 1.0, "quotas": {"0": 1, "1": 1, "2": 1}}
+    view = RunView()
+    view.write({"type": "membership", "epoch": 1, "members": [0, 1, 2], "reason": "start"})
+    view.write({**base, "speeds": {"0": 0.1, "1": 0.1, "2": 0.3}})
+
+    def states() -> list[str]:
+        text = Console(record=True, width=80)
+        text.print(render(view.snapshot(), 80))
+        return re.findall(r"^ *\d +(alive|slow|dead) ", text.export_text(), re.M)
+
+    assert [w["straggler"] for w in view.snapshot()["workers"]] == [False, False, True]
+    assert states() == ["alive", "alive", "alive"]
+    slow = {"type": "slow", "worker": 2, "step": 29, "relative": 3.0, "threshold": 1.5, "windows": 3}
+    view.write({**slow, "state": "slow", "decision": "report"})
+    assert [w["fail_slow"] for w in view.snapshot()["workers"]] == [False, False, True]
+    assert states() == ["alive", "alive", "slow"]
+    view.write({**slow, "step": 39, "relative": 1.0, "windows": 0, "state": "recovered", "decision": "report"})
+    assert states() == ["alive", "alive", "alive"]
+
+
+@pytest.mark.timeout(10)
 def test_the_tee_feeds_the_views_and_survives_a_broken_one(tmp_path: Path) -> None:
     """What the coordinator writes reaches metrics.jsonl and the view; a sink that raises is dropped."""
 
@@ -580,16 +604,15 @@ def test_the_terminal_view_shows_the_same_facts(finished_view: RunView, tmp_path
 
 
 @pytest.mark.timeout(10)
-def test_a_straggler_fits_80_columns_whole() -> None:
-    """A worker flagged as a straggler (its state reads "slow") next to a dead one with a long last
-    failure, in 80 columns: no line is longer and nothing ends in an ellipsis. Which worker is a straggler
-    depends on timing, so a real run shows this only sometimes (tests/test_agree.py met it once in CI)."""
+def test_a_fail_slow_worker_fits_80_columns_whole() -> None:
+    """A fail-slow worker (its state reads "slow") next to a dead one with a long last failure, in 80 columns:
+    no line is longer and nothing ends in an ellipsis."""
     view = RunView(total_steps=40)
     view.extend(synthetic_run())
     snapshot = view.snapshot()
     for w in snapshot["workers"]:
         if w["state"] == "alive":
-            w.update(straggler=True, s_per_microbatch=12.345, compute_s=123.456)
+            w.update(fail_slow=True, straggler=True, s_per_microbatch=12.345, compute_s=123.456)
             break
     else:
         raise AssertionError("no alive worker in the synthetic run")

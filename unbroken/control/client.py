@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ RECENT_RECORDS = 256  # records kept to send again to a coordinator that replace
 RECONNECT_POLL_S = 0.1
 REFUSAL_CHECK_S = 0.1  # how often a worker waiting for its first epoch looks whether it was refused
 LEFT_CHECK_S = 0.05  # how often a member blocked in a superseded group's collective looks for members that left
+STALL_DUMP_SHARE = 0.75  # a heartbeat this late (share of the timeout) dumps every thread's stack to stderr
 
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
 # under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
@@ -140,6 +142,7 @@ class CoordinatorClient:
         self._probe_timeout_s = max(1.0, heartbeat_timeout_s)
         self._op_timeout = datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s))
         self._hb_interval = heartbeat_interval_s
+        self._stall_dump_s = STALL_DUMP_SHARE * heartbeat_timeout_s
         self._news_wait_s = NEWS_WAIT_S
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
@@ -232,12 +235,17 @@ class CoordinatorClient:
                 if time.monotonic() >= next_beat:
                     store.add(key, 1)
                     next_beat = time.monotonic() + self._hb_interval
+                    # Should the next beat be late by most of the timeout (this thread starved of the GIL, or
+                    # the store slow to answer), every thread's stack goes to stderr (the worker's log):
+                    # why a live worker was about to be declared dead. Re-armed at each beat.
+                    faulthandler.dump_traceback_later(self._stall_dump_s, exit=False)
                 if self._in_hand is None:
                     try:
                         item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
                     except queue.Empty:
                         continue
                     if item is None:
+                        faulthandler.cancel_dump_traceback_later()
                         return
                     if isinstance(item, threading.Event):
                         item.set()  # a flush: everything queued before it is in the store
@@ -247,6 +255,7 @@ class CoordinatorClient:
                 self._recent.append(self._in_hand)
                 self._in_hand = None
             except RuntimeError:
+                faulthandler.cancel_dump_traceback_later()
                 self._connection_failed(generation)
                 return
 

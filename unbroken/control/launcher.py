@@ -158,6 +158,7 @@ class Launcher:
         self.show_summary = show_summary
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.interrupted = False
+        self.interrupt_reason = "interrupted by the user (Ctrl-C)"
         self._metrics_offset = 0
         self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
         self._records: list[dict[str, Any]] = []  # this launch's
@@ -298,7 +299,7 @@ class Launcher:
                         continue
                     if self.interrupted:
                         progress.note("interrupted: stopping every process (the last checkpoint is kept)")
-                        self.stop_all("interrupted by the user (Ctrl-C)")
+                        self.stop_all(self.interrupt_reason)
                         self._new_records()
                         return 130
                     assert self.coordinator is not None
@@ -352,6 +353,12 @@ class Launcher:
         return self._failures_seen > self.failures_handled or exited
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
+        self.interrupted = True
+
+    def interrupt(self, reason: str) -> None:
+        """Stop the run at the launcher's next look, as Ctrl-C does (exit 130, the last checkpoint kept), for
+        ``reason`` (a benchmark that has its figures); callable from another thread."""
+        self.interrupt_reason = reason
         self.interrupted = True
 
     def _finish(self) -> int:

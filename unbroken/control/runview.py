@@ -158,6 +158,7 @@ class RunView:
         self._recent: collections.deque[tuple[float | None, ...]] = collections.deque(maxlen=RECENT_STEPS)
         self._quotas: dict[int, int] = {}
         self._speeds: dict[int, float] = {}
+        self._fail_slow: set[int] = set()  # fail-slow by the ``slow`` records (core.failslow), not yet recovered
         self._compute: dict[int, float] = {}
         self._recomputed = 0
         self._dropped = 0
@@ -402,7 +403,12 @@ class RunView:
         self._event(t, "checkpoint", f"checkpoint {_after(r.get('step'))} written in {seconds}")
 
     def _on_slow(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "slow", describe_slow(r), worker=int(r.get("worker", -1)))
+        worker = int(r.get("worker", -1))
+        if r.get("state") == SlowState.SLOW:
+            self._fail_slow.add(worker)
+        else:
+            self._fail_slow.discard(worker)
+        self._event(t, "slow", describe_slow(r), worker=worker)
 
     def _on_goodput(self, r: Mapping[str, Any], t: float | None) -> None:
         buckets = r.get("buckets") or {}
@@ -556,6 +562,7 @@ class RunView:
                 s_per_microbatch=speed,
                 compute_s=compute,
                 straggler=None if speed is None or not others else speed > STRAGGLER_RATIO * statistics.median(others),
+                fail_slow=alive and wid in self._fail_slow,
             )
             rows.append(row)
         return rows

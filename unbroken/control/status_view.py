@@ -51,8 +51,8 @@ INCIDENT_COLUMNS = (
     *(("recom-\nputed/\ndropped", True), ("rejoined", True)),
 )
 FAULT_WIDTH = 16  # the narrowest the fault column gets (its event wraps between fields)
-# The narrowest the workers' state column gets: its longest state whole ("slow": an alive straggler, so short
-# that the 80 columns of a pipe still show every header whole).
+# The narrowest the workers' state column gets: its longest state whole ("slow": an alive fail-slow worker, so
+# short that the 80 columns of a pipe still show every header whole).
 STATE_WIDTH = len("alive")
 
 
@@ -229,7 +229,7 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
         row_style = "red" if w["state"] in ("dead", "left") else "yellow" if w.get("straggler") else ""
         workers.add_row(
             str(w["id"]),
-            "slow" if w.get("straggler") and w["state"] == "alive" else w["state"],
+            "slow" if w.get("fail_slow") and w["state"] == "alive" else w["state"],
             _clock(w["since"]),
             "-" if w["quota"] is None else str(w["quota"]),
             _num(w["s_per_microbatch"], 3),

@@ -244,6 +244,13 @@ class Membership:
         self.state_bytes = 0
         self.wait([allreduce_async(self.group, steps)])
         ahead = float(steps.max())
+        if ahead < 0:  # only joiners are left: whoever held the state died before passing it on
+            raise StopRun(
+                f"no member of epoch {self.group.epoch} ({', '.join(map(str, self.group.members))}) holds the training "
+                "state: every worker that held it died before passing it on; stopping (resume from the last "
+                "checkpoint with --resume)",
+                shared=True,
+            )
         if float(steps.min()) == ahead:
             return False
         src = int((steps == ahead).nonzero()[0])

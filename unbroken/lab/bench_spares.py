@@ -10,14 +10,17 @@ workers, both with worker 1 killed in its backward at step ``KILL_STEP``:
 
 From the run's records, in seconds from the kill (the ``injected`` record): the replacement's join (the
 membership epoch that admits it again), the state received (the join's ``recovery`` record: ``time_recovered``),
-and the replacement's first committed step (the step record of the join's step). The state transfer is reported
-apart: its bytes and the seconds from the group's formation to the state's arrival.
+and the replacement's first committed step (the step record of the join's step), at which the run is stopped (a
+fast device would otherwise finish a fixed number of steps before a cold start is back). The state transfer is
+reported apart: its bytes and the seconds from the group's formation to the state's arrival.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,8 @@ from unbroken.core.config import RunConfig, load_config, preset_path
 from unbroken.core.records import read_records
 
 KILL_STEP = 4
-STEPS_AFTER = 40  # steps after the kill (``--steps``): room for a cold start to come back while the survivor goes on
+STEPS_AFTER = 100_000  # at most this many steps after the kill (``--steps``): a run ends once the replacement commits
+WATCH_S = 0.25  # how often the run's records are read for the replacement's first committed step
 MODELS = ("small", "60m")
 WORKERS = 2
 
@@ -36,8 +40,30 @@ def _config(config: str | None, flavour: str, overrides: list[str]) -> RunConfig
     return load_config(base, [*chosen, "--checkpoint.every=0", "--train.eval_every=0", *overrides])
 
 
+def figures(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The replacement's figures in seconds from the kill; None until its first step has committed."""
+    kill = next((r["time"] for r in records if r["type"] == "injected"), None)
+    join = next((m for m in records if m["type"] == "membership" and m["reason"].startswith("joined")), None)
+    if kill is None or join is None:
+        return None
+    recovery = next((r for r in records if r["type"] == "recovery" and r["epoch"] == join["epoch"]), None)
+    if recovery is None:
+        return None
+    steps = [r["time"] for r in records if r["type"] == "step" and r["step"] == recovery["step"]]
+    if not steps:
+        return None
+    return {
+        "joined": join["time"] - kill,
+        "state_received": recovery["time_recovered"] - kill,
+        "first_step": min(steps) - kill,
+        "state_bytes": float(recovery.get("state_bytes", 0)),
+        "transfer_s": recovery["time_recovered"] - recovery["time_reformed"],
+    }
+
+
 def run_once(cfg: RunConfig, warm: bool, steps: int) -> dict[str, float]:
-    """One run with worker 1 killed at ``KILL_STEP``; its figures in seconds from the kill."""
+    """One run with worker 1 killed at ``KILL_STEP``, stopped once its replacement has committed a step (so a
+    fast device need not run a fixed number of steps while a cold start comes back); the figures."""
     from dataclasses import replace
 
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
@@ -46,26 +72,31 @@ def run_once(cfg: RunConfig, warm: bool, steps: int) -> dict[str, float]:
     rejoin = "" if warm else ",rejoin=0"
     failures = replace(cfg.failures, schedule=f"kill:worker=1,step={KILL_STEP},phase=backward{rejoin}")
     cfg = replace(cfg, train=replace(cfg.train, steps=steps), failures=failures)
-    with tempfile.TemporaryDirectory(prefix="unbroken-bench-spares-") as tmp:
-        run_dir = Path(tmp) / "run"
-        plan = plan_launch(cfg, run_dir, WORKERS, False, "127.0.0.1", 0, TRAINER, validate_launch, 1 if warm else 0)
-        code = Launcher(plan, show_progress=False, show_summary=False).run()
-        records = read_records(run_dir)
-        if code != 0:
-            raise RuntimeError(f"bench spares: a {'warm' if warm else 'cold'} run failed (exit {code})")
-    kill = next(r["time"] for r in records if r["type"] == "injected")
-    join = next((m for m in records if m["type"] == "membership" and m["reason"].startswith("joined")), None)
-    if join is None:
-        raise RuntimeError("bench spares: the replacement did not join before the run ended; give more --steps")
-    recovery = next(r for r in records if r["type"] == "recovery" and r["epoch"] == join["epoch"])
-    first = min(r["time"] for r in records if r["type"] == "step" and r["step"] == recovery["step"])
-    return {
-        "joined": join["time"] - kill,
-        "state_received": recovery["time_recovered"] - kill,
-        "first_step": first - kill,
-        "state_bytes": float(recovery.get("state_bytes", 0)),
-        "transfer_s": recovery["time_recovered"] - recovery["time_reformed"],
-    }
+    run_dir = Path(tempfile.mkdtemp(prefix="unbroken-bench-spares-")) / "run"
+    plan = plan_launch(cfg, run_dir, WORKERS, False, "127.0.0.1", 0, TRAINER, validate_launch, 1 if warm else 0)
+    launcher = Launcher(plan, show_progress=False, show_summary=False)
+    ended = threading.Event()
+
+    def watch() -> None:
+        while not ended.wait(WATCH_S):
+            try:
+                if figures(read_records(run_dir)) is not None:
+                    launcher.interrupt("bench spares: the replacement has committed its first step")
+                    return
+            except (OSError, ValueError, KeyError):
+                pass  # a record half-written: look again
+
+    watcher = threading.Thread(target=watch, name="bench-spares-watch", daemon=True)
+    watcher.start()
+    code = launcher.run()
+    ended.set()
+    watcher.join()
+    result = figures(read_records(run_dir))
+    if result is None:  # the run is kept: its logs say why
+        why = f"exit {code}" if code not in (0, 130) else "the replacement committed no step before the run ended"
+        raise RuntimeError(f"bench spares: a {'warm' if warm else 'cold'} run failed ({why}); see {run_dir}")
+    shutil.rmtree(run_dir.parent)
+    return result
 
 
 def bench_spares(config: str | None, repeats: int, overrides: list[str], after: int = STEPS_AFTER) -> dict[str, Any]:

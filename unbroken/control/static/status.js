@@ -264,7 +264,7 @@ function drawWorkers(s) {
       row(
         [
           w.id,
-          w.state + (w.straggler ? " (straggler)" : ""),
+          w.state + (w.fail_slow ? " (fail-slow)" : w.straggler ? " (straggler)" : ""),
           fmt.clock(w.since),
           w.quota ?? "-",
           w.s_per_microbatch === null ? "-" : w.s_per_microbatch.toFixed(3),
@@ -272,13 +272,14 @@ function drawWorkers(s) {
           w.failures,
           w.last_failure ?? "",
         ],
-        `${w.state}${w.straggler ? " straggler" : ""}`,
+        `${w.state}${w.fail_slow || w.straggler ? " straggler" : ""}`,
       ),
     ),
   );
   const timed = s.workers.some((w) => w.s_per_microbatch !== null);
   $("workers-note").textContent = timed
-    ? "Straggler: seconds per microbatch above 1.5x the median of the other members."
+    ? "Straggler: seconds per microbatch above 1.5x the median of the other members in the last step. " +
+      "Fail-slow: slow by the windowed rule of docs/goodput.md (a slow record), until it recovers."
     : "The step records carry no per-worker timing (speeds); only each worker's share of the step is known.";
 }
 
