@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 from runner import CONTROL_COMMON, CONTROL_STEPS, same_final, train
 
-from unbroken.core.failslow import SlowDetector, SlowRule, SlowState, Verdict, relative_times
+from unbroken.control.runview import SlowRecorder
+from unbroken.core.config import SlowPolicy
+from unbroken.core.failslow import (
+    SlowDecision,
+    SlowDetector,
+    SlowRule,
+    SlowState,
+    Verdict,
+    exclusion,
+    relative_times,
+)
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(30)
@@ -76,6 +86,69 @@ def test_the_threshold_rises_with_the_members_noise() -> None:
     assert verdict.worker == 5 and verdict.threshold > RULE.ratio
 
 
+def test_excluding_pays_off_when_the_time_saved_over_the_steps_left_exceeds_one_recovery() -> None:
+    """6 microbatches on 3 members at 0.1 s each, worker 2 at 0.4 s: a step takes 2 x 0.4 = 0.8 s with it and
+    ceil(6 / 2) x 0.1 = 0.3 s without; leaving costs its 2 microbatches, one each on the others: 0.1 s."""
+    step = {"step": 29, "speeds": {"0": 0.1, "1": 0.1, "2": 0.4}, "quotas": {"0": 2, "1": 2, "2": 2}}
+    estimate = exclusion(step, 2, steps_left=30)
+    assert estimate is not None
+    assert (estimate.step_s, estimate.step_without_s, estimate.cost_s) == pytest.approx((0.8, 0.3, 0.1))
+    assert estimate.saving_s == pytest.approx(15.0) and estimate.pays_off
+    last = exclusion(step, 2, steps_left=0)  # the run's last step: nothing left to save
+    assert last is not None and not last.pays_off
+    rebalanced = {**step, "quotas": {"0": 3, "1": 3, "2": 0}}  # the workload already routes around it
+    estimate = exclusion(rebalanced, 2, steps_left=30)
+    assert estimate is not None and estimate.saving_s == 0.0 and not estimate.pays_off
+    assert exclusion({"speeds": {"2": 0.4}, "quotas": {"2": 6}}, 2, 30) is None  # nobody else would be left
+    assert exclusion({"speeds": step["speeds"]}, 2, 30) is None  # no quotas in the record
+
+
+def test_under_exclude_the_recorder_hands_over_a_worker_worth_excluding_and_judges_it_afresh() -> None:
+    class Tee:
+        def __init__(self) -> None:
+            self.records: list[dict] = []
+
+        def write(self, record: dict) -> None:
+            self.records.append(record)
+
+    def run(total_steps: int) -> tuple[list[dict], list[int]]:
+        tee, excluded = Tee(), []
+        rule = SlowRule(window=4, windows=2)
+        recorder = SlowRecorder(tee, rule, (), SlowPolicy.EXCLUDE, total_steps, lambda w, why: excluded.append(w))
+        for record in steps(16, 3, {s: {2: 4.0} for s in range(16)}, noise=0.0):
+            if record["step"] == 8 and excluded:  # removed after its verdict, then (say) restarted, still slow
+                recorder.write({"type": "membership", "epoch": 2, "members": [0, 1]})
+            recorder.write({**record, "quotas": {"0": 2, "1": 2, "2": 2}})
+        return tee.records, excluded
+
+    records, excluded = run(total_steps=100)
+    decided = [(r["worker"], r["step"], r["decision"]) for r in records]
+    assert decided == [(2, 7, SlowDecision.EXCLUDE), (2, 15, SlowDecision.EXCLUDE)]  # judged afresh once back
+    assert excluded == [2, 2] and records[0]["steps_left"] == 92 and records[0]["saving_s"] > records[0]["cost_s"]
+    records, excluded = run(total_steps=8)  # step 7 is the last: excluding saves nothing
+    assert [(r["worker"], r["step"], r["decision"]) for r in records] == [(2, 7, SlowDecision.KEEP)]
+    assert excluded == []
+
+
+def test_under_rebalance_the_recorder_switches_the_throughput_workload_on_and_back_off() -> None:
+    switched: list[bool] = []
+    records: list[dict] = []
+
+    class Tee:
+        def write(self, record: dict) -> None:
+            records.append(record)
+
+    rule = SlowRule(window=4, windows=2)
+    recorder = SlowRecorder(Tee(), rule, (), SlowPolicy.REBALANCE, 100, None, switched.append)
+    for record in steps(16, 3, {s: {2: 4.0} for s in range(8)}, noise=0.0):  # slow in 0-7, well from 8 on
+        recorder.write(record)
+    assert [(r["state"], r["step"], r["decision"]) for r in records] == [
+        (SlowState.SLOW, 7, SlowDecision.REBALANCE),
+        (SlowState.RECOVERED, 11, SlowDecision.REBALANCE),
+    ]
+    assert switched == [True, False]
+
+
 @pytest.mark.parametrize(
     "rule", [{"window": 1}, {"windows": 0}, {"ratio": 1.0}, {"mad_z": -1.0}], ids=["window", "windows", "ratio", "z"]
 )
@@ -111,5 +184,65 @@ def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unch
     assert slow[0]["step"] in (7, 11, 15) and slow[0]["relative"] > 1.5
     replayed = verdicts(read_records(run, "step"), SlowRule(window=4, windows=2))
     assert [(v.worker, v.state, v.step) for v in replayed] == [(2, SlowState.SLOW, slow[0]["step"])], replayed
+    assert step_losses(run) == step_losses(control_reference)
+    same_final(run, control_reference, CONTROL_STEPS)
+
+
+@pytest.mark.timeout(240)
+def test_under_exclude_a_persistently_slow_worker_is_removed_and_the_run_is_the_failure_free_one(
+    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+) -> None:
+    """The same slowdowns under ``exclude`` (and ``slow_rejoin = false``): worker 2 is fail-slow at the end of a
+    window, its exclusion pays off (most of the run is left), and it is removed like a failed worker: a
+    failure record that says fail-slow, an epoch without it, no step after that epoch with it, never back.
+    Worker 1's one slow step excludes nobody. In exact mode the run is bitwise the failure-free one, as a run
+    where worker 2 were killed at that step is."""
+    run = tmp_path / "run"
+    rule = ["--recovery.slow=exclude", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
+    schedule = f"--failures.schedule={SLOWDOWNS}"
+    rejoin = ["--recovery.slow_rejoin=false", "--failures.mttr_s=0.5"]  # restarted, and refused once back
+    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, *rejoin, schedule, workers=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (slow,) = read_records(run, "slow")
+    assert (slow["worker"], slow["state"], slow["decision"]) == (2, "slow", "exclude"), slow
+    assert slow["step"] in (7, 11, 15) and slow["saving_s"] > slow["cost_s"] and slow["steps_left"] > 0
+    (failure,) = read_records(run, "failure")
+    assert failure["worker"] == 2 and failure["why"].startswith("fail-slow"), failure
+    (removal,) = [m for m in read_records(run, "membership") if m["reason"] == "died: 2"]
+    assert removal["members"] == [0, 1] and removal["time"] > slow["time"]
+    later = [r for r in read_records(run, "step") if r["epoch"] >= removal["epoch"]]
+    assert later[0]["recoveries"] >= 1  # it left in (or just before) that step: the survivors recovered
+    assert len(later) > 1 and all("2" not in r["quotas"] for r in later[1:])
+    assert all(m["members"] == [0, 1] for m in read_records(run, "membership") if m["epoch"] >= removal["epoch"])
+    refused = read_records(run, "refused")  # its restart came back (unless the run ended first) and was refused
+    assert all(r["worker"] == 2 and "slow_rejoin = false" in r["reason"] for r in refused) and len(refused) <= 1
+    assert step_losses(run) == step_losses(control_reference)
+    same_final(run, control_reference, CONTROL_STEPS)
+
+
+@pytest.mark.timeout(240)
+def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_is_unchanged(
+    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+) -> None:
+    """The same slowdowns under ``rebalance``: at worker 2's verdict the coordinator publishes an epoch of the
+    same members with the throughput workload; from it on worker 2, 4x slower, gets fewer than the 2 of the 8
+    microbatches the even workload gives it (3, 3, 2 before). It stays slow to the end, so the workload is never
+    switched back. In exact mode the run is bitwise the failure-free one."""
+    run = tmp_path / "run"
+    rule = ["--recovery.slow=rebalance", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
+    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, f"--failures.schedule={SLOWDOWNS}", workers=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (slow,) = read_records(run, "slow")
+    assert (slow["worker"], slow["state"], slow["decision"]) == (2, "slow", "rebalance"), slow
+    memberships = read_records(run, "membership")
+    (switch,) = [m for m in memberships if m.get("workload")]
+    assert switch["workload"] == "throughput" and switch["members"] == [0, 1, 2] and switch["time"] > slow["time"]
+    assert all(m.get("workload") == "throughput" for m in memberships if m["epoch"] > switch["epoch"])
+    steps_ = read_records(run, "step")
+    before = [r for r in steps_ if r["epoch"] < switch["epoch"] and r["alive"] == 3]
+    after = [r for r in steps_ if r["epoch"] >= switch["epoch"]]
+    assert before and all(sorted(r["quotas"].values()) == [2, 3, 3] and r["quotas"]["2"] == 2 for r in before)
+    assert after and all(r["quotas"]["2"] < 2 for r in after), [r["quotas"] for r in after]
+    assert not read_records(run, "failure")
     assert step_losses(run) == step_losses(control_reference)
     same_final(run, control_reference, CONTROL_STEPS)

@@ -97,6 +97,7 @@ class Agent:
         self.down: dict[int, dict[str, Any]] = {}  # workers killed or stopped, and when they come back
         self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
         self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
+        self.refused: set[int] = set()  # ids the coordinator refused: not restarted
         self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
         # What the group's leader prints, for this process's console (``control.console``); None: logs only.
         self.console: ConsoleRelay | None = None
@@ -361,8 +362,11 @@ class Agent:
             for wid, proc in self.workers.items():
                 if wid not in self.down and wid not in self.pauses and proc.poll() not in (None, 0):
                     # Died without a scheduled event (killed from outside, excluded after a stop): a cluster's
-                    # scheduler would replace it.
+                    # scheduler would replace it; not one the coordinator refused (it would be refused again).
                     self.last_event.pop(wid, None)
+                    if wid in self.refused or self._refused(wid):
+                        self.refused.add(wid)
+                        continue
                     self.down[wid] = {"rejoin": self.restart_after_s, "at": now, "hung": False}
         for wid, info in list(self.down.items()):
             proc = self.workers[wid]
@@ -380,6 +384,13 @@ class Agent:
                     continue
                 del self.down[wid]
                 self._restart(wid)
+
+    def _refused(self, wid: int) -> bool:
+        """The coordinator refused ``wid`` (``keys.refused``: another fingerprint, or barred as fail-slow)."""
+        try:
+            return self.store is not None and self.store.check([keys.refused(wid)])
+        except RuntimeError:
+            return False  # the coordinator is gone: restart as usual
 
     def report_exits(self) -> None:
         if self.store is None or self.finished:

@@ -79,6 +79,7 @@ class Epoch:
     members: tuple[int, ...]
     reason: str
     reform: bool = False  # every member of the previous epoch must abandon its group (a collective stalled)
+    workload: str = ""  # the workload policy from this epoch on, when not the config's (recovery.slow = rebalance)
 
 
 def addresses_of(spec: str) -> list[str]:
@@ -440,7 +441,8 @@ class CoordinatorClient:
 
     def epoch_record(self, epoch: int) -> Epoch:
         record = json.loads(self.store.get(keys.epoch(epoch)).decode())
-        return Epoch(record["epoch"], tuple(record["members"]), record["reason"], bool(record.get("reform")))
+        reform, workload = bool(record.get("reform")), str(record.get("workload", ""))
+        return Epoch(record["epoch"], tuple(record["members"]), record["reason"], reform, workload)
 
     def stop_reason(self) -> str | None:
         if self.store.check([keys.STOP]):

@@ -64,7 +64,7 @@ from unbroken.control.statestore import StaleWriteError, State, StateStore, Work
 from unbroken.control.status import StatusServer
 from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, request_stop, ring, wait_key
 from unbroken.core import bugs, ckptfiles
-from unbroken.core.config import Reduction, RunConfig, SlowPolicy, to_toml
+from unbroken.core.config import Reduction, RunConfig, SlowPolicy, Workload, to_toml
 from unbroken.core.failslow import SlowRule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.numerics import group_fingerprint, refusal
@@ -210,9 +210,20 @@ class Coordinator:
         self.alerter = Alerter(cfg.metrics, str(run_dir))
         if self.alerter.enabled:
             self.metrics.sinks.append(self.alerter)
+        # Fail-slow workers to exclude (recovery.slow = "exclude"), removed at the next look for the dead; and
+        # those that may not come back (recovery.slow_rejoin = false), refused at registration.
+        self.slow_exclusions: dict[int, str] = {}
+        self.barred: dict[int, str] = {}
+        self.slow_rejoin = cfg.recovery.slow_rejoin
+        # recovery.slow = "rebalance": the workload every epoch published carries while a worker is fail-slow.
+        self.workload_override = ""
+        self.rebalance_due: str | None = None  # the override to publish at the next look ("" switches it off)
         if cfg.recovery.slow is not SlowPolicy.OFF:
             rule = SlowRule(cfg.recovery.slow_window, cfg.recovery.slow_windows, cfg.recovery.slow_ratio)
-            self.metrics.sinks.append(SlowRecorder(self.metrics, rule, records))
+            recorder = SlowRecorder(
+                self.metrics, rule, records, cfg.recovery.slow, cfg.train.steps, self._exclude_slow, self._rebalance
+            )
+            self.metrics.sinks.append(recorder)
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.stall: Stall | None = None
@@ -281,6 +292,7 @@ class Coordinator:
             if self.exact and self.fingerprint is None and (returning or self.epoch > 0):
                 self.fingerprint = fingerprint  # a restarted coordinator: the state's holders define the group
             line = refusal(wid, fingerprint, self.fingerprint) if self.exact and self.fingerprint else None
+            line = self.barred.get(wid, line)
             if line is not None and not returning:
                 self._refuse(wid, line)  # before its id is answered, so it learns at registration
             self.store.set(keys.register_late(n), "1" if self.epoch > 0 and not returning else "0")
@@ -323,6 +335,18 @@ class Coordinator:
         raw = self.store.multi_get([*(keys.heartbeat(wid) for wid in self.members), keys.METRICS_SEQ])
         return [int(r) for r in raw[:-1]], int(raw[-1])
 
+    def _rebalance(self, on: bool) -> None:
+        """Switch the throughput workload on (a worker is fail-slow) or off (none is any more), from the next
+        epoch on: published at the next look (``SlowRecorder``, on this thread while draining)."""
+        self.rebalance_due = str(Workload.THROUGHPUT) if on else ""
+
+    def _exclude_slow(self, wid: int, why: str) -> None:
+        """A fail-slow worker to remove like a failed one (``SlowRecorder``, on this thread while draining)."""
+        if wid in self.members:
+            self.slow_exclusions[wid] = why
+            if not self.slow_rejoin:
+                self.barred[wid] = f"worker {wid} was excluded as fail-slow and recovery.slow_rejoin = false"
+
     def _dead(self, counts: list[int], reported: bool) -> dict[int, str]:
         """Members that died: reported by the launcher (looked up only when ``reported`` may have news) or
         silent for longer than the heartbeat timeout."""
@@ -333,7 +357,12 @@ class Coordinator:
         # count from now (found by chaos seed 2060 under a load of 12 on 2 cores: every worker "died").
         blind = now - self._watched_at > self.heartbeat_timeout_s / 2
         self._watched_at = now
+        for wid in [w for w in self.slow_exclusions if w not in self.members]:
+            del self.slow_exclusions[wid]  # it died or left meanwhile
         for wid, count in zip(self.members, counts, strict=True):
+            if wid in self.slow_exclusions:
+                dead[wid] = self.slow_exclusions.pop(wid)
+                continue
             if wid in self.raised:  # its process is ending (its exit, reported next, is not news)
                 dead[wid] = "raised " + self.raised.pop(wid).headline()
                 continue
@@ -431,6 +460,8 @@ class Coordinator:
         self.members = tuple(sorted(members))
 
         record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "reform": reform}
+        if self.workload_override:
+            record["workload"] = self.workload_override
         self.store.set(keys.epoch(self.epoch), json.dumps({**record, "time": time.time()}))
         self.store.set(keys.EPOCH, str(self.epoch))
         ring(self.store, keys.NEWS)
@@ -631,6 +662,10 @@ class Coordinator:
                             self._failure_record(wid, why)
                     elif full and (reported := self._timeouts()) is not None:
                         self._decide_stall(reported)
+                    if self.rebalance_due is not None and not dead:
+                        self.workload_override, self.rebalance_due = self.rebalance_due, None
+                        on = f"workload {self.workload_override} (a worker is fail-slow)"
+                        self.publish(self.members, on if self.workload_override else "workload back to the config's")
                     self.joining |= set(joined)
                     ready = [w for w in self.layout.whole(self.joining) if w not in self.members]
                     if ready:

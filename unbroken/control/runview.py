@@ -25,12 +25,12 @@ import statistics
 import threading
 import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from unbroken.core.config import SlowPolicy
-from unbroken.core.failslow import SlowDetector, SlowRule, SlowState
+from unbroken.core.failslow import SlowDecision, SlowDetector, SlowRule, SlowState, exclusion
 from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.goodput import Bucket, Tracker
 from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
@@ -629,22 +629,59 @@ class GoodputRecorder:
 
 class SlowRecorder:
     """A sink that watches the step records for fail-slow workers (``core.failslow``) and writes a ``slow``
-    record into ``tee`` for each verdict (``recovery.slow = "report"``: that, and a warning, is all it does);
+    record into ``tee`` for each verdict. Under ``recovery.slow = "report"`` that, and a warning, is all it
+    does; under ``"rebalance"`` it calls ``rebalance(True)`` at a worker's verdict and ``rebalance(False)`` when
+    no worker is fail-slow any more (the coordinator switches the throughput workload on and off); under
+    ``"exclude"`` a fail-slow worker whose exclusion pays off (``core.failslow.exclusion``, with the steps left
+    of ``total_steps``) is handed to ``exclude`` (the coordinator removes it like a failed one).
     ``records``: the run's so far, replayed without records (a restarted coordinator goes on where it was)."""
 
-    def __init__(self, tee: MetricsTee, rule: SlowRule, records: Iterable[Mapping[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        tee: MetricsTee,
+        rule: SlowRule,
+        records: Iterable[Mapping[str, Any]] = (),
+        policy: SlowPolicy = SlowPolicy.REPORT,
+        total_steps: int = 0,
+        exclude: Callable[[int, str], None] | None = None,
+        rebalance: Callable[[bool], None] | None = None,
+    ) -> None:
         self.tee = tee
         self.detector = SlowDetector(rule)
+        self.policy = policy
+        self.total_steps = total_steps
+        self.exclude = exclude
+        self.rebalance = rebalance
         for r in records:
             if r.get("type") == RecordKind.STEP:
                 self.detector.observe(r)
 
     def write(self, record: Mapping[str, Any]) -> None:
+        if record.get("type") == RecordKind.MEMBERSHIP:
+            gone = [w for w in self.detector.slow if w not in (record.get("members") or ())]
+            for worker in gone:  # it died or was excluded: should it come back, it is judged afresh
+                self.detector.forget(worker)
+            if gone and not self.detector.slow and self.policy is SlowPolicy.REBALANCE and self.rebalance:
+                self.rebalance(False)
+            return
         if record.get("type") != RecordKind.STEP:
             return
         for v in self.detector.observe(record):
             fields = {"worker": v.worker, "state": str(v.state), "step": v.step, "relative": v.relative}
-            fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowPolicy.REPORT)}
+            fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowDecision.REPORT)}
+            estimate = None
+            if self.policy is SlowPolicy.REBALANCE:
+                fields["decision"] = str(SlowDecision.REBALANCE)
+            if self.policy is SlowPolicy.EXCLUDE and v.state is SlowState.SLOW:
+                estimate = exclusion(record, v.worker, self.total_steps - 1 - v.step)
+                worth = estimate is not None and estimate.pays_off
+                fields["decision"] = str(SlowDecision.EXCLUDE if worth else SlowDecision.KEEP)
+                fields |= estimate.fields() if estimate is not None else {}
             slow = make(RecordKind.SLOW, time.time(), **fields)
             log.log(logging.WARNING if v.state is SlowState.SLOW else logging.INFO, "%s", describe_slow(slow))
             self.tee.write(slow)
+            if self.policy is SlowPolicy.REBALANCE and self.rebalance is not None:
+                if v.state is SlowState.SLOW or not self.detector.slow:
+                    self.rebalance(v.state is SlowState.SLOW)
+            if fields["decision"] == SlowDecision.EXCLUDE and self.exclude is not None:
+                self.exclude(v.worker, f"fail-slow: {v.relative:.2f}x the others' time per microbatch")

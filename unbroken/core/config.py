@@ -55,6 +55,8 @@ class SlowPolicy(StrEnum):
 
     OFF = "off"  # nothing is watched
     REPORT = "report"  # a ``slow`` record and a warning; the run goes on unchanged
+    REBALANCE = "rebalance"  # ... and workload = "throughput" while any worker is fail-slow
+    EXCLUDE = "exclude"  # ... and the worker is removed like a failed one when that saves more than it costs
 
 
 class NonfinitePolicy(StrEnum):
@@ -295,7 +297,12 @@ class RecoveryConfig:
     reduction: Reduction = option(
         Reduction.FP32, "fp32, or exact (int64 fixed point: bitwise the failure-free run whoever computed what)"
     )
-    slow: SlowPolicy = option(SlowPolicy.REPORT, "off, or report a fail-slow worker (core.failslow, docs/goodput.md)")
+    slow: SlowPolicy = option(
+        SlowPolicy.REPORT,
+        "off; report a fail-slow worker (core.failslow, docs/goodput.md); rebalance (throughput workload while "
+        "one is); or exclude it when that pays off",
+    )
+    slow_rejoin: bool = option(True, "an excluded fail-slow worker may come back (restarted as a failed one is)")
     slow_window: int = option(10, "fail-slow rule: steps per window")
     slow_windows: int = option(3, "fail-slow rule: consecutive slow windows that make a worker fail-slow")
     slow_ratio: float = option(1.5, "fail-slow rule: a window's median time over the other members' must exceed this")

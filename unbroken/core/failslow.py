@@ -44,6 +44,15 @@ class SlowState(StrEnum):
     RECOVERED = "recovered"  # a fail-slow worker not slow in a whole window since
 
 
+class SlowDecision(StrEnum):
+    """What a ``slow`` record says was done."""
+
+    REPORT = "report"  # recovery.slow = "report", or a recovery
+    REBALANCE = "rebalance"  # the throughput workload switched on (a verdict) or off (the last one recovered)
+    EXCLUDE = "exclude"  # removed from the membership like a failed worker
+    KEEP = "keep"  # recovery.slow = "exclude", but excluding it would not pay off (``Exclusion``)
+
+
 @dataclass(frozen=True)
 class SlowRule:
     window: int = 10  # steps per window
@@ -69,6 +78,52 @@ class Verdict:
     windows: int  # consecutive slow windows so far (0 for a recovery)
 
 
+@dataclass(frozen=True)
+class Exclusion:
+    """Whether removing a fail-slow worker pays off (``recovery.slow = "exclude"``), estimated from the step
+    record whose window decided it: that step's microbatches (``quotas``) and seconds per microbatch
+    (``speeds``).
+
+    - A step takes as long as its slowest member: ``step_s`` = the largest quota x speed among the members.
+    - Without the worker, its microbatches go to the others: ``step_without_s`` = ceil(microbatches / others)
+      x the others' median speed.
+    - Excluding it costs one in-step recovery: its microbatches of the step it leaves in, computed again by the
+      others, ``cost_s`` = ceil(its quota / others) x their median speed (the group's re-formation, tens of
+      milliseconds, is left out).
+    - It pays off when (``step_s`` - ``step_without_s``) x the steps left exceeds ``cost_s``."""
+
+    step_s: float
+    step_without_s: float
+    cost_s: float
+    steps_left: int
+
+    @property
+    def saving_s(self) -> float:
+        return (self.step_s - self.step_without_s) * self.steps_left
+
+    @property
+    def pays_off(self) -> bool:
+        return self.saving_s > self.cost_s
+
+    def fields(self) -> dict[str, float | int]:
+        return {"saving_s": self.saving_s, "cost_s": self.cost_s, "steps_left": self.steps_left}
+
+
+def exclusion(step: Mapping[str, Any], worker: int, steps_left: int) -> Exclusion | None:
+    """The estimate for excluding ``worker`` after ``step`` (a step record); None when the record lacks the
+    speeds or quotas of its members, or nobody else would be left."""
+    speeds = {int(w): float(v) for w, v in (step.get("speeds") or {}).items() if isinstance(v, int | float)}
+    quotas = {int(w): int(v) for w, v in (step.get("quotas") or {}).items() if isinstance(v, int | float)}
+    others = [w for w in speeds if w != worker]
+    if worker not in speeds or worker not in quotas or not others or any(w not in quotas for w in speeds):
+        return None
+    typical = statistics.median(speeds[w] for w in others)
+    step_s = max(quotas[w] * speeds[w] for w in speeds)
+    without = math.ceil(sum(quotas.values()) / len(others)) * typical
+    cost = math.ceil(quotas[worker] / len(others)) * typical
+    return Exclusion(step_s, without, cost, max(0, steps_left))
+
+
 def describe(record: Mapping[str, Any]) -> str:
     """One line for a ``slow`` record (a verdict): the summary, the status page, the log and the alerts say it so."""
     relative = record.get("relative")
@@ -77,7 +132,13 @@ def describe(record: Mapping[str, Any]) -> str:
         what = f"is fail-slow: {times} the other members' time per microbatch over {record.get('windows')} windows"
     else:
         what = f"is no longer slow: {times} the other members' time per microbatch"
-    return f"worker {record.get('worker')} {what} (step {record.get('step')}; {record.get('decision')})"
+    decision = record.get("decision")
+    if "saving_s" in record:
+        decision = (
+            f"{decision}: {record['saving_s']:.1f} s saved over {record.get('steps_left')} steps against "
+            f"{record.get('cost_s', 0):.2f} s of recovery"
+        )
+    return f"worker {record.get('worker')} {what} (step {record.get('step')}; {decision})"
 
 
 def relative_times(step: Mapping[str, Any]) -> dict[int, float]:
@@ -104,6 +165,12 @@ class SlowDetector:
     @property
     def slow(self) -> frozenset[int]:
         return frozenset(self._slow)
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left (excluded): should it come back, it is judged afresh."""
+        self._streak.pop(worker, None)
+        self._slow.discard(worker)
+        self._window = [{w: t for w, t in times.items() if w != worker} for times in self._window]
 
     def observe(self, step: Mapping[str, Any]) -> list[Verdict]:
         if step.get("type", "step") != "step" or not step.get("committed", True) or step.get("republished"):

@@ -76,6 +76,7 @@ class Membership:
         self.run_dir = run_dir
         self.group: Group | None = None
         self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
+        self.workload = ""  # the current epoch's workload when the coordinator switched it (else the config's)
         self.recovering = False
         self.former = GroupFormer(
             client.new_connection,
@@ -203,6 +204,7 @@ class Membership:
                 # The old group's destructor may block until its abandoned collectives time out: not here.
                 retire_group(self.group, self.cfg.op_timeout_s + 1.0)
                 self.group = group
+                self.workload = epoch.workload
             if status is WaitStatus.TIMED_OUT:
                 client.report_timeout(epoch.epoch)  # the rendezvous timed out: a live member never came
             if self.agreed(group is not None):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.control.client import CoordinatorClient
-from unbroken.core.config import RecoveryPolicy
+from unbroken.core.config import RecoveryPolicy, Workload
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind
@@ -295,6 +295,7 @@ class StepProtocol:
                     raise StopRun(reason, fatal=False)
                 membership.form_next_group()
                 assert self.group is not None
+                self.plan.workload = Workload(membership.workload) if membership.workload else self.cfg.workload
                 # Formed ahead (GroupFormer), the group may be older than this recovery.
                 formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
                 if self.resume_pending:

@@ -33,6 +33,7 @@ class StepPlan:
         self.efficient_ids: frozenset[int] = frozenset()
         self.quotas: dict[int, int] = {}
         self.my_speed = 0.0
+        self.workload = cfg.workload  # the current epoch's (a coordinator may switch it: recovery.slow = rebalance)
         # The data check (``datacheck``): this step's probe, if any, and the fingerprints this worker computed
         # for it ([0] as the microbatch's computer, [1] as the prober); one probe per membership epoch.
         self.probe: datacheck.Probe | None = None
@@ -64,7 +65,7 @@ class StepPlan:
             plan = mecefo_plan(self.state.step, ring, members, self.M, todo, spread=spread)
         else:
             ids = range(self.M) if todo is None else todo
-            plan = plan_ids(self.state.step, members, ids, self.M, self.cfg.workload, self.state.speeds)
+            plan = plan_ids(self.state.step, members, ids, self.M, self.workload, self.state.speeds)
         self.efficient_ids = plan.efficient
         eb = self.state.efficient
         if eb is not None:

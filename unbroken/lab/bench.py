@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from typing import Any
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps
 from unbroken.lab.figures import rank_main, run_ranks, stats
+from unbroken.lab.runs import run_to_end
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 6
@@ -195,23 +195,6 @@ def format_ddp(rows: list[dict[str, Any]], cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-def _run_with_schedule(cfg: RunConfig, workers: int, keep: Path | None = None) -> list[dict[str, Any]]:
-    """Run to the end and return the metrics records (the run directory is kept under ``keep`` if given)."""
-    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
-    from unbroken.core.records import read_records
-    from unbroken.train.trainer import validate_launch
-
-    tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-"))
-    run_dir = (keep or tmp) / "run"
-    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
-    code = Launcher(plan, show_progress=False, show_summary=False).run()
-    if code != 0:
-        raise RuntimeError(f"run failed (exit {code}); logs kept in {run_dir}/logs")
-    records = read_records(run_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return records
-
-
 def bench_recovery(config: str | None, workers: int, kills: int, overrides: list[str]) -> dict[str, Any]:
     """Latency of in-step recovery after real SIGKILLs: detection, group re-formation, first commit after."""
     phases = ["backward", "reduction", "forward"]
@@ -230,7 +213,7 @@ def bench_recovery(config: str | None, workers: int, kills: int, overrides: list
         f"--failures.schedule={'; '.join(events)}",
     ]
     cfg = load_config(config or _tiny_config(), base + overrides)
-    records = _run_with_schedule(cfg, workers)
+    records = run_to_end(cfg, workers)
     failures = [r for r in records if r["type"] == "failure" and "detection_s" in r]
     recoveries = [r for r in records if r["type"] == "recovery" and r.get("missing") is not None]
     commits = sorted((r["time"], r["step"]) for r in records if r["type"] == "step")
@@ -297,7 +280,7 @@ def bench_policies(config: str | None, workers: int, overrides: list[str]) -> li
     rows = []
     for policy in ("recover", "drop", "restart"):
         cfg = load_config(config or _tiny_config(), [*base, f"--recovery.policy={policy}", *overrides])
-        records = _run_with_schedule(cfg, workers)
+        records = run_to_end(cfg, workers)
         steps = [r for r in records if r["type"] == "step" and not r.get("republished")]  # every commit, timed
         final = committed_steps(records)
         start = min(r["time"] - r["step_time_s"] for r in steps)
@@ -363,7 +346,7 @@ def bench_convergence(
         "--failures.schedule=",
     ]
     ref_cfg = load_config(config or _tiny_config(), [*base, *overrides])
-    reference = _convergence_row("none", "recover", _run_with_schedule(ref_cfg, workers), workers)
+    reference = _convergence_row("none", "recover", run_to_end(ref_cfg, workers), workers)
     step_time = reference["step_time_up_s"]
     rows = []
     for scenario in scenarios:
@@ -379,7 +362,7 @@ def bench_convergence(
                 ],
             )
             try:
-                row = _convergence_row(scenario, policy, _run_with_schedule(cfg, workers), workers)
+                row = _convergence_row(scenario, policy, run_to_end(cfg, workers), workers)
                 row["ppl_vs_reference"] = row["val_ppl"] / reference["val_ppl"] - 1.0
             except RuntimeError as e:  # e.g. every worker down at once: the job stops, as a real one would
                 row = {"scenario": scenario, "policy": policy, "error": str(e).splitlines()[0]}
@@ -506,6 +489,7 @@ class Bench(StrEnum):
     DATA = "data"
     PARALLEL = "parallel"
     SPARES = "spares"
+    FAILSLOW = "failslow"
     GPU = "gpu"  # needs a CUDA GPU: not part of ``all`` (bench_gpu)
 
 
@@ -612,6 +596,10 @@ def run_one(
         from unbroken.lab.bench_spares import STEPS_AFTER, bench_spares, format_spares
 
         return format_spares(bench_spares(config, repeats, overrides, steps or STEPS_AFTER))
+    if what == "failslow":
+        from unbroken.lab.bench_failslow import bench_failslow, format_failslow
+
+        return format_failslow(bench_failslow(config, max(worker_counts), repeats, overrides), max(worker_counts))
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 
