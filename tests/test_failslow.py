@@ -72,6 +72,17 @@ def test_a_fail_slow_worker_that_gets_well_again_is_said_to_have_recovered() -> 
     assert [(v.worker, v.state, v.step) for v in found] == [(0, SlowState.SLOW, 49), (0, SlowState.RECOVERED, 89)]
 
 
+def test_a_member_given_no_microbatch_measured_nothing_and_is_neither_judged_nor_a_yardstick() -> None:
+    step = {"speeds": {"0": 0.1, "1": 0.2, "2": 0.05}, "quotas": {"0": 4, "1": 4, "2": 0}}
+    assert relative_times(step) == pytest.approx({0: 0.5, 1: 2.0})
+    # Rebalanced away from (no microbatch), a fail-slow worker is neither found well again nor judged at all.
+    detector = SlowDetector(SlowRule(window=4, windows=2))
+    slow = steps(8, 3, {s: {2: 4.0} for s in range(8)}, noise=0.0)
+    idle = [{**r, "step": 8 + i, "quotas": {"0": 4, "1": 4, "2": 0}} for i, r in enumerate(steps(8, 3, {}, 0.0))]
+    found = [(v.worker, v.state, v.step) for r in slow + idle for v in detector.observe(r)]
+    assert found == [(2, SlowState.SLOW, 7)] and detector.slow == {2}
+
+
 def test_with_two_members_the_other_one_is_the_yardstick() -> None:
     assert relative_times({"speeds": {"0": 0.3, "1": 0.1}}) == pytest.approx({0: 3.0, 1: 1 / 3})
     (verdict,) = verdicts(steps(60, 2, {s: {1: 3.0} for s in range(60)}, noise=0.1))

@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,16 @@ from dataclasses import dataclass
 import pytest
 from torch.distributed import TCPStore
 
-from unbroken.control.gateway import MAGIC, MAX_PENDING, NONCE_BYTES, Gateway, Tunnel, TunnelError, new_token
+from unbroken.control.gateway import (
+    MAGIC,
+    MAX_PENDING,
+    NONCE_BYTES,
+    Gateway,
+    Tunnel,
+    TunnelError,
+    _Loop,
+    new_token,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -206,3 +216,37 @@ def test_a_stale_client_retrying_an_old_tunnel_port_cannot_take_a_new_tunnel(ser
         tunnel.host, tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
     )
     assert c.get("epoch") == b"1"
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_closed_while_registered_does_not_block_the_next_one_with_its_number() -> None:
+    """A pipe's socket closed behind the loop's back leaves its descriptor in the selector; the kernel gives the
+    number to the next socket, which must still be piped (once: "FD 42 is already registered", a worker lost)."""
+
+    def tcp_pair() -> tuple[socket.socket, socket.socket]:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            client = socket.create_connection(server.getsockname())
+            accepted, _ = server.accept()
+        return accepted, client
+
+    loop = _Loop("test-loop")
+    try:
+        a, a_peer = tcp_pair()
+        b, b_peer = tcp_pair()
+        done = threading.Event()
+        loop.call(lambda: (loop.pipe(a, b), done.set()))
+        assert done.wait(5)
+        stale = a.fileno()
+        a.close()  # not unregistered: its number stays in the selector's map
+        c, c_peer = tcp_pair()
+        reused = next(x for x in (c, c_peer) if x.fileno() == stale)
+        other = c_peer if reused is c else c
+        d, d_peer = tcp_pair()
+        piped = threading.Event()
+        loop.call(lambda: (loop.pipe(reused, d), piped.set()))
+        assert piped.wait(5)
+        other.sendall(b"through")
+        d_peer.settimeout(5)
+        assert d_peer.recv(16) == b"through"
+    finally:
+        loop.close()

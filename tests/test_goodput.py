@@ -152,6 +152,31 @@ def test_a_restart_policy_relaunch_counts_the_down_time_and_the_steps_trained_ag
     assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
 
 
+def test_a_join_between_two_steps_and_a_step_known_only_as_republished_are_accounted() -> None:
+    """A join's re-formation and state transfer that happen between two steps are measured as inside one; a
+    step whose only record is a republished one (its leader did not take part in its commit: no tokens or
+    timing of its own) still committed the usual tokens. Seen in clean run 16 (the recovery fixture's run)."""
+    t = Timeline()
+    t.at(RecordKind.MEMBERSHIP, epoch=1, members=[0, 1, 2], reason="start", elapsed_s=0.0)
+    t.wait(1.0)
+    for _ in range(4):
+        t.commit(1.0, alive=3)
+        t.wait(0.1)
+    t.at(RecordKind.MEMBERSHIP, epoch=2, members=[0, 1, 2, 3], reason="joined: 3", elapsed_s=0.0)
+    t.records.append(make(RecordKind.STEP, t.now, step=t.step, loss=1.0, lr=1e-3, grad_norm=1.0,
+                          step_time_s=math.nan, tokens=0, alive=4, epoch=2, microbatches=4, committed=True,
+                          recomputed=0, dropped=0, recoveries=0, efficient=0, republished=True))  # fmt: skip
+    t.step += 1
+    t.wait(0.9)  # the join: the group re-formed (0.3 s), then the state sent (0.5 s)
+    t.at(RecordKind.RECOVERY, step=t.step, from_epoch=1, epoch=2, alive=4, reform_s=0.3, missing=[0, 1, 2, 3],
+         time_reformed=t.now - 0.5, time_recovered=t.now, state_bytes=1000)  # fmt: skip
+    t.commit(1.0)
+    g = account(t.records)
+    assert g.tokens == 6 * TOKENS
+    assert g.buckets[Bucket.REFORMATION] == pytest.approx(0.3)
+    assert g.buckets[Bucket.TRANSFER] == pytest.approx(0.5)
+
+
 def test_a_real_run_with_kills_and_a_rejoin_is_accounted_by_its_own_records(recovery_runs: dict[str, Path]) -> None:
     """The recovery fixture's exact run: two kills (detected in the time the failure records say), their
     re-formations and a rejoin with a state transfer; each bucket holds what those records measured."""

@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,17 @@ class _Loop:
         _Pipe(self, a, b, initial_to_b)
 
 
+def _register(sel: selectors.BaseSelector, sock: socket.socket, events: int, data: Any) -> None:
+    """``sel.register``, after dropping a stale entry under the same descriptor: a socket closed while still
+    registered leaves its number in the selector's map, and the kernel hands that number to the next socket
+    (seen once in the suite: "FD 42 is already registered", and a worker could not join)."""
+    try:
+        sel.register(sock, events, data)
+    except KeyError:
+        sel.unregister(sock.fileno())  # the stale entry (the kernel dropped the closed one from epoll itself)
+        sel.register(sock, events, data)
+
+
 def _close(sock: socket.socket) -> None:
     try:
         sock.close()
@@ -179,7 +191,7 @@ class _Pipe:
             side.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.b.out += initial_to_b
         for side in (self.a, self.b):
-            loop.sel.register(side.sock, selectors.EVENT_READ, lambda mask, s=side: self._on(s, mask))
+            _register(loop.sel, side.sock, selectors.EVENT_READ, lambda mask, s=side: self._on(s, mask))
             side.events = selectors.EVENT_READ
         self._flush(self.b)
         self._update()
@@ -234,7 +246,7 @@ class _Pipe:
             if not events:
                 self.loop.sel.unregister(side.sock)
             elif not side.events:
-                self.loop.sel.register(side.sock, events, callback)
+                _register(self.loop.sel, side.sock, events, callback)
             else:
                 self.loop.sel.modify(side.sock, events, callback)
             side.events = events
@@ -316,7 +328,7 @@ class Gateway(_Loop):
                 _close(sock)
                 continue
             self.pending[sock] = hs
-            self.sel.register(sock, selectors.EVENT_READ, lambda mask, h=hs: self._on_handshake(h))
+            _register(self.sel, sock, selectors.EVENT_READ, lambda mask, h=hs: self._on_handshake(h))
 
     def _drop(self, sock: socket.socket) -> None:
         try:

@@ -143,10 +143,13 @@ def describe(record: Mapping[str, Any]) -> str:
 
 def relative_times(step: Mapping[str, Any]) -> dict[int, float]:
     """Each member's seconds per microbatch over the median of the other members', in one step record (empty
-    without ``speeds`` for two members or more)."""
+    without ``speeds`` for two members or more). A member the step gave no microbatch (``quotas``: the
+    throughput workload routing around a slow one) measured nothing in it: it has no relative time there and
+    is no yardstick for the others."""
+    idle = {int(w) for w, n in (step.get("quotas") or {}).items() if n == 0}
     speeds: dict[int, float] = {}
     for worker, value in (step.get("speeds") or {}).items():
-        if isinstance(value, int | float) and math.isfinite(value) and value > 0:
+        if isinstance(value, int | float) and math.isfinite(value) and value > 0 and int(worker) not in idle:
             speeds[int(worker)] = float(value)
     if len(speeds) < 2:
         return {}

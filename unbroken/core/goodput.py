@@ -216,6 +216,20 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
     committed = [r for r in final.values() if r.get("committed", True) and not r.get("skipped")]
     counted = {id(r) for r in committed}
     tokens = sum(int(r.get("tokens", 0)) for r in committed)
+    # A step known only from a republished record (its leader did not take part in its commit, or died before
+    # publishing it: the record has no tokens or timing of its own) committed as usual: the run's usual tokens
+    # per step, less what it dropped.
+    untimed = {
+        int(r["step"]): r
+        for r in records
+        if r.get("type") == RecordKind.STEP and r.get("republished") and int(r["step"]) not in final
+    }
+    if committed and untimed:
+        usual = statistics.median(int(r.get("tokens", 0)) for r in committed)
+        for r in untimed.values():
+            if r.get("committed", True) and not r.get("skipped"):
+                m = int(r.get("microbatches") or 1)
+                tokens += round(usual * (m - int(r.get("dropped") or 0)) / m)
     full = max((int(r.get("alive", 0)) for r in final.values()), default=0)
 
     # The sessions' timelines, and the steps of each in commit order.
@@ -268,7 +282,7 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
                 usual = 0.0
             else:
                 usual = min(max(0.0, start - cursor), cadence)
-                _gap(ledger, timeline.between(cursor, start), start - cursor - usual)
+                _gap(ledger, timeline.between(cursor, start), start - cursor - usual, members)
             cursor = stop
             if r.get("skipped") or not r.get("committed", True):
                 ledger.split(seconds + usual, [], Bucket.NONFINITE)
@@ -283,19 +297,37 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
         if relaunched:
             ledger.split(end - cursor, [], Bucket.RESTART)
         else:
-            _gap(ledger, timeline.between(cursor, end), end - cursor)
+            _gap(ledger, timeline.between(cursor, end), end - cursor, members)
     return Goodput(wall, tokens, ideal_step, ideal_rate, ledger.buckets, cadence)
 
 
-def _gap(ledger: _Ledger, inside: list[Mapping[str, Any]], length: float) -> None:
-    """The time between two steps of a session, or after its last, with the records written in it."""
+def _gap(ledger: _Ledger, inside: list[Mapping[str, Any]], length: float, members: dict[int, list[int]]) -> None:
+    """The time between two steps of a session, or after its last, with the records written in it (a recovery
+    between two steps, a join's above all, is measured here as inside a step)."""
     kinds = {r.get("type") for r in inside}
     checkpoint = sum(_number(r.get("seconds")) or 0.0 for r in inside if r.get("type") == RecordKind.CHECKPOINT)
     lost = RecordKind.COORDINATOR_LOST in kinds or any(
         r.get("type") == RecordKind.COORDINATOR and r.get("restored_epoch") for r in inside
     )
     rest = Bucket.COORDINATOR if lost else Bucket.EVALUATION if RecordKind.EVAL in kinds else Bucket.UNATTRIBUTED
-    ledger.split(length, [(Bucket.CHECKPOINT, checkpoint)], rest)
+    events = [r for r in inside if r.get("type") in (RecordKind.FAILURE, RecordKind.RECOVERY)]
+    ledger.split(length, [(Bucket.CHECKPOINT, checkpoint)], rest, _measured(events, members))
+
+
+def _measured(events: list[Mapping[str, Any]], members: dict[int, list[int]]) -> list[tuple[Bucket, float]]:
+    """What the failures and recoveries among ``events`` measured: detection (a delivered kill's), each
+    re-formation, and a join's state transfer."""
+    measured: list[tuple[Bucket, float]] = []
+    for r in events:
+        if r.get("type") == RecordKind.FAILURE:
+            measured.append((Bucket.DETECTION, _number(r.get("detection_s")) or 0.0))  # known for a delivered kill
+        else:
+            measured.append((Bucket.REFORMATION, _number(r.get("reform_s")) or 0.0))
+            if is_join(r, members) and r.get("state_bytes"):
+                formed, recovered = _number(r.get("time_reformed")), _number(r.get("time_recovered"))
+                if formed is not None and recovered is not None:
+                    measured.append((Bucket.TRANSFER, recovered - formed))
+    return measured
 
 
 def _step(
@@ -308,16 +340,7 @@ def _step(
 ) -> None:
     """A committed step's time beyond its ideal (``excess``, negative for a step faster than the median), with
     the failures and recoveries inside it."""
-    measured: list[tuple[Bucket, float]] = []
-    for r in events:
-        if r.get("type") == RecordKind.FAILURE:
-            measured.append((Bucket.DETECTION, _number(r.get("detection_s")) or 0.0))  # known for a delivered kill
-        else:
-            measured.append((Bucket.REFORMATION, _number(r.get("reform_s")) or 0.0))
-            if is_join(r, members) and r.get("state_bytes"):
-                formed, recovered = _number(r.get("time_reformed")), _number(r.get("time_recovered"))
-                if formed is not None and recovered is not None:
-                    measured.append((Bucket.TRANSFER, recovered - formed))
+    measured = _measured(events, members)
     if step.get("recomputed"):
         rest = Bucket.RECOMPUTE
     elif step.get("overflow_redos"):
