@@ -114,14 +114,17 @@ def test_excluding_pays_off_when_the_time_saved_over_the_steps_left_exceeds_one_
     assert exclusion({"speeds": step["speeds"]}, 2, 30) is None  # no quotas in the record
 
 
+class Tee:
+    """What a ``SlowRecorder`` writes, kept."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+
 def test_under_exclude_the_recorder_hands_over_a_worker_worth_excluding_and_judges_it_afresh() -> None:
-    class Tee:
-        def __init__(self) -> None:
-            self.records: list[dict] = []
-
-        def write(self, record: dict) -> None:
-            self.records.append(record)
-
     def run(total_steps: int) -> tuple[list[dict], list[int]]:
         tee, excluded = Tee(), []
         rule = SlowRule(window=4, windows=2)
@@ -143,17 +146,11 @@ def test_under_exclude_the_recorder_hands_over_a_worker_worth_excluding_and_judg
 
 def test_under_rebalance_the_recorder_switches_the_throughput_workload_on_and_back_off() -> None:
     switched: list[bool] = []
-    records: list[dict] = []
-
-    class Tee:
-        def write(self, record: dict) -> None:
-            records.append(record)
-
-    rule = SlowRule(window=4, windows=2)
-    recorder = SlowRecorder(Tee(), rule, (), SlowPolicy.REBALANCE, 100, None, switched.append)
+    tee = Tee()
+    recorder = SlowRecorder(tee, SlowRule(window=4, windows=2), (), SlowPolicy.REBALANCE, 100, None, switched.append)
     for record in steps(16, 3, {s: {2: 4.0} for s in range(8)}, noise=0.0):  # slow in 0-7, well from 8 on
         recorder.write(record)
-    assert [(r["state"], r["step"], r["decision"]) for r in records] == [
+    assert [(r["state"], r["step"], r["decision"]) for r in tee.records] == [
         (SlowState.SLOW, 7, SlowDecision.REBALANCE),
         (SlowState.RECOVERED, 11, SlowDecision.REBALANCE),
     ]
@@ -172,6 +169,15 @@ def test_a_bad_rule_is_refused(rule: dict) -> None:
 SLOWDOWNS = "slow:worker=2,factor=4,steps=4-39; slow:worker=1,factor=20,steps=12-12"
 
 
+def slowed_run(tmp_path: Path, data_cache_dir: Path, policy: str, *extra: str) -> Path:
+    """3 workers under ``SLOWDOWNS`` in exact mode, the rule in windows of 4 steps, 2 of them; the run directory."""
+    run = tmp_path / "run"
+    rule = [f"--recovery.slow={policy}", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
+    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, *extra, f"--failures.schedule={SLOWDOWNS}", workers=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
 @pytest.mark.timeout(240)
 def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unchanged(
     tmp_path: Path, data_cache_dir: Path, control_reference: Path
@@ -182,12 +188,8 @@ def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unch
     replayed on the run's own step records (on a loaded machine worker 2 may have been slow in 0-3 as well);
     worker 1's one slow step never makes it fail-slow. ``report`` changes nothing else: the run is bitwise the
     failure-free one."""
-    run = tmp_path / "run"
-    rule = ["--recovery.slow=report", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
     alerts = tmp_path / "alerts.jsonl"
-    notify = f"--metrics.alert_command=sh -c 'cat >> {alerts}'"
-    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, notify, f"--failures.schedule={SLOWDOWNS}", workers=3)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = slowed_run(tmp_path, data_cache_dir, "report", f"--metrics.alert_command=sh -c 'cat >> {alerts}'")
     slow = read_records(run, "slow")
     assert [(r["worker"], r["state"], r["decision"]) for r in slow] == [(2, "slow", "report")], slow
     (alert,) = [json.loads(line) for line in alerts.read_text().splitlines()]  # the operator is told
@@ -208,12 +210,8 @@ def test_under_exclude_a_persistently_slow_worker_is_removed_and_the_run_is_the_
     failure record that says fail-slow, an epoch without it, no step after that epoch with it, never back.
     Worker 1's one slow step excludes nobody. In exact mode the run is bitwise the failure-free one, as a run
     where worker 2 were killed at that step is."""
-    run = tmp_path / "run"
-    rule = ["--recovery.slow=exclude", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
-    schedule = f"--failures.schedule={SLOWDOWNS}"
     rejoin = ["--recovery.slow_rejoin=false", "--failures.mttr_s=0.5"]  # restarted, and refused once back
-    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, *rejoin, schedule, workers=3)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = slowed_run(tmp_path, data_cache_dir, "exclude", *rejoin)
     (slow,) = read_records(run, "slow")
     assert (slow["worker"], slow["state"], slow["decision"]) == (2, "slow", "exclude"), slow
     assert slow["step"] in (7, 11, 15) and slow["saving_s"] > slow["cost_s"] and slow["steps_left"] > 0
@@ -239,10 +237,7 @@ def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_
     same members with the throughput workload; from it on worker 2, 4x slower, gets fewer than the 2 of the 8
     microbatches the even workload gives it (3, 3, 2 before). It stays slow to the end, so the workload is never
     switched back. In exact mode the run is bitwise the failure-free one."""
-    run = tmp_path / "run"
-    rule = ["--recovery.slow=rebalance", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
-    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, f"--failures.schedule={SLOWDOWNS}", workers=3)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = slowed_run(tmp_path, data_cache_dir, "rebalance")
     (slow,) = read_records(run, "slow")
     assert (slow["worker"], slow["state"], slow["decision"]) == (2, "slow", "rebalance"), slow
     memberships = read_records(run, "membership")

@@ -669,7 +669,6 @@ class SlowRecorder:
         for v in self.detector.observe(record):
             fields = {"worker": v.worker, "state": str(v.state), "step": v.step, "relative": v.relative}
             fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowDecision.REPORT)}
-            estimate = None
             if self.policy is SlowPolicy.REBALANCE:
                 fields["decision"] = str(SlowDecision.REBALANCE)
             if self.policy is SlowPolicy.EXCLUDE and v.state is SlowState.SLOW:
