@@ -266,6 +266,54 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
             coordinator.status.close()
 
 
+def _listening_fds(port: int) -> list[int]:
+    """This process's descriptors of TCP sockets listening on ``port`` (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            fds.append(int(fd))
+    return fds
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.timeout(60)
+def test_the_store_alone_owns_its_listening_descriptor(tmp_path: Path) -> None:
+    """torch's store closes the listening descriptor it is handed when it is destroyed; a Python socket still
+    holding the number would close it a second time, by then perhaps another socket of this process (in a
+    thread job: a tunnel's store connection cut during its validation, a selector left with a stale entry)."""
+    import gc
+
+    from unbroken.control import coordinator as coordinator_module
+    from unbroken.control.store import bind_listen_socket
+    from unbroken.core.config import dump_config, load_config
+
+    cfg = load_config(TINY)
+    dump_config(cfg, tmp_path)
+    coordinator = coordinator_module.Coordinator(
+        bind_listen_socket("127.0.0.1", 0), cfg, tmp_path, 1, False, token=new_token()
+    )
+    try:
+        (fd,) = _listening_fds(coordinator.gateway.internal[1])
+        holders = [o for o in gc.get_objects() if type(o) is socket.socket and o.fileno() == fd]
+        assert holders == [], holders
+    finally:
+        coordinator.gateway.close()
+        coordinator.metrics.close()
+        if coordinator.status is not None:
+            coordinator.status.close()
+
+
 @pytest.mark.timeout(60)
 def test_the_first_reason_to_stop_is_the_one_kept() -> None:
     """Every worker stops for one reason (an op without a deterministic implementation) and exits; the launcher,

@@ -31,6 +31,7 @@ from unbroken.control.gateway import (
     _Loop,
     new_token,
 )
+from unbroken.control.store import serve_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,19 +50,7 @@ class Served:
 
 @pytest.fixture
 def served() -> Iterator[Served]:
-    internal = socket.socket()
-    internal.bind(("127.0.0.1", 0))
-    internal.listen(128)
-    port = internal.getsockname()[1]
-    store = TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        master_listen_fd=internal.fileno(),
-        use_libuv=True,
-        timeout=datetime.timedelta(seconds=10),
-    )
+    store, port = serve_store(timeout_s=10.0)
     public = socket.socket()
     public.bind(("127.0.0.1", 0))
     public.listen(1024)
@@ -70,7 +59,6 @@ def served() -> Iterator[Served]:
     store.set("epoch", "1")
     yield Served(store, gateway, f"127.0.0.1:{public.getsockname()[1]}", token)
     gateway.close()
-    internal.close()
 
 
 def client(served: Served, token: str | None = None) -> TCPStore:

@@ -44,6 +44,15 @@ def test_throughput_gives_a_slow_worker_fewer() -> None:
     assert len(plan.ids_for(2)) == quotas[2]
 
 
+def test_throughput_gives_every_worker_one_while_there_are_enough_so_none_goes_unmeasured() -> None:
+    """A worker whose last time was a momentary 8x (measured as a moving average, and only while it computes)
+    would get nothing of 8 and never be timed again: it keeps one, at the cost of one of its slow items."""
+    assert throughput_quotas(8, [1.0, 8.0, 4.0]) == [6, 1, 1]
+    assert throughput_quotas(8, [1.0, 1.0, 4.0]) == [4, 3, 1]  # 4, 4, 0 without the floor: as fast, never timed
+    assert throughput_quotas(2, [1.0, 8.0, 4.0]) == [2, 0, 0]  # fewer items than workers: no floor
+    assert throughput_quotas(3, [1.0, 8.0, 4.0]) == [1, 1, 1]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     ring_size=st.integers(1, 12),

@@ -37,7 +37,6 @@ epoch or a stop reaches every worker as soon as the store sees it. A hang is dec
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import logging
 import os
@@ -52,8 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import TCPStore
-
 from unbroken.control import keys
 from unbroken.control.alerts import Alerter
 from unbroken.control.gateway import Gateway, require_token
@@ -62,7 +59,7 @@ from unbroken.control.progress import describe_error
 from unbroken.control.runview import GoodputRecorder, MetricsTee, RunView, SlowRecorder
 from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
 from unbroken.control.status import StatusServer
-from unbroken.control.store import STORE_TIMEOUT_S, bind_listen_socket, get_int, read_json, request_stop, ring, wait_key
+from unbroken.control.store import get_int, read_json, request_stop, ring, serve_store, wait_key
 from unbroken.core import bugs, ckptfiles
 from unbroken.core.config import Reduction, RunConfig, SlowPolicy, Workload, to_toml
 from unbroken.core.failslow import SlowRule
@@ -140,17 +137,7 @@ class Coordinator:
         host, port = sock.getsockname()[:2]
         self.address = f"{host}:{port}"
         self.port = port
-        self.internal = bind_listen_socket("127.0.0.1", 0)  # kept open for the store's lifetime
-        internal_port = self.internal.getsockname()[1]
-        self.store = TCPStore(
-            "127.0.0.1",
-            internal_port,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=self.internal.fileno(),
-            use_libuv=True,
-            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
-        )
+        self.store, internal_port = serve_store()
         self.token = token if token is not None else require_token()
         self.gateway = Gateway(sock, ("127.0.0.1", internal_port), self.token)
         self.cfg = cfg

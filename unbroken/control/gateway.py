@@ -157,7 +157,9 @@ class _Loop:
 def _register(sel: selectors.BaseSelector, sock: socket.socket, events: int, data: Any) -> None:
     """``sel.register``, after dropping a stale entry under the same descriptor: a socket closed while still
     registered leaves its number in the selector's map, and the kernel hands that number to the next socket
-    (seen once in the suite: "FD 42 is already registered", and a worker could not join)."""
+    (seen once in the suite: "FD 42 is already registered", and a worker could not join). The cause found was a
+    second close of the store's listening descriptor (``control.store.serve_store`` now leaves it to the store
+    alone); the loop stays tolerant of any other socket closed behind its back."""
     try:
         sel.register(sock, events, data)
     except KeyError:

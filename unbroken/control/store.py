@@ -35,6 +35,27 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_store(timeout_s: float = STORE_TIMEOUT_S) -> tuple[TCPStore, int]:
+    """The coordinator's store (the master) on an internal port of 127.0.0.1; returns it and its port.
+
+    The store is handed the listening socket's descriptor and closes it when it is destroyed, so the socket is
+    detached from Python first: were a Python object left holding the number too, the second close would land
+    on whatever socket the kernel gave that number next (in a process that also holds tunnels: a live store
+    connection cut, or a selector left with a stale entry)."""
+    internal = bind_listen_socket("127.0.0.1", 0)
+    port = internal.getsockname()[1]
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=internal.detach(),
+        use_libuv=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return store, port
+
+
 def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | None = None) -> TCPStore:
     """A client connection to the coordinator's store at ``HOST:PORT``, through an authenticated tunnel.
 

@@ -39,14 +39,19 @@ def even_quotas(num_items: int, num_workers: int) -> list[int]:
 
 
 def throughput_quotas(num_items: int, seconds_per_item: Sequence[float]) -> list[int]:
-    """Quotas that minimise max_r q_r * t_r with sum q_r = num_items (greedy: each item to the earliest finisher).
+    """Quotas that minimise max_r q_r * t_r with sum q_r = num_items and, while there are as many items as
+    workers, q_r >= 1 (greedy from one each: each further item to the earliest finisher).
 
-    Ties go to the lower index, so the result is deterministic for identical inputs.
+    The floor keeps every worker measured: a worker given nothing times nothing, so one momentary slow time
+    (a pause, a busy core) would keep it idle for the rest of the run. It costs at most one item of the slowest
+    worker; a worker too slow for even that is for ``recovery.slow = "exclude"``. Ties go to the lower index,
+    so the result is deterministic for identical inputs.
     """
     assert len(seconds_per_item) >= 1 and num_items >= 0
     assert all(t > 0 for t in seconds_per_item), seconds_per_item
-    quotas = [0] * len(seconds_per_item)
-    for _ in range(num_items):
+    floor = 1 if num_items >= len(seconds_per_item) else 0
+    quotas = [floor] * len(seconds_per_item)
+    for _ in range(num_items - sum(quotas)):
         r = min(range(len(quotas)), key=lambda i: ((quotas[i] + 1) * seconds_per_item[i], i))
         quotas[r] += 1
     return quotas
