@@ -12,10 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.control import keys
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.gateway import new_token
-from unbroken.control.store import bind_listen_socket, connect_store, ring
+from unbroken.control.store import bind_listen_socket, connect_store, report_death
 from unbroken.core.config import RunConfig, dump_config
 from unbroken.ft.api import Context
 from unbroken.ft.process import Job, WorkerLeft
@@ -53,8 +52,7 @@ class ThreadJob:
             self.results[worker] = loop(ctx, worker)
         except Died:
             ctx.close()  # its heartbeats stop; report the death as a launcher reports a process exit
-            self.store.set(keys.dead(worker), "died in the test")
-            ring(self.store)
+            report_death(self.store, worker, "died in the test")
         except WorkerLeft as e:
             self.results[worker] = e
         except BaseException as e:  # noqa: BLE001 - reported to the test

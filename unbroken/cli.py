@@ -279,6 +279,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         data_gb=(args.corpus_gb, args.reader_gb),
         out=args.out,
         parts=args.parts,
+        members=args.members,
     )
 
 
@@ -473,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="gpu: where gpu.md, gpu.json and its runs go (default runs/bench-gpu-<time>)")
     bench.add_argument(
         "--parts", default="", help="gpu: some of determinism,exact,kills,throughput,mecefo,nccl (default: all)"
+    )
+    bench.add_argument(
+        "--members", default="", help="control-scale: comma-separated member counts (default 64,256,512,1024)"
     )
     bench.set_defaults(func=cmd_bench)
 

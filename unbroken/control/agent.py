@@ -36,7 +36,7 @@ from unbroken.control import keys
 from unbroken.control.client import COORDINATOR_ENV, DEVICE_INDEX_ENV, LOCAL_WORKERS_ENV, SPARE_ENV, WORKER_ID_ENV
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
-from unbroken.control.store import connect_store, publish_record, request_stop, ring
+from unbroken.control.store import connect_store, publish_record, report_death, request_stop, ring
 from unbroken.core.config import RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
@@ -399,7 +399,7 @@ class Agent:
             code = proc.poll()
             if code is not None and code != 0 and wid not in self.reported:  # 0: finished the run
                 self.reported.add(wid)
-                self._tell(keys.dead(wid), "killed by SIGKILL" if code == -9 else f"exited with status {code}")
+                self._call(report_death, wid, "killed by SIGKILL" if code == -9 else f"exited with status {code}")
 
     def nobody_left(self) -> bool:
         """No worker process runs and none is due to restart (e.g. every one failed before joining)."""

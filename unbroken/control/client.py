@@ -44,6 +44,7 @@ from unbroken.control.store import (
     publish_record,
     read_json,
     report_error,
+    report_timeout,
     request_stop,
     ring,
     wait_key,
@@ -166,6 +167,7 @@ class CoordinatorClient:
         self.address = self.addresses[0]
         self.store: Any = _HeldStore(self)
         self._store = self._first_connection()
+        self._connect_watchers()
         self.worker_id, self.late = self._register(worker_id, returning=False)
         self.incarnation = self._store.get(keys.INCARNATION).decode()
         self.latest_epoch = int(self._store.get(keys.EPOCH))
@@ -205,18 +207,23 @@ class CoordinatorClient:
             raise Refused(store.get(keys.refused(worker_id)).decode())
         return worker_id, store.get(keys.register_late(seq)) == b"1"
 
-    def _start_watchers(self) -> None:
-        """Two watcher threads, each on its own connection (a TCPStore client is one socket, one call at a
-        time): the sender sends a heartbeat every interval and the metrics records queued by the training
-        thread, the news watcher sleeps in a store wait on the workers' doorbell. (Connected with the long
-        timeout: opening a connection alone can take seconds, see new_connection; then their ops time out
-        within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one.)"""
+    def _connect_watchers(self) -> None:
+        """The watchers' connections, each its own (a TCPStore client is one socket, one call at a time),
+        opened before registering: the coordinator counts a worker's silence from its admission, and opening a
+        connection alone can take seconds (see new_connection; 64 workers joining at once on 2 cores: 42 of
+        them were declared dead before their first heartbeat). Connected with the long timeout, then their ops
+        time out within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one."""
         self._sender_store = connect_store(self.address, token=self.token)
         self._sender_store.set_timeout(self._op_timeout)
         self._news_store, self._news_tunnel = open_store(self.address, token=self.token)
         self._news_store.set_timeout(self._op_timeout)
         with self._connection_lock:
             self._spare = self._spare_pool.submit(connect_store, self.address, STORE_TIMEOUT_S, self.token)
+
+    def _start_watchers(self) -> None:
+        """Two watcher threads on the connections ``_connect_watchers`` opened: the sender sends a heartbeat
+        every interval and the metrics records queued by the training thread, the news watcher sleeps in a
+        store wait on the workers' doorbell."""
         generation = self._generation
         self._watch_threads = [
             threading.Thread(target=self._send, args=(generation,), name="heartbeat+metrics", daemon=True),
@@ -367,6 +374,7 @@ class CoordinatorClient:
             thread.join(timeout=self._probe_timeout_s + 1.0)
         self._store, self.address = store, address
         try:
+            self._connect_watchers()
             worker_id, _late = self._register(self.worker_id, returning=True)
             if worker_id != self.worker_id:
                 self._give_up("cut", f"the new coordinator admitted this worker as {worker_id}, not {self.worker_id}")
@@ -548,8 +556,7 @@ class CoordinatorClient:
         """A collective (or the rendezvous) of ``epoch`` timed out with nobody removed: the coordinator, which
         sees every heartbeat, decides what to do (re-form once, then exclude whoever stalls again)."""
         try:
-            self._store.set(keys.timeout(epoch, self.worker_id), str(time.time()))
-            ring(self._store)
+            report_timeout(self._store, epoch, self.worker_id)
         except RuntimeError:
             pass  # the coordinator is gone: its successor re-forms the group anyway
 

@@ -81,6 +81,11 @@ log = logging.getLogger(__name__)
 RECENT_LINES = 4096  # metrics lines remembered, to drop a record a worker sends again after a restart
 CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
 MAX_TICK_S = 0.25
+# Joiners are taken in at a "last call": once registrations have been quiet this long, or the first of them has
+# waited JOIN_WAIT_MAX_S (a steady trickle cannot hold them back). Every epoch change makes every member form a
+# new group, so 64 workers registering within moments of each other join in one change, not 64.
+JOIN_QUIET_S = 0.25
+JOIN_WAIT_MAX_S = 2.0
 METRIC_HOLE_GRACE_S = 1.0  # a metrics number not written after this long: its writer died (or is stopped)
 METRIC_HOLE_FORGET_S = 600.0  # ... and after this long it is not looked for any more
 # At a stop for a bug, the wait for the named worker's save while its heartbeats go on: it reaches its leaving
@@ -143,6 +148,7 @@ class Coordinator:
         self.cfg = cfg
         self.layout = ReplicaLayout.of(cfg.parallel)
         self.joining: set[int] = set()  # admitted workers whose replica is not complete yet
+        self.joining_since = self.last_registration = 0.0  # the join's last call (JOIN_QUIET_S)
         self.run_dir = run_dir
         self.expected = expected_workers
         self.heartbeat_timeout_s = cfg.comm.heartbeat_timeout_s
@@ -155,7 +161,14 @@ class Coordinator:
         self.store.set(keys.RUN_DIR, str(run_dir))
         self.store.set(keys.EXPECTED, str(expected_workers))
         self.store.set(keys.INCARNATION, self.incarnation)
-        self.store.add(keys.METRICS_SEQ, 0)  # exists from the start: the quiet tick reads it with the heartbeats
+        for counter in (keys.METRICS_SEQ, keys.DEATHS, keys.TIMEOUTS):
+            self.store.add(counter, 0)  # exists from the start: the quiet tick reads them with the heartbeats
+        # What the dead/<id> and timeout/<e>/<id> keys said at the last look, and the (count, epoch, members)
+        # it was taken at: looked at again only when one of those moved (one read a tick, not one per member).
+        self._deaths_seen: tuple[int, int, tuple[int, ...]] | None = None
+        self._timeouts_seen: tuple[int, int, tuple[int, ...]] | None = None
+        self._timeouts_reported: set[int] = set()
+        self.deaths_count = self.timeouts_count = 0
         self.rung = 0
         self.next_registration = 1
         self.next_worker_id = 0
@@ -318,9 +331,12 @@ class Coordinator:
 
     def _read_counters(self) -> tuple[list[int], int]:
         """Every member's heartbeat counter and the metrics sequence, in one round trip (every one of those
-        counters exists: ``get_int`` created each heartbeat counter at admission)."""
-        raw = self.store.multi_get([*(keys.heartbeat(wid) for wid in self.members), keys.METRICS_SEQ])
-        return [int(r) for r in raw[:-1]], int(raw[-1])
+        counters exists: ``get_int`` created each heartbeat counter at admission); the death and timeout
+        report counts in the same trip (``deaths_count``, ``timeouts_count``)."""
+        counters = [keys.METRICS_SEQ, keys.DEATHS, keys.TIMEOUTS]
+        raw = self.store.multi_get([*(keys.heartbeat(wid) for wid in self.members), *counters])
+        self.deaths_count, self.timeouts_count = int(raw[-2]), int(raw[-1])
+        return [int(r) for r in raw[:-3]], int(raw[-3])
 
     def _rebalance(self, on: bool) -> None:
         """Switch the throughput workload on (a worker is fail-slow) or off (none is any more), from the next
@@ -339,6 +355,12 @@ class Coordinator:
         silent for longer than the heartbeat timeout."""
         dead: dict[int, str] = {}
         now = time.monotonic()
+        # The reports are read only when their count (or the membership) moved since the last read; a report
+        # adds to the count after writing its key, and the count was read before the keys, so none is missed.
+        looked = (self.deaths_count, self.epoch, self.members)
+        reported = reported and looked != self._deaths_seen
+        if reported:
+            self._deaths_seen = looked
         # Silence is evidence only for the time the coordinator was watching: after a gap of its own (its
         # process not scheduled on an overloaded host, paused), the counters it last saw are stale, so they
         # count from now (found by chaos seed 2060 under a load of 12 on 2 cores: every worker "died").
@@ -553,7 +575,11 @@ class Coordinator:
         heartbeat timeout before a re-formation (cheap, and it changes nothing if wrong) and a whole one before
         an exclusion: a member that is only slow (still computing when the others' collective timed out)
         reports late, and must not be excluded for it."""
-        reported = {w for w in self.members if self.store.check([keys.timeout(self.epoch, w)])}
+        looked = (self.timeouts_count, self.epoch, self.members)
+        if looked != self._timeouts_seen:  # read the reports only when their count or the epoch moved
+            self._timeouts_seen = looked
+            self._timeouts_reported = {w for w in self.members if self.store.check([keys.timeout(self.epoch, w)])}
+        reported = set(self._timeouts_reported)
         if not reported:
             return None
         now = time.monotonic()
@@ -653,10 +679,16 @@ class Coordinator:
                         self.workload_override, self.rebalance_due = self.rebalance_due, None
                         on = f"workload {self.workload_override} (a worker is fail-slow)"
                         self.publish(self.members, on if self.workload_override else "workload back to the config's")
+                    now = time.monotonic()
+                    if joined:
+                        self.joining_since = self.joining_since if self.joining else now
+                        self.last_registration = now
                     self.joining |= set(joined)
                     ready = [w for w in self.layout.whole(self.joining) if w not in self.members]
-                    if ready:
+                    quiet = now - self.last_registration >= JOIN_QUIET_S
+                    if ready and (quiet or now - self.joining_since >= JOIN_WAIT_MAX_S):
                         self.joining -= set(ready)
+                        self.joining_since = now  # the ranks of a replica still incomplete wait anew
                         self.publish((*self.members, *ready), "joined: " + ", ".join(str(w) for w in ready))
                 self._drain_metrics(metrics_seq)
                 if self.state_store is not None:

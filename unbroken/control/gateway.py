@@ -435,35 +435,43 @@ def _loop() -> _Loop:
         return _client_loop
 
 
-def _owned_by_this_process(peer: tuple[str, int]) -> bool:
-    """True if the TCP socket at ``peer`` (an address on this host) belongs to this process (Linux /proc).
+def _owned_by_this_process(peer: tuple[str, int], listening: tuple[str, int]) -> bool:
+    """True if the TCP connection from ``peer`` to ``listening`` (a tunnel's local address) was opened by this
+    process: one of its descriptors is a socket bound to ``peer`` and connected to ``listening`` (Linux /proc).
 
     The tunnel's local end listens on a loopback address for one connection: this stops another local user from
-    slipping in before our own store client connects. Without /proc there is no check."""
+    slipping in before our own store client connects. Each of this process's sockets is asked for its two ends,
+    newest descriptors first (the store client has just connected); the host's socket tables (/proc/net/tcp)
+    are not read: they list every socket of the network namespace, which took the kernel tens of milliseconds a
+    read with a thousand members on one machine, and can miss entries while they change. Without /proc there
+    is no check."""
     try:
-        lines = []
-        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-            with open(table) as f:
-                lines += f.read().splitlines()[1:]
-        fds = os.listdir("/proc/self/fd")
+        fds = sorted((int(fd) for fd in os.listdir("/proc/self/fd")), reverse=True)
     except OSError:
         return True
-    # The kernel prints addresses as 32-bit words in host (little-endian) order; a store client may use an
-    # IPv6 socket, which reaches 127.0.0.1 as ::ffff:127.0.0.1.
-    v4 = socket.inet_aton(peer[0])
-    v6 = socket.inet_pton(socket.AF_INET6, f"::ffff:{peer[0]}")
-    wanted = {
-        "".join(raw[i : i + 4][::-1].hex().upper() for i in range(0, len(raw), 4)) + f":{peer[1]:04X}"
-        for raw in (v4, v6)
-    }
-    inodes = {fields[9] for fields in (line.split() for line in lines) if len(fields) > 9 and fields[1] in wanted}
+    # A store client may use an IPv6 socket, which reaches 127.x.y.z as ::ffff:127.x.y.z.
+    wanted_local = {(peer[0], peer[1]), (f"::ffff:{peer[0]}", peer[1])}
+    wanted_remote = {(listening[0], listening[1]), (f"::ffff:{listening[0]}", listening[1])}
     for fd in fds:
         try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            dup = os.dup(fd)
         except OSError:
+            continue  # closed meanwhile
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
             continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            return True
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.getsockname()[:2] in wanted_local and sock.getpeername()[:2] in wanted_remote:
+                    return True
+            except OSError:
+                continue  # not connected (a listener)
     return False
 
 
@@ -508,6 +516,7 @@ class Tunnel:
         self.listener = _loopback_listener()
         self.host, self.port = self.listener.getsockname()[:2]
         self.connected = False
+        self.closed = False
         self.loop = _loop()
         self.loop.call(lambda: self.loop.sel.register(self.listener, selectors.EVENT_READ, self._accept))
 
@@ -516,8 +525,20 @@ class Tunnel:
             local, peer = self.listener.accept()
         except (BlockingIOError, OSError):
             return
-        if not _owned_by_this_process(peer):
+        # Whose connection it is is read from /proc, which takes milliseconds in a process of thousands of
+        # sockets; the loop relays every connection of this process (the heartbeats among them), so it is
+        # looked up on a thread of its own and the loop goes on.
+        threading.Thread(target=self._check, args=(local, peer), name="tunnel-accept", daemon=True).start()
+
+    def _check(self, local: socket.socket, peer: tuple[str, int]) -> None:
+        if _owned_by_this_process(peer, (self.host, self.port)):
+            self.loop.call(lambda: self._pipe(local))
+        else:
             log.warning("refused a local connection to the store tunnel from %s:%d (not this process)", *peer)
+            _close(local)
+
+    def _pipe(self, local: socket.socket) -> None:
+        if self.connected or self.closed:  # one connection per tunnel
             _close(local)
             return
         self.loop.sel.unregister(self.listener)
@@ -529,7 +550,8 @@ class Tunnel:
         """Forget the tunnel if no client connected (the pipe closes itself when either end does)."""
 
         def close_now() -> None:
-            if not self.connected:
+            if not self.connected and not self.closed:
+                self.closed = True
                 try:
                     self.loop.sel.unregister(self.listener)
                 except (KeyError, ValueError):

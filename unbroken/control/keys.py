@@ -15,9 +15,13 @@
                                                            fingerprint differs from the group's)
     hb/<id>                   worker (add, heartbeats)     coordinator: a counter that must keep moving
     dead/<id>                 launcher / agent             coordinator: the worker's process exited (why)
+    deaths                    launcher / agent (add,       coordinator: dead/<id> keys written so far (it
+                              after dead/<id>)             looks at them only when this moved)
     epoch                     coordinator                  workers, launcher: the newest epoch number
     epoch/<e>                 coordinator                  workers, launcher: {epoch, members, reason, reform}
     timeout/<e>/<id>          a worker                     coordinator: a collective of epoch e timed out
+    timeouts                  a worker (add, after         coordinator: timeout/<e>/<id> keys written so far
+                              timeout/<e>/<id>)            (it looks at them only when this moved)
     forming/<id>              a worker (forming a group)   its old group's members: it left that group for
                                                            the epoch written (never to return to it)
     metrics/seq, metrics/<n>  the leader, launcher, agent  coordinator: metrics records to append (JSON)
@@ -59,6 +63,8 @@ METRICS_SEQ = "metrics/seq"
 DONE = "done"
 STOP = "stop"
 ERROR_SEQ = "error/seq"
+DEATHS = "deaths"
+TIMEOUTS = "timeouts"
 STOP_SAVER = "stop_saver"
 STOP_SAVED = "stop_saved"
 

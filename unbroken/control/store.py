@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import time
 from typing import Any
 
 from torch.distributed import DistStoreError, TCPStore
@@ -100,6 +101,23 @@ def request_stop(store: TCPStore, reason: str) -> bool:
     first = store.compare_set(keys.STOP, "", reason) == reason.encode()
     ring(store)
     return first
+
+
+def report_death(store: TCPStore, worker: int, why: str) -> None:
+    """A launcher or agent saw ``worker``'s process exit: ``keys.dead`` says why, then ``keys.DEATHS`` counts it
+    (the coordinator reads the dead keys only when that count moved: one read a look, whatever the members),
+    then the coordinator is woken."""
+    store.set(keys.dead(worker), why)
+    store.add(keys.DEATHS, 1)
+    ring(store)
+
+
+def report_timeout(store: TCPStore, epoch: int, worker: int) -> None:
+    """``worker``'s collective of ``epoch`` timed out with nobody removed: ``keys.timeout``, counted in
+    ``keys.TIMEOUTS`` (as ``report_death``), and the coordinator woken."""
+    store.set(keys.timeout(epoch, worker), str(time.time()))
+    store.add(keys.TIMEOUTS, 1)
+    ring(store)
 
 
 def report_error(store: TCPStore, error: WorkerError) -> None:

@@ -15,7 +15,9 @@ slow once. The rule, per worker:
    in that window (1.4826 x their median absolute deviation from their median: the standard deviation of a
    normal spread, estimated robustly). On a noisy machine, where everyone wanders, it takes more to stand out.
 4. A worker slow in ``windows`` consecutive windows is **fail-slow** (a ``Verdict``); one that is then not slow
-   in a whole window has **recovered**.
+   in ``windows`` consecutive windows has **recovered**: the same evidence both ways, so one window whose
+   yardstick was thrown by another member's pause (with three members, the others' median is their mean)
+   does not switch a policy off and on again.
 
 So a persistent slow-down is found within ``window x (windows + 1)`` steps of its start (``windows`` whole
 windows, and the one it started in), while slow steps that are fewer than half of every window never make a
@@ -41,7 +43,7 @@ MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution 
 
 class SlowState(StrEnum):
     SLOW = "slow"  # slow in `windows` consecutive windows
-    RECOVERED = "recovered"  # a fail-slow worker not slow in a whole window since
+    RECOVERED = "recovered"  # a fail-slow worker not slow in `windows` consecutive windows since
 
 
 class SlowDecision(StrEnum):
@@ -163,6 +165,7 @@ class SlowDetector:
     rule: SlowRule = field(default_factory=SlowRule)
     _window: list[dict[int, float]] = field(default_factory=list)
     _streak: dict[int, int] = field(default_factory=dict)  # consecutive slow windows
+    _well: dict[int, int] = field(default_factory=dict)  # a fail-slow worker's consecutive windows not slow
     _slow: set[int] = field(default_factory=set)  # fail-slow now
 
     @property
@@ -172,6 +175,7 @@ class SlowDetector:
     def forget(self, worker: int) -> None:
         """``worker`` left (excluded): should it come back, it is judged afresh."""
         self._streak.pop(worker, None)
+        self._well.pop(worker, None)
         self._slow.discard(worker)
         self._window = [{w: t for w, t in times.items() if w != worker} for times in self._window]
 
@@ -191,23 +195,28 @@ class SlowDetector:
                 seen.setdefault(worker, []).append(relative)
         figures = {w: statistics.median(v) for w, v in seen.items() if len(v) * 2 >= len(window)}
         verdicts = []
-        for worker in sorted(set(self._streak) | set(figures)):
+        for worker in sorted(set(self._streak) | set(self._well) | set(figures)):
             figure = figures.get(worker)
             others = [x for w, v in seen.items() if w != worker for x in v]
-            if figure is None or not others:
+            if figure is None or not others:  # no evidence either way: neither streak goes on
                 self._streak.pop(worker, None)
+                self._well.pop(worker, None)
                 continue
             typical = statistics.median(others)
             sigma = MAD_TO_SIGMA * statistics.median(abs(x - typical) for x in others)
             threshold = max(self.rule.ratio, 1.0 + self.rule.mad_z * sigma)
             if figure > threshold:
+                self._well.pop(worker, None)
                 self._streak[worker] = self._streak.get(worker, 0) + 1
-                if self._streak[worker] == self.rule.windows:
+                if self._streak[worker] == self.rule.windows and worker not in self._slow:
                     self._slow.add(worker)
                     verdicts.append(Verdict(worker, SlowState.SLOW, last_step, figure, threshold, self._streak[worker]))
                 continue
             self._streak.pop(worker, None)
             if worker in self._slow:
-                self._slow.discard(worker)
-                verdicts.append(Verdict(worker, SlowState.RECOVERED, last_step, figure, threshold, 0))
+                self._well[worker] = self._well.get(worker, 0) + 1
+                if self._well[worker] == self.rule.windows:
+                    self._slow.discard(worker)
+                    del self._well[worker]
+                    verdicts.append(Verdict(worker, SlowState.RECOVERED, last_step, figure, threshold, 0))
         return verdicts

@@ -490,6 +490,7 @@ class Bench(StrEnum):
     PARALLEL = "parallel"
     SPARES = "spares"
     FAILSLOW = "failslow"
+    CONTROL_SCALE = "control-scale"
     GPU = "gpu"  # needs a CUDA GPU: not part of ``all`` (bench_gpu)
 
 
@@ -564,8 +565,10 @@ def run_one(
     overrides: list[str],
     steps: int | None,
     data_gb: tuple[float, float] = (1.0, 10.0),
+    members: tuple[int, ...] = (),
 ) -> str:
-    """The markdown figures of benchmark ``what`` (``data_gb``: bench data's throughput and reader corpora)."""
+    """The markdown figures of benchmark ``what`` (``data_gb``: bench data's throughput and reader corpora;
+    ``members``: bench control-scale's member counts)."""
     if what == "ddp":
         cfg = _bench_config(config, overrides)
         return format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg)
@@ -600,6 +603,10 @@ def run_one(
         from unbroken.lab.bench_failslow import bench_failslow, format_failslow
 
         return format_failslow(bench_failslow(config, max(worker_counts), repeats, overrides), max(worker_counts))
+    if what == "control-scale":
+        from unbroken.lab.bench_control_scale import DEFAULT_MEMBERS, bench_control_scale, format_control_scale
+
+        return format_control_scale(bench_control_scale(list(members or DEFAULT_MEMBERS)))
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 
@@ -609,6 +616,21 @@ def run_one(
         config, max(worker_counts), steps or 300, ("low", "mid", "high"), CONVERGENCE_POLICIES, overrides
     )
     return format_convergence(result)
+
+
+def _member_counts(members: str) -> tuple[int, ...]:
+    """``--members`` (bench control-scale): comma-separated counts, each at least 6; empty: the default."""
+    from unbroken.lab.bench_control_scale import VICTIMS
+
+    if not members:
+        return ()
+    try:
+        counts = tuple(int(m) for m in members.split(","))
+    except ValueError:
+        raise ValueError(f"--members {members!r}: expected comma-separated whole numbers, e.g. 64,1024") from None
+    if any(n < VICTIMS + 2 for n in counts):
+        raise ValueError(f"--members {members!r}: each count must be at least {VICTIMS + 2}")
+    return counts
 
 
 def run_bench(
@@ -623,6 +645,7 @@ def run_bench(
     data_gb: tuple[float, float] = (1.0, 10.0),
     out: str | None = None,
     parts: str = "",
+    members: str = "",
 ) -> int:
     """``unbroken bench WHAT``: print the figures; with ``record_doc`` (always for ``all``) also write them
     into their section of docs/benchmarks.md under the command that produced them. ``gpu`` (``bench_gpu``)
@@ -645,10 +668,11 @@ def run_bench(
         raise ValueError("--repeats and every --workers count must be >= 1")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps = {steps} must be >= 1")
+    member_counts = _member_counts(members)
     if (record_doc or what == "all") and not DOC.parent.is_dir():
         raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
     for name in CPU_BENCHES if what == "all" else (what,):
-        body = run_one(name, config, worker_counts, repeats, overrides, steps, data_gb)
+        body = run_one(name, config, worker_counts, repeats, overrides, steps, data_gb, member_counts)
         print(body, flush=True)
         if record_doc or what == "all":
             text = command.replace(" all", f" {name}", 1) if what == "all" else command
