@@ -3,8 +3,10 @@ policy's relaunch, and the account of a real run with kills and a rejoin against
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from runner import EXACT, ONE_THREAD, ROOT, train
 from unbroken.cli import main
 from unbroken.core.goodput import Bucket, Tracker, account
 from unbroken.core.records import RecordKind, make, read_records
-from unbroken.sim.replay import replay
+from unbroken.sim.replay import MIN_COST_S, replay
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -286,12 +288,30 @@ def test_a_real_run_replayed_by_the_simulator_is_compared_bucket_by_bucket(
     assert sim.committed_tokens == real.tokens
     assert result.sim.failure_free_step_s == pytest.approx(real.ideal_step_s)
     simulated = result.sim_buckets()
+    assert real.buckets[Bucket.DETECTION] > 0  # a kill is seen after it happens
     for bucket in (Bucket.DETECTION, Bucket.REFORMATION, Bucket.RECOMPUTE):
-        assert real.buckets[bucket] > 0 and simulated[bucket] > 0, bucket
+        # A group formed ahead of need (on the watcher's thread, while the step computed) re-forms in no time on
+        # the critical path, and a lost microbatch can cost no extra round: each may be 0 in the run.
+        assert simulated[bucket] > 0 or real.buckets[bucket] == 0, bucket
     assert main(["simulate", "--replay", str(run), "--cores", "2"]) == 0
     table = capsys.readouterr().out
     assert f"| committed tokens | {real.tokens:,} | {sim.committed_tokens:,} |" in table
     assert all(f"| {b} (s) |" in table for b in (Bucket.DETECTION, Bucket.REFORMATION, Bucket.RECOMPUTE))
+
+
+def test_a_replayed_run_whose_groups_re_formed_in_no_time_gives_the_simulator_the_smallest_cost(
+    recovery_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Every recovery's ``reform_s`` 0 (each group formed before the step needed it: seen in a clean run) is a
+    measurement, not an error: the simulator, which takes only positive costs, is given the smallest one."""
+    run = tmp_path / "run"
+    shutil.copytree(recovery_runs["exact_failures"], run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    zeroed = [json.dumps({**r, "reform_s": 0.0}) if r.get("type") == "recovery" else line
+              for line, r in ((line, json.loads(line)) for line in lines)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("\n".join(zeroed) + "\n")
+    result = replay(run, cores=2)
+    assert result.costs["reform_s"] == MIN_COST_S and result.real.buckets[Bucket.REFORMATION] == 0
 
 
 @pytest.mark.parametrize(

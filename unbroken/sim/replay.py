@@ -49,6 +49,9 @@ class Replay:
         return self.sim.policies[0].badput()
 
 
+MIN_COST_S = 1e-6  # what a cost measured as 0 is given to the simulator (its scenario needs costs > 0)
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -71,7 +74,7 @@ def fit(
     compute = real.ideal_step_s - real.cadence_s
     costs: dict[str, float] = {
         "microbatch_s": compute / quota * (min(1.0, cores / processes) if cores else 1.0),
-        "allreduce_s": max(real.cadence_s, 1e-6),
+        "allreduce_s": max(real.cadence_s, MIN_COST_S),
     }
     failures = [r for r in records if r.get("type") == RecordKind.FAILURE]
     members = {int(r["epoch"]): r["members"] for r in records if r.get("type") == RecordKind.MEMBERSHIP}
@@ -91,7 +94,9 @@ def fit(
         if failed and resumed:
             restarts.append(min(resumed) - real.ideal_step_s - max(failed))
     measured["restart_s"] = _median(restarts)
-    costs |= {k: max(0.0, v) for k, v in measured.items() if v is not None}
+    # A cost measured as 0 is real (a group formed on the watcher's thread before the step needed it re-forms in
+    # no time on the critical path); the scenario takes only positive costs, so it becomes the smallest one.
+    costs |= {k: max(MIN_COST_S, v) for k, v in measured.items() if v is not None}
     kills = [e for e in events if e.kind is FailureKind.KILL]
     flavour = cfg.model.flavour if cfg.model.flavour in FLAVOURS and not cfg.model.hf_config else "tiny"
     scenario = [
