@@ -441,10 +441,10 @@ def _owned_by_this_process(peer: tuple[str, int], listening: tuple[str, int]) ->
 
     The tunnel's local end listens on a loopback address for one connection: this stops another local user from
     slipping in before our own store client connects. Each of this process's sockets is asked for its two ends,
-    newest descriptors first (the store client has just connected); the host's socket tables (/proc/net/tcp)
-    are not read: they list every socket of the network namespace, which took the kernel tens of milliseconds a
-    read with a thousand members on one machine, and can miss entries while they change. Without /proc there
-    is no check."""
+    highest descriptors first (a guess only: the kernel reuses the lowest free number); the host's socket
+    tables (/proc/net/tcp) are not read: they list every socket of the network namespace, which took the kernel
+    tens of milliseconds a read with a thousand members on one machine, and can miss entries while they change.
+    Without /proc there is no check."""
     try:
         fds = sorted((int(fd) for fd in os.listdir("/proc/self/fd")), reverse=True)
     except OSError:
