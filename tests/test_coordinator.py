@@ -266,6 +266,69 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
             coordinator.status.close()
 
 
+def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
+    """A ring of the workers' doorbell is two calls: the count, then its key. A ringer gone between them (a
+    worker's close as it was excluded, when workers still rang it) left a count without a key, and a watcher
+    that had read the count before it waited on that key for NEWS_WAIT_S while epochs were published: the
+    survivors of a cut-off host never took its restarted workers in (tests/test_netns.py). The coordinator's
+    next ring gives every count since its last one its key."""
+    from unbroken.control import keys
+    from unbroken.control.coordinator import Coordinator
+    from unbroken.control.store import bind_listen_socket, connect_store, get_int, wait_key
+    from unbroken.core.config import dump_config, load_config
+
+    cfg = load_config(TINY)
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(cfg, run)
+    token = new_token()
+    coordinator = Coordinator(bind_listen_socket("127.0.0.1", 0), cfg, run, 1, False, token=token)
+    try:
+        watching, ringer = (connect_store(coordinator.address, token=token) for _ in range(2))
+        seen = get_int(watching, keys.doorbell_seq(keys.NEWS))  # a watcher reads the count ...
+        ringer.add(keys.doorbell_seq(keys.NEWS), 1)  # ... someone takes the next number and never sets its key
+        woken: list[bool] = []
+        key = keys.doorbell(keys.NEWS, seen + 1)
+        watcher = threading.Thread(target=lambda: woken.append(wait_key(watching, key, 30)))
+        watcher.start()
+        coordinator.publish((0,), "start")  # an epoch published
+        watcher.join(timeout=60)
+        assert woken == [True]
+    finally:
+        coordinator.gateway.close()
+        coordinator.metrics.close()
+        if coordinator.status is not None:
+            coordinator.status.close()
+
+
+def test_a_store_call_that_is_not_answered_is_cut_by_its_guard(tmp_path: Path) -> None:
+    """A store call whose peer does not answer (here a coordinator stopped with SIGSTOP; a host cut off from
+    the network is the same to the caller) waits for as long as the peer is silent, whatever the store's
+    timeout: the agent's ``CallGuard`` cuts its tunnel past the limit, and the call fails instead."""
+    from unbroken.control.coordinator import spawn_coordinator
+    from unbroken.control.store import CallGuard, bind_listen_socket, open_store
+    from unbroken.core.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(load_config(TINY), run)
+    token = new_token()
+    sock = bind_listen_socket("127.0.0.1", 0)
+    proc, address = spawn_coordinator(sock, run, 1, False, {**os.environ, "UNBROKEN_TOKEN": token})
+    sock.close()
+    try:
+        store, tunnel = open_store(address, token=token)
+        guard = CallGuard(limit_s=1.0)
+        assert guard.call(tunnel, lambda: store.add("answered", 1)) == 1
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(RuntimeError):
+            guard.call(tunnel, lambda: store.add("answered", 1))  # without the guard: until SIGCONT
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
 def _listening_fds(port: int) -> list[int]:
     """This process's descriptors of TCP sockets listening on ``port`` (Linux /proc)."""
     inodes = set()

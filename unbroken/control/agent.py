@@ -29,25 +29,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from unbroken.control import keys
 from unbroken.control.client import COORDINATOR_ENV, DEVICE_INDEX_ENV, LOCAL_WORKERS_ENV, SPARE_ENV, WORKER_ID_ENV
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
-from unbroken.control.gateway import TOKEN_ENV, TunnelError, require_token
-from unbroken.control.store import connect_store, publish_record, report_death, request_stop, ring
+from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
+from unbroken.control.store import CallGuard, open_store, publish_record, report_death, request_stop, ring
 from unbroken.core.config import RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
 from unbroken.core.numerics import DETERMINISTIC_ENV
-from unbroken.core.records import RecordKind, SpareState, make
+from unbroken.core.records import RecordKind, SpareState, make, read_records
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # with a failure schedule: injection points need a prompt answer
-IDLE_WAIT_S = 0.25  # otherwise; a process exit wakes the agent at once
+IDLE_WAIT_S = 0.25
+# A store call of the agent's that takes longer than this is cut (the coordinator's host unreachable): the agent
+# then looks for a coordinator again, the same one or an etcd standby.
+CALL_LIMIT_S = 10.0  # otherwise; a process exit wakes the agent at once
 STOP_GRACE_S = 10.0
 MAX_SPARE_DEATHS = 3  # per spare: a host whose spares keep dying while they wait stops starting them
 
@@ -91,31 +95,36 @@ class Agent:
         self.own_sessions = own_sessions
         self.address = ""
         self.store: Any = None
+        self.tunnel: Tunnel | None = None
+        self.guard = CallGuard(CALL_LIMIT_S)
         self.finished = False  # the run is over: exits are not failures, nobody is restarted
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.reported: set[int] = set()
         self.down: dict[int, dict[str, Any]] = {}  # workers killed or stopped, and when they come back
         self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
         self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
+        self.late: set[int] = set()  # workers stopped because the run finished without them
         self.refused: set[int] = set()  # ids the coordinator refused: not restarted
         self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
         # What the group's leader prints, for this process's console (``control.console``); None: logs only.
         self.console: ConsoleRelay | None = None
 
     # -- the coordinator ---------------------------------------------------------------------------
-    def connect(self, address: str, token: str) -> None:
-        """Talk to the coordinator at ``address`` (again, after it restarted)."""
+    def connect(self, address: str, token: str, reached: tuple[Any, Tunnel] | None = None) -> None:
+        """Talk to the coordinator at ``address`` (again, after it restarted), over ``reached`` (a store
+        connection and its tunnel) if given."""
         self.address = address
-        self.store = connect_store(address, token=token)
+        self.store, self.tunnel = reached if reached is not None else open_store(address, token=token)
         for event in self.fired:
-            self.store.set(keys.fired(event), "1")
+            self._call(lambda s, e=event: s.set(keys.fired(e), "1"))
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """A store call; None (and no more calls until ``connect``) if the coordinator is gone."""
         if self.store is None:
             return None
+        store = self.store
         try:
-            return fn(self.store, *args)
+            return self.guard.call(self.tunnel, lambda: fn(store, *args))
         except RuntimeError:
             self.store = None  # the coordinator is gone or restarting; the owner reconnects
             return None
@@ -226,6 +235,7 @@ class Agent:
 
     def _restart(self, wid: int) -> None:
         """Start ``wid`` again (a replica of several ranks: all of its ranks, under a new incarnation)."""
+        log.info("restarting worker %d (it ended with status %s)", wid, self.workers[wid].returncode)
         if self.layout.size == 1:
             self.start_worker(wid)
             return
@@ -404,13 +414,19 @@ class Agent:
     def nobody_left(self) -> bool:
         """No worker process runs and none is due to restart (e.g. every one failed before joining)."""
         restarts = any(info["rejoin"] is not None for info in self.down.values())
-        return not restarts and all(p.poll() is not None for p in self.workers.values())
+        # A worker that failed since the last look (while this agent waited for its coordinator, say) is restarted
+        # at the next one, unless the coordinator refused it.
+        unseen = self.restart_after_s > 0 and any(
+            p.poll() not in (None, 0) and w not in self.down and w not in self.refused for w, p in self.workers.items()
+        )
+        return not restarts and not unseen and all(p.poll() is not None for p in self.workers.values())
 
     def stop_latecomers(self, members: list[int]) -> list[int]:
         """The run finished: stop at once the workers still running that are not among its last ``members``
         (restarted too late to rejoin), rather than wait for them to find the coordinator gone; each one's log
         says so in one line. Returns their ids."""
         late = [w for w, p in self.workers.items() if p.poll() is None and w not in members]
+        self.late.update(late)
         for wid in late:
             self.workers[wid].kill()
             self.workers[wid].wait()
@@ -511,9 +527,11 @@ def run_agent(args: argparse.Namespace) -> int:
         if not script.is_file():
             raise ValueError(f"script {args.script} does not exist; unbroken agent [options] [SCRIPT.py [ARGS ...]]")
         command = (sys.executable, str(script.resolve()), *args.args)
-    store, address = _reach(addresses, token, args.wait_s)
+    started = time.time()
+    store, _tunnel, address = _reach(addresses, token, args.wait_s)
     cfg = config_from_toml_text(store.get(keys.CONFIG).decode())
-    log_dir = Path(args.log_dir or Path(store.get(keys.RUN_DIR).decode()) / "logs")
+    run_dir = Path(store.get(keys.RUN_DIR).decode())
+    log_dir = Path(args.log_dir or run_dir / "logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**worker_defaults(cfg), **os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}
     env[COORDINATOR_ENV] = ",".join(addresses)
@@ -550,12 +568,19 @@ def run_agent(args: argparse.Namespace) -> int:
         agent.tick()
         if agent.store is None:
             try:
-                reached, address = _reach(addresses, token, cfg.coordinator.hold_s)
+                finished = lambda: run_ended(run_dir, started)  # noqa: E731 - read between attempts
+                reached, tunnel, address = _reach(addresses, token, cfg.coordinator.hold_s, finished)
             except ValueError:
                 log.error("no coordinator answered within %.0f s; stopping this host's workers", cfg.coordinator.hold_s)
                 break
-            agent.store = None
-            agent.connect(address, token)
+            except RunEnded as e:
+                # This host was cut off (or its coordinator connection lost) as the run finished: the coordinator
+                # is gone, and the run's records (a shared run directory) say how it ended.
+                log.info("the coordinator is gone and the run finished (step %d); stopping this host's workers", e.step)
+                agent.finished = True
+                agent.stop_latecomers(e.members)
+                break
+            agent.connect(address, token, (reached, tunnel))
         if agent._call(lambda s: s.check([keys.DONE]) or s.check([keys.STOP])):
             agent.finished = True
             members = agent.newest_members() if agent._call(lambda s: s.check([keys.DONE])) else None
@@ -568,7 +593,8 @@ def run_agent(args: argparse.Namespace) -> int:
     for line in console.drain():
         print(line, flush=True)
     console.close()
-    codes = [p.returncode for p in agent.workers.values()]
+    # A worker stopped because the run finished without it (it was restarted or cut off too late) is no failure.
+    codes = [p.returncode for w, p in agent.workers.items() if w not in agent.late]
     if any(codes) or not agent.finished:
         ended = ", ".join(f"{wid}: {p.returncode}" for wid, p in agent.workers.items())
         log.warning("agent %d: the run %s; exit statuses of the workers: %s", rank,
@@ -577,14 +603,36 @@ def run_agent(args: argparse.Namespace) -> int:
     return 0 if (agent.finished or codes) and not any(codes) else 1
 
 
-def _reach(addresses: list[str], token: str, wait_s: float) -> tuple[Any, str]:
-    """A store connection to whichever of ``addresses`` answers first (the leading coordinator)."""
+class RunEnded(Exception):
+    """The coordinator is gone because the run finished: its last step and members, from its final record."""
+
+    def __init__(self, step: int, members: list[int]) -> None:
+        super().__init__(f"the run finished at step {step}")
+        self.step, self.members = step, members
+
+
+def run_ended(run_dir: Path, since: float) -> RunEnded | None:
+    """The run's end, if its records (``run_dir``, where this host can read it) hold a final record written
+    after ``since`` (a resumed run's directory holds the final records of the runs before it)."""
+    final = [r for r in read_records(run_dir, RecordKind.FINAL) if r["time"] > since]
+    if not final:
+        return None
+    return RunEnded(int(final[-1]["step"]), sorted(int(w) for w in final[-1]["checksums"]))
+
+
+def _reach(
+    addresses: list[str], token: str, wait_s: float, finished: Callable[[], RunEnded | None] = lambda: None
+) -> tuple[Any, Tunnel, str]:
+    """A store connection to whichever of ``addresses`` answers first (the leading coordinator); raises
+    ``finished()``'s answer if it has one while none does."""
     deadline = time.monotonic() + wait_s
     last = ""
     while True:
+        if (end := finished()) is not None:
+            raise end
         for address in addresses:
             try:
-                return connect_store(address, timeout_s=5.0, token=token), address
+                return *open_store(address, timeout_s=5.0, token=token), address
             except (TunnelError, RuntimeError, OSError) as e:
                 last = f"{address}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         if time.monotonic() > deadline:

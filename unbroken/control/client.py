@@ -35,13 +35,14 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from unbroken.control import keys
-from unbroken.control.gateway import NothingListens, TunnelError, require_token
+from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
     connect_store,
     get_int,
     open_store,
     publish_record,
+    reach,
     read_json,
     report_error,
     report_timeout,
@@ -145,6 +146,8 @@ class CoordinatorClient:
         self._op_timeout = datetime.timedelta(seconds=max(1.0, heartbeat_timeout_s))
         self._hb_interval = heartbeat_interval_s
         self._stall_dump_s = STALL_DUMP_SHARE * heartbeat_timeout_s
+        self._hb_timeout_s = heartbeat_timeout_s
+        self._beat_since: float | None = None  # when the heartbeat under way was sent (None: none is)
         self._news_wait_s = NEWS_WAIT_S
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
@@ -177,16 +180,10 @@ class CoordinatorClient:
 
     # -- connections --------------------------------------------------------------------------------
     def _first_connection(self) -> TCPStore:
-        last: Exception | None = None
-        for address in self.addresses:
-            try:
-                store = connect_store(address, token=self.token)
-                self.address = address
-                return store
-            except (TunnelError, RuntimeError, OSError) as e:
-                last = e
-        assert last is not None
-        raise last
+        """The first coordinator of the list that answers; one the network does not reach is tried again for
+        up to ``hold_s`` (a worker restarted while its host's link flaps), one where nothing listens is not."""
+        store, self._store_tunnel, self.address = reach(self.addresses, self.token, self.hold_s)
+        return store
 
     def _register(self, worker_id: int | None, returning: bool) -> tuple[int, bool]:
         """Ask the coordinator for admission; (the admitted id, whether this worker joins a running job)."""
@@ -213,7 +210,7 @@ class CoordinatorClient:
         connection alone can take seconds (see new_connection; 64 workers joining at once on 2 cores: 42 of
         them were declared dead before their first heartbeat). Connected with the long timeout, then their ops
         time out within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one."""
-        self._sender_store = connect_store(self.address, token=self.token)
+        self._sender_store, self._sender_tunnel = open_store(self.address, token=self.token)
         self._sender_store.set_timeout(self._op_timeout)
         self._news_store, self._news_tunnel = open_store(self.address, token=self.token)
         self._news_store.set_timeout(self._op_timeout)
@@ -228,6 +225,7 @@ class CoordinatorClient:
         self._watch_threads = [
             threading.Thread(target=self._send, args=(generation,), name="heartbeat+metrics", daemon=True),
             threading.Thread(target=self._watch_news, args=(generation,), name="epoch-watch", daemon=True),
+            threading.Thread(target=self._watch_stalls, args=(generation,), name="stall-watch", daemon=True),
         ]
         for thread in self._watch_threads:
             thread.start()
@@ -241,7 +239,9 @@ class CoordinatorClient:
         while True:
             try:
                 if time.monotonic() >= next_beat:
+                    self._beat_since = time.monotonic()
                     store.add(key, 1)
+                    self._beat_since = None
                     next_beat = time.monotonic() + self._hb_interval
                     # Should the next beat be late by most of the timeout (this thread starved of the GIL, or
                     # the store slow to answer), every thread's stack goes to stderr (the worker's log):
@@ -279,15 +279,17 @@ class CoordinatorClient:
         """
         store = self._news_store
         try:
-            rung = get_int(store, keys.doorbell_seq(keys.NEWS))
             while not self._watch_stop.is_set():
+                # The rings so far, then what they announced: a ring after this count is waited for below. The
+                # count is read afresh each time, so a ring whose key never came (its ringer died between the
+                # two calls) holds this watcher for one wait at most.
+                rung = get_int(store, keys.doorbell_seq(keys.NEWS))
                 newest = int(store.get(keys.EPOCH))
                 if newest > self._seen_epoch:
                     self._advance(store, newest)
                 if self.stopped is None and store.check([keys.STOP]):
                     self.stopped = store.get(keys.STOP).decode()
-                if wait_key(store, keys.doorbell(keys.NEWS, rung + 1), self._news_wait_s):
-                    rung += 1  # doorbell keys stay: if it rang again meanwhile, the next wait returns at once
+                wait_key(store, keys.doorbell(keys.NEWS, rung + 1), self._news_wait_s)
         except RuntimeError:
             self._connection_failed(generation)
 
@@ -325,11 +327,11 @@ class CoordinatorClient:
             return
         threading.Thread(target=self._diagnose, name="coordinator-lost", daemon=True).start()
 
-    def _probe(self) -> tuple[str, TCPStore] | None:
-        """A fresh connection to the first coordinator that answers, and its address; None if none does."""
+    def _probe(self) -> tuple[str, TCPStore, Tunnel] | None:
+        """A fresh connection to the first coordinator that answers, its address and tunnel; None if none does."""
         for address in self.addresses:
             try:
-                return address, connect_store(address, timeout_s=self._probe_timeout_s, token=self.token)
+                return address, *open_store(address, timeout_s=self._probe_timeout_s, token=self.token)
             except NothingListens:
                 continue  # nothing on that port (dead, restarting, or a standby that does not lead)
             except (TunnelError, RuntimeError, OSError):
@@ -345,7 +347,7 @@ class CoordinatorClient:
             while not self._watch_stop.is_set():
                 found = self._probe()
                 if found is not None:
-                    address, store = found
+                    address, store, tunnel = found
                     try:
                         incarnation = store.get(keys.INCARNATION).decode()
                     except RuntimeError:
@@ -353,7 +355,7 @@ class CoordinatorClient:
                     if incarnation == self.incarnation:
                         self._give_up("cut", "this worker's connection to the coordinator was cut")
                         return
-                    if incarnation and self._rejoin(address, store, incarnation):
+                    if incarnation and self._rejoin(address, store, tunnel, incarnation):
                         return
                 if time.monotonic() > deadline:
                     self._give_up(
@@ -365,14 +367,17 @@ class CoordinatorClient:
         finally:
             self.holding = False
 
-    def _rejoin(self, address: str, store: TCPStore, incarnation: str) -> bool:
+    def _rejoin(self, address: str, store: TCPStore, tunnel: Tunnel, incarnation: str) -> bool:
         """Re-register with a coordinator that replaced the dead one, under the same id; move the watchers."""
         log.warning("the coordinator was replaced (now at %s); registering again as worker %d", address, self.worker_id)
         old = self._watch_threads
-        self._news_tunnel.cut()  # the old watcher's wait ends now, whatever state its socket is in
-        for thread in old:
+        # The old connections' calls end now, whatever state their sockets are in: a coordinator whose host was
+        # cut off answers nothing and resets nothing, and a call on it would wait for TCP to give up (minutes).
+        for cut in (self._news_tunnel, self._sender_tunnel, self._store_tunnel):
+            cut.cut()
+        for thread in old[:2]:  # the sender and the news watcher (the stall watch ends at the new generation)
             thread.join(timeout=self._probe_timeout_s + 1.0)
-        self._store, self.address = store, address
+        self._store, self._store_tunnel, self.address = store, tunnel, address
         try:
             self._connect_watchers()
             worker_id, _late = self._register(self.worker_id, returning=True)
@@ -392,6 +397,38 @@ class CoordinatorClient:
             self._diagnosing.release()
             self._reconnected.notify_all()
         return True
+
+    def _watch_stalls(self, generation: int) -> None:
+        """A heartbeat unanswered for the heartbeat timeout: has another coordinator taken over (an etcd
+        standby, the old leader's host cut off)? Then register with it. Otherwise nothing is done: the
+        coordinator may be only slow or paused (it declares nobody dead then), and a worker whose own link is
+        down is excluded by the coordinator and learns it when the link is back. Needed because a store call
+        on a connection whose peer the network no longer reaches neither fails nor times out (TCPStore's
+        timeout does not bound it): only the diagnosis of a failed call would otherwise find the successor."""
+        while not self._watch_stop.wait(self._hb_interval) and generation == self._generation:
+            since = self._beat_since
+            if since is None or time.monotonic() - since < self._hb_timeout_s or len(self.addresses) < 2:
+                continue
+            if self.lost is not None or self._diagnosing.locked():
+                continue  # a diagnosis is under way (it finds a successor too)
+            for address in self.addresses:
+                try:
+                    store, tunnel = open_store(address, timeout_s=self._probe_timeout_s, token=self.token)
+                    incarnation = store.get(keys.INCARNATION).decode()
+                except (TunnelError, RuntimeError, OSError):
+                    continue
+                if incarnation and incarnation != self.incarnation and self._diagnosing.acquire(blocking=False):
+                    self.holding = True
+                    try:
+                        rejoined = self._rejoin(address, store, tunnel, incarnation)
+                    finally:
+                        self.holding = False
+                    if not rejoined:  # its old connections are cut now: the diagnosis takes over from here
+                        self._diagnosing.release()
+                        self._connection_failed()
+                    return
+                tunnel.close()
+                break  # the same coordinator answers (slow or paused, or this host's link came back): wait
 
     def _give_up(self, lost: str, reason: str) -> None:
         log.error("%s", reason)
@@ -607,14 +644,10 @@ class CoordinatorClient:
         so that no thread is inside a store call while the interpreter shuts down."""
         self._outbox.put(None)
         self._watch_stop.set()
-        watcher = self._watch_threads[1]
-        try:
-            ring(self._store, keys.NEWS)
-            watcher.join(timeout=1.0)
-        except RuntimeError:
-            pass  # the coordinator is gone: cut the connection instead
-        if watcher.is_alive():
-            self._news_tunnel.cut()
+        # The watcher's wait ends when its own connection is cut. Not by ringing the workers' doorbell: a ring is
+        # two store calls, and a worker that ends between them (excluded as its link came back, killed) leaves
+        # a count with no key, on which every other worker's watcher would wait until NEWS_WAIT_S.
+        self._news_tunnel.cut()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)
         for thread in self._watch_threads:
             thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)

@@ -57,9 +57,9 @@ from unbroken.control.gateway import Gateway, require_token
 from unbroken.control.live_tensorboard import open_tensorboard
 from unbroken.control.progress import describe_error
 from unbroken.control.runview import GoodputRecorder, MetricsTee, RunView, SlowRecorder
-from unbroken.control.statestore import StaleWriteError, State, StateStore, Worker
+from unbroken.control.statestore import StaleWriteError, State, StateStore, StateUnavailableError, Worker
 from unbroken.control.status import StatusServer
-from unbroken.control.store import get_int, read_json, request_stop, ring, serve_store, wait_key
+from unbroken.control.store import get_int, read_json, request_stop, serve_store, wait_key
 from unbroken.core import bugs, ckptfiles
 from unbroken.core.config import Reduction, RunConfig, SlowPolicy, Workload, to_toml
 from unbroken.core.failslow import SlowRule
@@ -92,6 +92,7 @@ METRIC_HOLE_FORGET_S = 600.0  # ... and after this long it is not looked for any
 # at its next call into the protocol (a step's compute, a collective's bound), then saves; a training thread
 # hung in the user's code never does.
 MAX_SAVE_WAIT_S = 600.0
+SAVE_RETRY_S = 0.1  # between saves of an epoch while the state store is out of reach
 
 
 class Deposed(Exception):
@@ -170,6 +171,7 @@ class Coordinator:
         self._timeouts_reported: set[int] = set()
         self.deaths_count = self.timeouts_count = 0
         self.rung = 0
+        self.news_rung = get_int(self.store, keys.doorbell_seq(keys.NEWS))  # the workers' doorbell, last rung here
         self.next_registration = 1
         self.next_worker_id = 0
         self.admitted: dict[int, dict[str, Any]] = {}
@@ -310,7 +312,7 @@ class Coordinator:
         self.store.set(keys.refused(wid), line)
         self.emit(RecordKind.REFUSED, worker=wid, reason=line)
         log.warning("%s", line)
-        ring(self.store, keys.NEWS)
+        self.announce()
 
     def _start_members(self) -> tuple[int, ...]:
         """The first epoch's members: every admitted worker; under exact mode only those whose fingerprint is
@@ -441,11 +443,16 @@ class Coordinator:
         self.recent_lines.append(line)
         self.recent_set.add(line)
 
-    def save_state(self, epoch: int, members: tuple[int, ...]) -> None:
+    def save_state(self, epoch: int, members: tuple[int, ...], must: bool = True) -> None:
         """Write the hard state ahead of publishing ``epoch`` (an epoch number is then never handed out twice,
-        whatever happens to this process); a deposed coordinator (etcd) stops here."""
-        self.saved_step = self.committed_step
+        whatever happens to this process); a deposed coordinator (etcd) stops here.
+
+        While the store cannot be reached (etcd electing its leader, or this host cut off from its majority), a
+        save that an epoch waits for (``must``) is tried again for as long as this coordinator's lease lasts, and
+        a coordinator whose lease ran out meanwhile stops acting (``Deposed``): it publishes nothing it could
+        not save. Any other save is left to the next pass."""
         if self.state_store is None:
+            self.saved_step = self.committed_step
             return
         state = State(
             epoch=epoch,
@@ -455,12 +462,34 @@ class Coordinator:
             admitted={w: Worker(str(r.get("host", "")), int(r.get("pid", 0))) for w, r in self.admitted.items()},
             next_worker_id=max([self.next_worker_id, *(w + 1 for w in self.admitted)]),
         )
-        try:
-            self.state_store.save(state)
-        except StaleWriteError as e:
-            log.error("another coordinator leads now (%s); stepping down", e)
-            self.stopping.set()
-            raise Deposed from e
+        while True:
+            try:
+                self.state_store.save(state)
+                break
+            except StaleWriteError as e:
+                log.error("another coordinator leads now (%s); stepping down", e)
+                self.stopping.set()
+                raise Deposed from e
+            except StateUnavailableError as e:
+                if not self.state_store.is_leader():
+                    log.error("the state store is out of reach and this coordinator's lease ran out; stepping down")
+                    self.stopping.set()
+                    raise Deposed from e
+                if not must:
+                    log.warning("the state store is out of reach (%s); saving on a later pass", e)
+                    return
+                log.warning("the state store is out of reach (%s); epoch %d waits until it is saved", e, epoch)
+                time.sleep(SAVE_RETRY_S)
+        self.saved_step = state.committed_step
+
+    def announce(self) -> None:
+        """Ring the workers' doorbell, after publishing an epoch, a refusal or a stop. A ring is two calls (the
+        count, then its key); one whose key never came (its ringer gone between them) would hold every watcher
+        waiting on that key, so each count since this coordinator's last ring gets its key now."""
+        n = self.store.add(keys.doorbell_seq(keys.NEWS), 1)
+        for k in range(self.news_rung + 1, n + 1):
+            self.store.set(keys.doorbell(keys.NEWS, k), "")
+        self.news_rung = n
 
     def publish(self, members: tuple[int, ...], reason: str, reform: bool = False) -> None:
         epoch = max(self.epoch, self.epoch_floor) + 1
@@ -473,7 +502,7 @@ class Coordinator:
             record["workload"] = self.workload_override
         self.store.set(keys.epoch(self.epoch), json.dumps({**record, "time": time.time()}))
         self.store.set(keys.EPOCH, str(self.epoch))
-        ring(self.store, keys.NEWS)
+        self.announce()
         self.emit(RecordKind.MEMBERSHIP, **record, elapsed_s=time.monotonic() - self.started)
         log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
 
@@ -481,7 +510,7 @@ class Coordinator:
         """Stop the job for ``reason``; True if it is the reason kept (nobody stopped it for another before)."""
         first = request_stop(self.store, reason)
         self.stopping.set()
-        ring(self.store, keys.NEWS)
+        self.announce()
         return first
 
     # -- workers' exceptions ------------------------------------------------------------------------
@@ -696,9 +725,9 @@ class Coordinator:
                         log.error("this coordinator no longer leads (its lease expired); stepping down")
                         break
                     if self.committed_step != self.saved_step and self.epoch > 0 and self.members:
-                        self.save_state(self.epoch, self.members)
+                        self.save_state(self.epoch, self.members, must=False)
                 if full and self.store.check([keys.STOP]):
-                    ring(self.store, keys.NEWS)  # a stop written by the launcher or a worker: tell everyone now
+                    self.announce()  # a stop written by the launcher or a worker: tell everyone now
                     break
                 if full and self.store.check([keys.DONE]):
                     self._drain_metrics(final=True)

@@ -43,14 +43,14 @@ import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.utils import _decode, _encode
 
-from unbroken.control.statestore import CAMPAIGN_TIMEOUT, StaleWriteError, State, StateStore
+from unbroken.control.statestore import CAMPAIGN_TIMEOUT, StaleWriteError, State, StateStore, StateUnavailableError
 
 REQUEST_TIMEOUT = timedelta(seconds=2)  # one HTTP request to one endpoint; then the next endpoint is tried
 LEASE_TTL = timedelta(seconds=5)  # the leader's lease: how long a dead leader goes unnoticed
 T = TypeVar("T")
 
 
-class EtcdUnavailableError(RuntimeError):
+class EtcdUnavailableError(StateUnavailableError):
     """No etcd endpoint answered (all down, unreachable, or without a quorum)."""
 
 
@@ -230,23 +230,34 @@ class EtcdStateStore(StateStore):
         self._leader_rev = None
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            if not self._lease_alive():
-                self._new_lease()
-            assert self._lease is not None
-            out = self._client.txn(
-                [_created_by(self.leader_key, 0)],
-                [_put(self.leader_key, self.candidate, self._lease)],
-                [_range(self.leader_key)],
-            )
+            try:
+                if not self._lease_alive():
+                    self._new_lease()
+                assert self._lease is not None
+                out = self._client.txn(
+                    [_created_by(self.leader_key, 0)],
+                    [_put(self.leader_key, self.candidate, self._lease)],
+                    [_range(self.leader_key)],
+                )
+            except EtcdUnavailableError:  # no majority now (etcd electing, or this host cut off): keep trying
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(self.poll_s)
+                continue
             if out.get("succeeded"):
                 self._leader_rev = int(out["header"]["revision"])  # the txn's revision creates the key
             else:
                 kv = out["responses"][0]["response_range"]["kvs"][0]
                 if int(kv.get("lease", 0)) == self._lease:  # our own create, whose reply was lost
                     self._leader_rev = int(kv["create_revision"])
-            if self._leader_rev is not None:
-                self._seen(self.load())
-                return True
+            while self._leader_rev is not None:  # leading: the state it takes over, read once etcd answers
+                try:
+                    self._seen(self.load())
+                    return True
+                except EtcdUnavailableError:
+                    if not self.is_leader():
+                        self._leader_rev = None  # the lease ran out meanwhile: campaign again
+                    time.sleep(self.poll_s)
             if time.monotonic() >= deadline:
                 return False
             time.sleep(self.poll_s)
@@ -316,53 +327,73 @@ def _die_with_parent() -> None:
 
 class LocalEtcdCluster:
     """``size`` etcd members on 127.0.0.1 (free ports), data and logs under ``workdir``. Not for production:
-    every member shares one disk and one host. ``start()`` returns once every member reports healthy; the
-    members are killed when the thread that started them ends (Linux), so none outlives a test."""
+    every member shares one disk. ``start()`` returns once every member reports healthy; the members are
+    killed when the thread that started them ends (Linux), so none outlives a test.
 
-    def __init__(self, workdir: Path, size: int = 3, binary: str | None = None) -> None:
+    ``hosts`` gives each member an address of its own instead (one per member; unbroken/lab/netns.py's hosts), and
+    ``launch`` wraps each member's command line (member index, argv -> argv: to run it in a host's network
+    namespace). The caller must reach every address (for the health checks)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        size: int = 3,
+        binary: str | None = None,
+        hosts: Sequence[str] | None = None,
+        launch: Callable[[int, list[str]], list[str]] | None = None,
+    ) -> None:
         binary = binary or find_etcd()
         if binary is None:
             raise FileNotFoundError("no etcd binary: run scripts/install_etcd.sh, or set UNBROKEN_ETCD")
         self.binary = binary
         self.workdir = Path(workdir)
+        self.hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * size
+        if len(self.hosts) != size:
+            raise ValueError(f"{len(self.hosts)} hosts for {size} etcd members; give one address per member")
+        self.launch = launch or (lambda _i, argv: argv)
         self.client_ports = [_free_port() for _ in range(size)]
         self.peer_ports = [_free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
 
     @property
     def endpoints(self) -> list[tuple[str, int]]:
-        return [("127.0.0.1", p) for p in self.client_ports]
+        return list(zip(self.hosts, self.client_ports, strict=True))
 
     @property
     def url(self) -> str:
         return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
     def start(self, timeout: timedelta = timedelta(seconds=60)) -> None:
-        peers = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(self.peer_ports))
-        for i, (cport, pport) in enumerate(zip(self.client_ports, self.peer_ports, strict=True)):
+        peers = ",".join(
+            f"m{i}=http://{h}:{p}" for i, (h, p) in enumerate(zip(self.hosts, self.peer_ports, strict=True))
+        )
+        for i, (host, cport, pport) in enumerate(zip(self.hosts, self.client_ports, self.peer_ports, strict=True)):
             (self.workdir / f"m{i}").mkdir(parents=True, exist_ok=True)
             log = open(self.workdir / f"m{i}.log", "ab")  # noqa: SIM115 (the child keeps it)
             self.procs[i] = subprocess.Popen(
-                [
-                    self.binary,
-                    f"--name=m{i}",
-                    f"--data-dir={self.workdir / f'm{i}' / 'data'}",
-                    f"--listen-client-urls=http://127.0.0.1:{cport}",
-                    f"--advertise-client-urls=http://127.0.0.1:{cport}",
-                    f"--listen-peer-urls=http://127.0.0.1:{pport}",
-                    f"--initial-advertise-peer-urls=http://127.0.0.1:{pport}",
-                    f"--initial-cluster={peers}",
-                    "--initial-cluster-token=unbroken-local",
-                    "--initial-cluster-state=new",
-                ],
+                self.launch(
+                    i,
+                    [
+                        self.binary,
+                        f"--name=m{i}",
+                        f"--data-dir={self.workdir / f'm{i}' / 'data'}",
+                        f"--listen-client-urls=http://{host}:{cport}",
+                        f"--advertise-client-urls=http://{host}:{cport}",
+                        f"--listen-peer-urls=http://{host}:{pport}",
+                        f"--initial-advertise-peer-urls=http://{host}:{pport}",
+                        f"--initial-cluster={peers}",
+                        "--initial-cluster-token=unbroken-local",
+                        "--initial-cluster-state=new",
+                    ],
+                ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
             )
             log.close()
         deadline = time.monotonic() + timeout.total_seconds()
-        for i, port in enumerate(self.client_ports):
-            while not self._healthy(port):
+        for i, (host, port) in enumerate(self.endpoints):
+            while not self._healthy(host, port):
                 proc = self.procs[i]
                 assert proc is not None
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -371,10 +402,14 @@ class LocalEtcdCluster:
                     raise RuntimeError(f"etcd member m{i} did not become healthy:\n{tail}")
                 time.sleep(0.1)
 
+    def healthy(self) -> bool:
+        """Every member answers that it is healthy (it has a leader and a majority)."""
+        return all(self._healthy(host, port) for host, port in self.endpoints)
+
     @staticmethod
-    def _healthy(port: int) -> bool:
+    def _healthy(host: str, port: int) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=1) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, ValueError):
             return False

@@ -41,6 +41,11 @@ LOCK_FILE = "coordinator.lock"
 CAMPAIGN_TIMEOUT = timedelta(seconds=30)  # how long a candidate waits to lead before campaign() gives up
 
 
+class StateUnavailableError(RuntimeError):
+    """The state store cannot be reached now (etcd without a majority, or electing its leader): whether the
+    last write was applied is unknown; writing the same state again is harmless."""
+
+
 class StaleWriteError(RuntimeError):
     """A ``save()`` refused: the writer no longer leads, or its epoch is older than the stored one."""
 

@@ -10,16 +10,19 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch.distributed import DistStoreError, TCPStore
 
 from unbroken.control import keys
-from unbroken.control.gateway import Tunnel, require_token
+from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
 from unbroken.core.records import WorkerError, encode
 
 STORE_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -63,6 +66,67 @@ def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str |
     ``token`` defaults to ``UNBROKEN_TOKEN``. Raises ValueError (no token, malformed address) or
     ``TunnelError`` (unreachable, or the coordinator refused the token)."""
     return open_store(address, timeout_s, token)[0]
+
+
+REACH_RETRY_S = 0.25  # between attempts to reach a coordinator that the network did not let us reach
+
+
+def reach(
+    addresses: list[str], token: str | None, patience_s: float, timeout_s: float = STORE_TIMEOUT_S
+) -> tuple[TCPStore, Tunnel, str]:
+    """A connection to the first of ``addresses`` (the coordinator, then its standbys) that answers, its
+    tunnel and its address. An address where nothing listens (refused: the job is over, or a standby that
+    does not lead) is an answer: when every address refuses, ``NothingListens`` at once. An address the
+    network does not reach (no route, a link down, a connection timing out) is tried again for up to
+    ``patience_s``: a host whose link flaps must not take a passing cut for the end of its job. Raises the
+    last error."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        last: Exception | None = None
+        unreachable = False
+        for address in addresses:
+            try:
+                store, tunnel = open_store(address, timeout_s, token)
+                return store, tunnel, address
+            except NothingListens as e:
+                last = e
+            except (TunnelError, RuntimeError, OSError) as e:
+                last, unreachable = e, True
+        assert last is not None, "no address to reach"
+        if not unreachable or time.monotonic() + REACH_RETRY_S > deadline:
+            raise last
+        time.sleep(REACH_RETRY_S)
+
+
+class CallGuard:
+    """Bounds the store calls of one owner: a call under way for longer than ``limit_s`` has its tunnel cut,
+    so it fails (RuntimeError) instead of waiting. A connection whose peer the network no longer reaches (a
+    host cut off: nothing resets it) neither fails nor times out: TCPStore's timeout does not bound a call
+    already sent, and TCP gives up only after many minutes. One watching thread, started on the first call."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._since: float | None = None
+        self._tunnel: Tunnel | None = None
+        self._thread: threading.Thread | None = None
+
+    def call(self, tunnel: Tunnel | None, fn: Callable[[], T]) -> T:
+        """``fn()``, its tunnel cut should it take longer than the limit (None: a store not behind a tunnel)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="store-call-guard", daemon=True)
+            self._thread.start()
+        self._tunnel, self._since = tunnel, time.monotonic()
+        try:
+            return fn()
+        finally:
+            self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.limit_s / 4)
+            since, tunnel = self._since, self._tunnel
+            if since is not None and tunnel is not None and time.monotonic() - since > self.limit_s:
+                tunnel.cut()
 
 
 def open_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | None = None) -> tuple[TCPStore, Tunnel]:

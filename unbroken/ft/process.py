@@ -39,9 +39,17 @@ from unbroken.control.client import (
     addresses_of,
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
-from unbroken.control.store import bind_listen_socket, connect_store, publish_record, report_error
+from unbroken.control.netif import use_job_interface
+from unbroken.control.store import bind_listen_socket, publish_record, reach, report_error
 from unbroken.core import ckptfiles
-from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels, dump_config
+from unbroken.core.config import (
+    CoordinatorConfig,
+    Reduction,
+    RunConfig,
+    config_from_toml_text,
+    deterministic_kernels,
+    dump_config,
+)
 from unbroken.core.logs import init_logger
 from unbroken.core.records import RecordKind, SpareState, WorkerError, make
 from unbroken.ft import checkpoint as ckpt
@@ -59,6 +67,9 @@ class WorkerLeft(SystemExit):
     """Raised instead of ending the process when ``Job.exit_process`` is off (threads as workers in tests)."""
 
 
+# How long a worker starting up tries again to reach a coordinator the network does not let it reach (a link down
+# or flapping; not one where nothing listens): the default coordinator.hold_s, as the config is not known yet.
+REACH_PATIENCE_S = CoordinatorConfig().hold_s
 SPARE_WAIT_S = 0.5  # a warm spare's bounded wait for its promotion, between looks at whether the run is over
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID")  # a worker's index on its host, as torchrun and srun give it
 # How many workers share the host, as our launcher / agent, torchrun and srun say it.
@@ -311,6 +322,9 @@ class Job:
             torch.cuda.set_device(self.device)  # NCCL, autocast and unqualified "cuda" tensors use this GPU
         if self.backend == "nccl":
             set_nccl_environment(self.config.comm.op_timeout_s)
+        interface = use_job_interface(self.address)  # before the first gloo group: peers on other hosts reach it
+        if interface is not None:
+            log.info("gloo uses interface %s (the route to the coordinator)", interface)
 
     def _name(self) -> str:
         if self.worker_id is not None:
@@ -423,15 +437,9 @@ class Job:
 
 
 def _reach(addresses: list[str], token: str | None) -> Any:
-    """A store connection to the first of ``addresses`` that answers (the leading coordinator)."""
-    last: Exception | None = None
-    for address in addresses:
-        try:
-            return connect_store(address, token=token)
-        except (TunnelError, RuntimeError, OSError) as e:
-            last = e
-    assert last is not None
-    raise last
+    """A store connection to the first of ``addresses`` that answers (the leading coordinator); one the network
+    does not reach is tried again for up to the default ``coordinator.hold_s`` (the config is not known yet)."""
+    return reach(addresses, token, REACH_PATIENCE_S)[0]  # its tunnel lives as long as the store (GC)
 
 
 def save_at_stop(proto: StepProtocol | None, run_dir: Path) -> str:

@@ -491,6 +491,7 @@ class Bench(StrEnum):
     SPARES = "spares"
     FAILSLOW = "failslow"
     CONTROL_SCALE = "control-scale"
+    CONTROL_NETNS = "control-netns"  # needs root (network namespaces): says why not where it cannot run
     GPU = "gpu"  # needs a CUDA GPU: not part of ``all`` (bench_gpu)
 
 
@@ -578,6 +579,10 @@ def run_one(
         from unbroken.lab.bench_control import bench_control
 
         return bench_control(config or _tiny_config(), repeats, overrides)
+    if what == "control-netns":
+        from unbroken.lab.bench_control import bench_control_netns
+
+        return bench_control_netns(config or _tiny_config(), repeats, overrides)
     if what == "library":
         from unbroken.lab.bench_library import bench_library, format_library
 

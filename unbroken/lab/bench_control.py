@@ -36,6 +36,7 @@ from typing import Any
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records
 from unbroken.lab.figures import free_port, stats
+from unbroken.lab.netns import Network, unavailable
 
 COMMON = [
     "--train.microbatches=8",
@@ -126,21 +127,32 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
-def agents_round(config: str, work: Path, rng: random.Random, kills: int, overrides: list[str]) -> dict[str, Any]:
+def agents_round(
+    config: str, work: Path, rng: random.Random, kills: int, overrides: list[str], net: Network | None = None
+) -> dict[str, Any]:
     """One job of 2 agents x 2 workers: ``kills`` worker kills (each victim back before the next), then the
-    loss of agent 1 and its workers. Returns the seconds kill -> re-formed of each."""
+    loss of agent 1 and its workers. Returns the seconds kill -> re-formed of each. With ``net`` (hosts
+    ``coordinator``, ``host0``, ``host1``), each runs in its host's network namespace, over the veth."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, TOKEN_ENV: new_token()}
-    port, run = free_port(), work / "run"
+    run = work / "run"
     args = [*COMMON, "--train.steps=100000", *overrides]
-    procs = [_spawn(["coordinator", config, "--workers", "4", "--port", str(port), "--run-dir", str(run), *args],
-                    env, work / "coordinator.log")]  # fmt: skip
-    address = f"127.0.0.1:{port}"
+    host = net.address["coordinator"] if net is not None else "127.0.0.1"
+    port = free_port() if net is None else 29400  # a namespace of its own: nothing else holds its ports
+
+    def spawn(where: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        if net is None:
+            return _spawn(argv, env, log)
+        return net.popen(where, [sys.executable, "-m", "unbroken", *argv], log, env)
+
+    coordinator = ["coordinator", config, "--workers", "4", "--host", host, "--port", str(port), "--run-dir", str(run)]
+    procs = [spawn("coordinator", [*coordinator, *args], work / "coordinator.log")]
+    address = f"{host}:{port}"
     for rank in (0, 1):
         procs.append(
-            _spawn(
+            spawn(
+                f"host{rank}",
                 ["agent", "--coordinator", address, "--workers", "2", "--node-rank", str(rank)],
-                env,
                 work / f"agent-{rank}.log",
             )
         )
@@ -226,6 +238,45 @@ def coordinator_etcd(config: str, work: Path, rng: random.Random, overrides: lis
 def _stats(values: list[float]) -> str:
     s = stats(values)
     return f"{s['median']:.3f} | {s['q1']:.3f} | {s['q3']:.3f} | {s['min']:.3f} | {s['max']:.3f} | {len(values)}"
+
+
+def bench_control_netns(config: str, repeats: int, overrides: list[str], seed: int = 0) -> str:
+    """The agent rounds of ``bench_control`` twice, alternating: the three processes on loopback, and each in a
+    network namespace of its own (a coordinator host and two worker hosts joined by a bridge). The markdown
+    table; a line saying why where this machine cannot make namespaces."""
+    from unbroken.core.config import load_config
+
+    why = unavailable()
+    if why is not None:
+        return f"bench control-netns not run: {why}."
+    rng = random.Random(seed)
+    hb = load_config(config, overrides).comm.heartbeat_timeout_s
+    root = Path(tempfile.mkdtemp(prefix="unbroken-bench-control-netns-"))
+    got: dict[str, dict[str, list[Any]]] = {"loopback": {"worker": [], "host": []}, "veth": {"worker": [], "host": []}}
+    try:
+        for i in range(repeats):
+            for where in ("loopback", "veth"):
+                if where == "loopback":
+                    one = agents_round(config, root / f"{where}-{i}", rng, 3, overrides)
+                else:
+                    with Network(["coordinator", "host0", "host1"]) as net:
+                        one = agents_round(config, root / f"{where}-{i}", rng, 3, overrides, net)
+                got[where]["worker"] += one["worker"]
+                got[where]["host"] += one["host"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    head = "| kill -9 of | to | hosts | median | q1 | q3 | min | max | n |\n|---|---|---|---|---|---|---|---|---|"
+    rows = []
+    for where, label in (("loopback", "processes on loopback"), ("veth", "network namespaces (veth + bridge)")):
+        for key, what in (("reformed", "group re-formed without it"), ("committed", "the interrupted step committed")):
+            rows.append(f"| one worker | {what} | {label} | {_stats([k[key] for k in got[where]['worker']])} |")
+        rows.append(f"| one agent with its 2 workers | group re-formed | {label} | {_stats(got[where]['host'])} |")
+    ratio = stats([k["reformed"] for k in got["veth"]["worker"]])["median"] / max(
+        1e-9, stats([k["reformed"] for k in got["loopback"]["worker"]])["median"]
+    )
+    lines = [f"seconds; heartbeat timeout {hb:g} s; seed {seed}; veth / loopback (worker re-formed, medians): "
+             f"{ratio:.2f}", "", head, *rows]  # fmt: skip
+    return "\n".join(lines)
 
 
 def bench_control(config: str, repeats: int, overrides: list[str], seed: int = 0) -> str:
