@@ -48,10 +48,10 @@ from unbroken.core.records import RecordKind, SpareState, make, read_records
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # with a failure schedule: injection points need a prompt answer
-IDLE_WAIT_S = 0.25
+IDLE_WAIT_S = 0.25  # otherwise; a process exit wakes the agent at once
 # A store call of the agent's that takes longer than this is cut (the coordinator's host unreachable): the agent
 # then looks for a coordinator again, the same one or an etcd standby.
-CALL_LIMIT_S = 10.0  # otherwise; a process exit wakes the agent at once
+CALL_LIMIT_S = 10.0
 STOP_GRACE_S = 10.0
 MAX_SPARE_DEATHS = 3  # per spare: a host whose spares keep dying while they wait stops starting them
 

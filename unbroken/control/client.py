@@ -208,8 +208,9 @@ class CoordinatorClient:
         """The watchers' connections, each its own (a TCPStore client is one socket, one call at a time),
         opened before registering: the coordinator counts a worker's silence from its admission, and opening a
         connection alone can take seconds (see new_connection; 64 workers joining at once on 2 cores: 42 of
-        them were declared dead before their first heartbeat). Connected with the long timeout, then their ops
-        time out within the heartbeat bound, so an unresponsive coordinator is noticed as fast as a dead one."""
+        them were declared dead before their first heartbeat). Connected with the long timeout, then their waits
+        time out within the heartbeat bound. A call already sent to a host the network no longer reaches is
+        not bounded by it (it waits for TCP to give up): ``_watch_stalls`` covers that case."""
         self._sender_store, self._sender_tunnel = open_store(self.address, token=self.token)
         self._sender_store.set_timeout(self._op_timeout)
         self._news_store, self._news_tunnel = open_store(self.address, token=self.token)
