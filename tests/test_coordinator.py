@@ -4,6 +4,7 @@ death (SIGKILL) followed by ``--resume``, which must reproduce the uninterrupted
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -13,7 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -221,6 +224,27 @@ def test_standalone_processes_need_the_token(
 
 
 @pytest.mark.timeout(60)
+@contextlib.contextmanager
+def in_process_coordinator(tmp_path: Path, token: str) -> Iterator[Any]:
+    """A ``Coordinator`` object in this process (its store, gateway and metrics file; no loop running) for a run
+    of ``configs/tiny.toml`` in ``tmp_path / "run"``, closed at the end."""
+    from unbroken.control.coordinator import Coordinator
+    from unbroken.control.store import bind_listen_socket
+    from unbroken.core.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(load_config(TINY), run)
+    coordinator = Coordinator(bind_listen_socket("127.0.0.1", 0), load_config(TINY), run, 1, False, token=token)
+    try:
+        yield coordinator
+    finally:
+        coordinator.gateway.close()
+        coordinator.metrics.close()
+        if coordinator.status is not None:
+            coordinator.status.close()
+
+
 def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,22 +255,15 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
     comes late (a writer that was only stopped)."""
     from unbroken.control import coordinator as coordinator_module
     from unbroken.control import keys
-    from unbroken.control.store import bind_listen_socket, publish_record
-    from unbroken.core.config import dump_config, load_config
+    from unbroken.control.store import publish_record
     from unbroken.core.records import RecordKind, encode, make
 
-    cfg = load_config(TINY)
     run = tmp_path / "run"
-    run.mkdir()
-    dump_config(cfg, run)
-    coordinator = coordinator_module.Coordinator(
-        bind_listen_socket("127.0.0.1", 0), cfg, run, 1, False, token=new_token()
-    )
 
     def record(n: int) -> dict[str, object]:
         return make(RecordKind.GATEWAY, time.time(), admitted=n, rejected=0, timed_out=0, dropped=0)
 
-    try:
+    with in_process_coordinator(tmp_path, new_token()) as coordinator:
         coordinator.store.add(keys.METRICS_SEQ, 1)  # number 1 taken; its writer is killed before its set
         publish_record(coordinator.store, record(2))
         publish_record(coordinator.store, record(3))
@@ -259,11 +276,6 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
         publish_record(coordinator.store, record(4))
         coordinator._drain_metrics()
         assert [r["admitted"] for r in read_records(run, "gateway")] == [2, 3, 1, 4]
-    finally:
-        coordinator.gateway.close()
-        coordinator.metrics.close()
-        if coordinator.status is not None:
-            coordinator.status.close()
 
 
 def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
@@ -273,17 +285,10 @@ def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
     survivors of a cut-off host never took its restarted workers in (tests/test_netns.py). The coordinator's
     next ring gives every count since its last one its key."""
     from unbroken.control import keys
-    from unbroken.control.coordinator import Coordinator
-    from unbroken.control.store import bind_listen_socket, connect_store, get_int, wait_key
-    from unbroken.core.config import dump_config, load_config
+    from unbroken.control.store import connect_store, get_int, wait_key
 
-    cfg = load_config(TINY)
-    run = tmp_path / "run"
-    run.mkdir()
-    dump_config(cfg, run)
     token = new_token()
-    coordinator = Coordinator(bind_listen_socket("127.0.0.1", 0), cfg, run, 1, False, token=token)
-    try:
+    with in_process_coordinator(tmp_path, token) as coordinator:
         watching, ringer = (connect_store(coordinator.address, token=token) for _ in range(2))
         seen = get_int(watching, keys.doorbell_seq(keys.NEWS))  # a watcher reads the count ...
         ringer.add(keys.doorbell_seq(keys.NEWS), 1)  # ... someone takes the next number and never sets its key
@@ -294,11 +299,6 @@ def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
         coordinator.publish((0,), "start")  # an epoch published
         watcher.join(timeout=60)
         assert woken == [True]
-    finally:
-        coordinator.gateway.close()
-        coordinator.metrics.close()
-        if coordinator.status is not None:
-            coordinator.status.close()
 
 
 def test_a_store_call_that_is_not_answered_is_cut_by_its_guard(tmp_path: Path) -> None:
