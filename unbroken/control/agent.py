@@ -449,6 +449,13 @@ class Agent:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
+        if self.finished:
+            # The run finished without them (one cut off from the coordinator as it ended cannot learn so): like
+            # a latecomer, stopping it is no failure.
+            stragglers = [w for w, p in self.workers.items() if p.poll() is None]
+            if stragglers:
+                log.info("the run finished; workers %s had not ended %.0f s later: stopped them", stragglers, grace_s)
+            self.late.update(stragglers)
         for p in procs:
             if p.poll() is None:
                 p.kill()
