@@ -393,6 +393,23 @@ def test_the_first_reason_to_stop_is_the_one_kept() -> None:
     assert store.get(keys.STOP).decode() == "the first reason"
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_stopped_after_the_run_finished_is_no_failure_of_its_agent(tmp_path: Path) -> None:
+    """Real processes, no coordinator. Once the run finished (its last members known), a worker that has not
+    ended within the grace (one cut off from the coordinator as the run ended cannot learn that it did) is
+    stopped and counted with the latecomers, not as a failure; after a stop (no finished run) it still counts."""
+    from unbroken.control.agent import Agent
+
+    for finished in (True, False):
+        agent = Agent([0, 1], (sys.executable, "-c", "import time; time.sleep(60)"), dict(os.environ), tmp_path)
+        agent.start_all()
+        if finished:
+            assert agent.stop_latecomers([0]) == [1]  # worker 1 was not in the last membership
+        agent.stop_workers(grace_s=0.1)
+        assert all(p.returncode == -signal.SIGKILL for p in agent.workers.values())
+        assert agent.late == ({0, 1} if finished else set())
+
+
 def test_a_stop_is_asked_for_once_whoever_asks() -> None:
     """Workers, agents and the coordinator all stop the job through ``request_stop``: the first caller is told its
     reason is kept, a later one with another reason that it is not (the same reason again is still the one kept: two

@@ -103,6 +103,7 @@ class Agent:
         self.down: dict[int, dict[str, Any]] = {}  # workers killed or stopped, and when they come back
         self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
         self.last_event: dict[int, Any] = {}  # the latest event injected into each worker
+        self.completed = False  # the run finished (not stopped): its last members are known
         self.late: set[int] = set()  # workers stopped because the run finished without them
         self.refused: set[int] = set()  # ids the coordinator refused: not restarted
         self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
@@ -425,6 +426,7 @@ class Agent:
         """The run finished: stop at once the workers still running that are not among its last ``members``
         (restarted too late to rejoin), rather than wait for them to find the coordinator gone; each one's log
         says so in one line. Returns their ids."""
+        self.completed = True
         late = [w for w, p in self.workers.items() if p.poll() is None and w not in members]
         self.late.update(late)
         for wid in late:
@@ -449,7 +451,7 @@ class Agent:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
-        if self.finished:
+        if self.completed:
             # The run finished without them (one cut off from the coordinator as it ended cannot learn so): like
             # a latecomer, stopping it is no failure.
             stragglers = [w for w, p in self.workers.items() if p.poll() is None]
