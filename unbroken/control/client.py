@@ -39,7 +39,6 @@ from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, requir
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
     connect_store,
-    get_int,
     open_store,
     publish_record,
     reach,
@@ -283,9 +282,11 @@ class CoordinatorClient:
             while not self._watch_stop.is_set():
                 # The rings so far, then what they announced: a ring after this count is waited for below. The
                 # count is read afresh each time, so a ring whose key never came (its ringer died between the
-                # two calls) holds this watcher for one wait at most.
-                rung = get_int(store, keys.doorbell_seq(keys.NEWS))
-                newest = int(store.get(keys.EPOCH))
+                # two calls) holds this watcher for one wait at most. Both in one call: each call is a round trip
+                # through the gateway for every member at every epoch change (both exist from the coordinator's
+                # start, before it admits anyone).
+                rung_value, newest_value = store.multi_get([keys.doorbell_seq(keys.NEWS), keys.EPOCH])
+                rung, newest = int(rung_value), int(newest_value)
                 if newest > self._seen_epoch:
                     self._advance(store, newest)
                 if self.stopped is None and store.check([keys.STOP]):
@@ -299,8 +300,11 @@ class CoordinatorClient:
         tell ``on_epoch`` of the newest one read."""
         read: tuple[int, tuple[int, ...]] | None = None
         for epoch in range(self._seen_epoch + 1, newest + 1):
-            if not store.check([keys.epoch(epoch)]):
-                continue  # published by a coordinator that died before this one (a restart skips it)
+            # The newest is there (its record is written before the epoch number): one call less per member
+            # and epoch change. An older one may have been published by a coordinator that died before this
+            # one (a restart skips it).
+            if epoch < newest and not store.check([keys.epoch(epoch)]):
+                continue
             record = read_json(store, keys.epoch(epoch))
             members = frozenset(record["members"])
             removed = self._seen_members if record.get("reform") else self._seen_members - members

@@ -4,10 +4,14 @@ The coordinator is a child process started as the launcher starts one (``spawn_c
 front of its store, the job's token). Every member is a ``control.client.CoordinatorClient``, the code path of a
 worker for everything the coordinator sees: admission with the token, a heartbeat every interval, the epoch
 watch on the workers' doorbell, the metrics records (the leader's step record every ``STEP_S``, with every
-member's speed and quota, as ``ft.commit`` writes it). There is no model, no data and no collective. N - V
-members are objects of one driver process (threads); the V victims are processes of one member each, so that a
-death is a real ``kill -9`` and a hang a real ``SIGSTOP``. The driver is itself a child process (``drive``), so
-its thousands of threads and sockets end with it.
+member's speed and quota, as ``ft.commit`` writes it). There is no model, no data and no collective. The
+members live in processes of their own as a cluster's do on hosts of their own: one leader member in the driver
+process, V victims of one member each (so that a death is a real ``kill -9`` and a hang a real ``SIGSTOP``),
+and the rest in "crowd" processes of at most ``CROWD`` members each (threads), whose own client side (one tunnel
+loop, one GIL per process) is then shared by ``CROWD`` members, not by all of them. The joiners are a crowd
+started with the others that opens its members only when told to. Each crowd tells the driver, on its stdout,
+its members' ids and, for each epoch, when each of its members read it. Every run of the driver is a child
+process (``bench_control_scale``), so its processes, threads and sockets end with it.
 
 Measured at each N:
 
@@ -24,14 +28,16 @@ Measured at each N:
   over the churn (the deaths and the joins);
 - metrics.jsonl's growth per hour at rest.
 
-One machine, one clock: the driver's members and the coordinator compare ``time.time()``. The driver's members
-share one process and one tunnel loop, where real workers each have their own: the "every member has read it"
-figures include that shared client side, so they overstate what a real member waits.
+One machine, one clock: the members and the coordinator compare ``time.time()``. ``CROWD`` members share a
+process and its tunnel loop, where real workers each have their own, and every process shares the machine's two
+cores with the coordinator: the "every member has read it" figures include that crowded client side, so they
+overstate what a real member waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import faulthandler
 import json
@@ -42,9 +48,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from unbroken.control import keys
 from unbroken.control.client import CoordinatorClient
@@ -60,7 +67,10 @@ JOINS = 64
 REST_S = 10.0  # the window of the at-rest figures
 STEP_S = 1.0  # the leader's step records at rest: one a second
 SETTLE_S = 1.0  # between two faults
-CONNECTORS = 16  # members started at a time
+CONNECTORS = 16  # members of a crowd started at a time
+CROWD = 128  # members per crowd process at most
+# The crowds yield the CPU to the coordinator, which a cluster gives a host of its own; they share what is left.
+CROWD_NICE = 10
 WAIT_S = 120.0  # for anything the bench waits on
 
 
@@ -99,6 +109,42 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+class _Crowd:
+    """A crowd process as the driver sees it: its members' ids (once each has an epoch), and when each read each
+    later epoch (its reports)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.ids: list[int] = []
+        self.ready = threading.Event()
+        self.connected = threading.Event()  # a held crowd: every member connected, waiting to register
+        self.reads: dict[int, list[float]] = {}  # epoch -> when each member read it (once all of them had)
+        self.lock = threading.Lock()
+        threading.Thread(target=self._listen, name="crowd-reports", daemon=True).start()
+
+    def _listen(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            report = json.loads(line)
+            if "connected" in report:
+                self.connected.set()
+            elif "ids" in report:
+                self.ids = report["ids"]
+                self.ready.set()
+            else:
+                with self.lock:
+                    self.reads[report["epoch"]] = report["times"]
+
+    def read(self, epoch: int) -> list[float] | None:
+        with self.lock:
+            return self.reads.get(epoch)
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+
 class Driver:
     """One coordinator and ``members`` members; the figures of one N (``run``)."""
 
@@ -111,34 +157,47 @@ class Driver:
         self.run_dir = work / "run"
         self.run_dir.mkdir(parents=True)
         dump_config(self.cfg, self.run_dir)
-        self.clients: list[CoordinatorClient] = []
-        self.seen: dict[int, list[float]] = {}  # epoch -> when each driver member read it
+        self.leader: CoordinatorClient | None = None  # the one member of the driver process
+        self.seen: dict[int, list[float]] = {}  # epoch -> when the leader read it
+        self.crowds: list[_Crowd] = []
+        self.joiners: _Crowd | None = None
+        self.joiner_ids: set[int] = set()
         self.victims: dict[int, subprocess.Popen[bytes]] = {}  # worker id -> its process
-        self.processes: list[subprocess.Popen[bytes]] = []  # every child started: ``close`` ends them
+        self.processes: list[subprocess.Popen[Any]] = []  # every child started: ``close`` ends them
 
     def _on_epoch(self, epoch: int, _members: tuple[int, ...]) -> None:
-        self.seen.setdefault(epoch, []).append(time.time())  # list.append is atomic: no lock on the watchers
+        self.seen.setdefault(epoch, []).append(time.time())
 
-    def _member(self) -> CoordinatorClient:
-        comm = self.cfg.comm
-        client = CoordinatorClient(
-            self.address, None, comm.heartbeat_interval_s, comm.heartbeat_timeout_s, token=self.token
-        )
-        client.on_epoch = self._on_epoch
-        return client
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, TOKEN_ENV: self.token, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
-    def _start_victims(self) -> None:
-        """``VICTIMS`` processes of one member each, started together; each prints its id once admitted."""
+    def _start_victims(self) -> list[subprocess.Popen[bytes]]:
+        """``VICTIMS`` processes of one member each; each prints its id once admitted (``_take_victims``)."""
         cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--victim", self.address]
-        env = {**os.environ, TOKEN_ENV: self.token, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        started = [subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env) for _ in range(VICTIMS)]
+        started = [subprocess.Popen(cmd, stdout=subprocess.PIPE, env=self._env()) for _ in range(VICTIMS)]
         self.processes += started
+        return started
+
+    def _take_victims(self, started: list[subprocess.Popen[bytes]]) -> None:
         for proc in started:
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if not line.strip():
                 raise RuntimeError("bench control-scale: a victim process did not join")
             self.victims[int(line)] = proc
+
+    def _start_crowd(self, count: int, hold: bool) -> _Crowd:
+        comm = self.cfg.comm
+        cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--crowd", self.address]
+        cmd += ["--count", str(count), "--interval", str(comm.heartbeat_interval_s)]
+        cmd += ["--timeout", str(comm.heartbeat_timeout_s), *(["--hold"] if hold else [])]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self._env())
+        self.processes.append(proc)
+        return _Crowd(proc)
+
+    def _crowd_ready(self, crowd: _Crowd, event: str = "ready") -> None:
+        if not getattr(crowd, event).wait(WAIT_S * 5):
+            raise RuntimeError(f"bench control-scale: a crowd process is not {event}")
 
     def _epoch_without(self, wid: int) -> dict[str, Any]:
         """The first epoch published that no longer holds ``wid`` (waited for)."""
@@ -158,26 +217,38 @@ class Driver:
         return found
 
     def _read_by_all(self, epoch: int) -> list[float]:
-        _wait(lambda: len(self.seen.get(epoch, [])) >= len(self.clients), f"every member reading epoch {epoch}")
-        return self.seen[epoch]
+        """When each member (the leader and every crowd's) read ``epoch``, once all of them have."""
+        _wait(
+            lambda: bool(self.seen.get(epoch)) and all(c.read(epoch) is not None for c in self.crowds),
+            f"every member reading epoch {epoch}",
+        )
+        return [*self.seen[epoch], *(t for c in self.crowds for t in c.read(epoch) or [])]
+
+    def _wait_records(self, kind: str, holds: Any, what: str) -> list[dict[str, Any]]:
+        """The run's ``kind`` records once ``holds(records)``: the coordinator writes them at its next drain."""
+        found: list[dict[str, Any]] = []
+
+        def written() -> bool:
+            found[:] = read_records(self.run_dir, kind)
+            return bool(holds(found))
+
+        _wait(written, what)
+        return found
 
     def run(self) -> dict[str, Any]:
         """Start the coordinator and the members, then measure; ``close`` ends them (call it whatever happens)."""
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the coordinator inherits it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the coordinator and the crowds inherit it
         sock = bind_listen_socket("127.0.0.1", 0)
-        env = {**os.environ, TOKEN_ENV: self.token, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        self.coordinator, self.address = spawn_coordinator(sock, self.run_dir, self.n, False, env)
+        self.coordinator, self.address = spawn_coordinator(sock, self.run_dir, self.n, False, self._env())
         self.processes.append(self.coordinator)
         sock.close()
         return self._measure()
 
     def close(self, members: bool) -> None:
-        """End the victims and the coordinator; with ``members``, first close the driver's members (each close
-        rings every member's doorbell: for a few only; a driver process of hundreds exits instead)."""
-        if members:
-            for client in self.clients:
-                client.close()
+        """End the crowds, the victims and the coordinator; with ``members``, first close the leader member."""
+        if members and self.leader is not None:
+            self.leader.close()
         for proc in self.processes:
             if proc.poll() is None:
                 proc.kill()
@@ -186,24 +257,36 @@ class Driver:
     def _measure(self) -> dict[str, Any]:
         self.store = connect_store(self.address, token=self.token)
         t_start = time.monotonic()
-        self._start_victims()
-        with concurrent.futures.ThreadPoolExecutor(CONNECTORS) as pool:
-            self.clients = list(pool.map(lambda _: self._member(), range(self.n - VICTIMS)))
-        _wait(lambda: all(c.latest_epoch >= 1 for c in self.clients), "the first epoch")
-        started_s = time.monotonic() - t_start
+        crowded = self.n - 1 - VICTIMS
+        count = -(-crowded // CROWD)  # crowds, of sizes as equal as can be
+        sizes = [crowded // count + (i < crowded % count) for i in range(count)]
+        victims = self._start_victims()
+        self.crowds = [self._start_crowd(size, hold=False) for size in sizes]
+        self.joiners = self._start_crowd(self.joins, hold=True)
+        comm = self.cfg.comm
+        self.leader = CoordinatorClient(
+            self.address, None, comm.heartbeat_interval_s, comm.heartbeat_timeout_s, token=self.token
+        )
+        self.leader.on_epoch = self._on_epoch
+        self._take_victims(victims)
+        for crowd in self.crowds:
+            self._crowd_ready(crowd)
+        _wait(lambda: self.leader is not None and self.leader.latest_epoch >= 1, "the first epoch")
         self.last_epoch = int(self.store.get(keys.EPOCH))
+        started_s = time.monotonic() - t_start
 
         # At rest: heartbeats, the epoch watch, and the leader's step record every STEP_S.
         metrics = self.run_dir / METRICS_FILE
         size0, t0, usage = metrics.stat().st_size, time.monotonic(), _Usage(self.coordinator.pid)
-        leader, everyone = self.clients[0], [*(c.worker_id for c in self.clients), *self.victims]
+        everyone = [self.leader.worker_id, *(w for c in self.crowds for w in c.ids), *self.victims]
         step = 0
         while time.monotonic() - t0 < self.rest_s:
-            leader.publish_metrics(_step_record(step, everyone))
+            self.leader.publish_metrics(_step_record(step, everyone))
             step += 1
             time.sleep(STEP_S)
-        leader.flush_metrics()
-        time.sleep(0.5)  # the coordinator's next drain
+        self.leader.flush_metrics()
+        last = step - 1
+        self._wait_records("step", lambda found: any(r["step"] == last for r in found), f"step record {last}")
         rest_cores, rest_rss = usage.cores(), _rss_mib(self.coordinator.pid)
         growth = (metrics.stat().st_size - size0) / (time.monotonic() - t0) * 3600
 
@@ -211,20 +294,21 @@ class Driver:
         churn = _Usage(self.coordinator.pid)
         deaths: list[dict[str, float]] = []
         read_after: list[float] = []
-        victims = list(self.victims)
-        for wid in victims[:-1]:
+        victim_ids = list(self.victims)
+        for wid in victim_ids[:-1]:
             time.sleep(SETTLE_S)
             proc = self.victims[wid]
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            t_report = time.time()
+            t_report, cpu0 = time.time(), _cpu_seconds(self.coordinator.pid)
             report_death(self.store, wid, "killed by SIGKILL")
             record = self._epoch_without(wid)
             reads = self._read_by_all(record["epoch"])
+            cpu = _cpu_seconds(self.coordinator.pid) - cpu0
             read_after += [t - t_report for t in reads]
-            deaths.append({"published": record["time"] - t_report, "last_read": max(reads) - t_report})
+            deaths.append({"published": record["time"] - t_report, "last_read": max(reads) - t_report, "cpu": cpu})
         time.sleep(SETTLE_S)
-        hung = victims[-1]
+        hung = victim_ids[-1]
         self.victims[hung].send_signal(signal.SIGSTOP)
         t_stop = time.time()
         silence_s = self._epoch_without(hung)["time"] - t_stop
@@ -232,11 +316,11 @@ class Driver:
         time.sleep(SETTLE_S)
 
         first_new_epoch = int(self.store.get(keys.EPOCH)) + 1
+        self._crowd_ready(self.joiners, "connected")
         t_joins = time.time()
-        with concurrent.futures.ThreadPoolExecutor(self.joins) as pool:
-            joiners = list(pool.map(lambda _: self._member(), range(self.joins)))
-        self.clients += joiners
-        ids = {c.worker_id for c in joiners}
+        self.joiners.go()
+        self._crowd_ready(self.joiners)
+        ids = self.joiner_ids = set(self.joiners.ids)
         taken_in: dict[int, float] = {}  # joiner -> the time of the first epoch holding it
         joined_epochs: set[int] = set()
         looked = first_new_epoch - 1
@@ -254,17 +338,21 @@ class Driver:
 
         _wait(all_in, "an epoch holding each joiner")
         join_s = max(taken_in.values()) - t_joins
-        time.sleep(1.0)  # the coordinator's next drains: its admitted and failure records in metrics.jsonl
-        admitted = {r["worker"]: r["time"] for r in read_records(self.run_dir, "admitted") if r["worker"] in ids}
+        admitted_records = self._wait_records(
+            "admitted", lambda found: ids <= {r["worker"] for r in found}, "the joiners' admitted records"
+        )
+        admitted = {r["worker"]: r["time"] for r in admitted_records if r["worker"] in ids}
         waits = [taken_in[w] - admitted[w] for w in ids]
-        # Members declared dead that nobody killed or stopped: heartbeats the driver could not send in time.
+        # Members declared dead that nobody killed or stopped: heartbeats their process could not send in time.
         false_deaths = [f for f in read_records(self.run_dir, "failure") if f["worker"] not in self.victims]
         churn_cores, churn_rss = churn.cores(), _rss_mib(self.coordinator.pid)
         return {
             "members": self.n,
+            "crowds": len(self.crowds),
             "started_s": started_s,
             "death_published_s": [d["published"] for d in deaths],
             "death_last_read_s": [d["last_read"] for d in deaths],
+            "death_coordinator_cpu_s": [d["cpu"] for d in deaths],
             "read_p50_s": statistics.median(read_after),
             "read_p99_s": _percentile(read_after, 0.99),
             "silence_s": silence_s,
@@ -302,6 +390,68 @@ def _victim_main(address: str) -> None:
         signal.pause()
 
 
+class _GatedClient(CoordinatorClient):
+    """A member that opens its connections, then waits for ``gate`` before it registers: the joiners' registrations
+    arrive together, as replacements started ahead of need would send theirs, instead of spread over the seconds
+    that opening hundreds of connections takes on this machine."""
+
+    def __init__(self, gate: threading.Event, arrived: threading.Semaphore, *args: Any) -> None:
+        self._gate, self._arrived = gate, arrived
+        super().__init__(*args)
+
+    def _register(self, worker_id: int | None, returning: bool) -> tuple[int, bool]:
+        self._arrived.release()
+        self._gate.wait()
+        return super()._register(worker_id, returning)
+
+
+def _crowd_main(address: str, count: int, interval_s: float, timeout_s: float, hold: bool) -> None:
+    """A crowd: ``count`` members in this process. With ``hold``, they open their connections, print
+    ``{"connected": count}``, and register together after a ``go`` line on stdin. Prints ``{"ids": [...]}`` once
+    every member is admitted (and, without ``hold``, has the first epoch), then ``{"epoch": e, "times": [...]}``
+    for each later epoch once all its members have read it; exits when its stdin closes (the driver ended)."""
+    os.nice(CROWD_NICE)
+    seen: dict[int, list[float]] = collections.defaultdict(list)
+    lock = threading.Lock()
+    out: IO[str] = sys.stdout
+
+    def tell(report: dict[str, Any]) -> None:
+        with lock:
+            out.write(json.dumps(report) + "\n")
+            out.flush()
+
+    def on_epoch(epoch: int, _members: tuple[int, ...]) -> None:
+        times = seen[epoch]
+        times.append(time.time())  # list.append is atomic
+        if len(times) == count:  # the last of this crowd to read it: one report, from its watcher
+            tell({"epoch": epoch, "times": list(times)})
+
+    gate, arrived = threading.Event(), threading.Semaphore(0)
+    if not hold:
+        gate.set()
+
+    def member() -> CoordinatorClient:
+        client = _GatedClient(gate, arrived, address, None, interval_s, timeout_s)
+        client.on_epoch = on_epoch
+        return client
+
+    with concurrent.futures.ThreadPoolExecutor(count if hold else CONNECTORS) as pool:
+        made = [pool.submit(member) for _ in range(count)]
+        if hold:
+            for _ in range(count):
+                arrived.acquire()
+            tell({"connected": count})
+            if sys.stdin.readline().strip() != "go":
+                os._exit(0)
+            gate.set()
+        clients = [m.result() for m in made]
+    # The first epoch can come before a member's watcher starts (it then reads it at its start, not as news).
+    _wait(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch")
+    tell({"ids": [c.worker_id for c in clients]})
+    sys.stdin.read()  # EOF: the driver is gone
+    os._exit(0)  # members' threads in store calls: no interpreter shutdown under them
+
+
 def bench_control_scale(member_counts: list[int]) -> list[dict[str, Any]]:
     """The driver once per N, each in a fresh process; their figures in order (a failed N: ``failed``)."""
     results = []
@@ -323,24 +473,27 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
         return f"{x:.3f}"
 
     out = [
-        f"the real coordinator (a child process) and N members: N - {VICTIMS} in one driver process, {VICTIMS} "
-        f"processes of one member each; {VICTIMS - 1} deaths reported (kill -9), 1 hang (SIGSTOP), {JOINS} joins",
+        f"the real coordinator (a child process) and N members: 1 in the driver, {VICTIMS} processes of one member "
+        f"each, the rest in processes of at most {CROWD}; {VICTIMS - 1} deaths reported (kill -9), "
+        f"1 hang (SIGSTOP), {JOINS} joins (a process of their own)",
         "",
         "| members | death -> epoch published (s) | death -> every member read it: p50 / p99 / last (s) "
+        "| coordinator CPU from a death's report to its last read (s) "
         "| hang -> epoch (s) | joins: how many, in how many epoch changes, over the admissions' spread; "
         "admission -> epoch, median / max (s) | coordinator at rest: cores, RSS MiB | churn: cores, RSS MiB "
         "| metrics MB/h | start (s) | false deaths |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "failed" in r:
-            out.append(f"| {r['members']} | did not finish: {r['failed']} |" + " |" * 8)
+            out.append(f"| {r['members']} | did not finish: {r['failed']} |" + " |" * 9)
             continue
         published = statistics.median(r["death_published_s"])
         last = max(r["death_last_read_s"])
         out.append(
             f"| {r['members']} | {s(published)} (max {s(max(r['death_published_s']))}) "
             f"| {s(r['read_p50_s'])} / {s(r['read_p99_s'])} / {s(last)} "
+            f"| {s(statistics.median(r['death_coordinator_cpu_s']))} "
             f"| {s(r['silence_s'])} (timeout {r['heartbeat_timeout_s']:g}) "
             f"| {r['joins']} in {r['join_epochs']} over {r['join_admitted_spread_s']:.1f} s; "
             f"{s(r['join_wait_median_s'])} / "
@@ -354,6 +507,11 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
 def _main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--victim", metavar="ADDRESS")
+    parser.add_argument("--crowd", metavar="ADDRESS")
+    parser.add_argument("--count", type=int)
+    parser.add_argument("--interval", type=float)
+    parser.add_argument("--timeout", type=float)
+    parser.add_argument("--hold", action="store_true")
     parser.add_argument("--members", type=int)
     parser.add_argument("--work")
     parser.add_argument("--out")
@@ -361,6 +519,9 @@ def _main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where every thread is, to stderr
     if a.victim:
         _victim_main(a.victim)
+        return
+    if a.crowd:
+        _crowd_main(a.crowd, a.count, a.interval, a.timeout, a.hold)
         return
     driver = Driver(a.members, Path(a.work))
     try:
