@@ -119,6 +119,12 @@ def test_wrong_token_is_refused(served: Served) -> None:
     assert served.gateway.rejected == 1 and served.gateway.admitted == 0
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1", ":29400", "host:port", ""])
+def test_a_malformed_coordinator_address_is_named_in_one_line(address: str) -> None:
+    with pytest.raises(ValueError, match=r"^--coordinator .* is malformed; expected HOST:PORT$"):
+        Tunnel(address, new_token(), 5.0)
+
+
 def test_client_must_not_trust_a_coordinator_without_the_token(served: Served) -> None:
     # A fake coordinator that greets correctly but cannot prove the token: the client hangs up.
     fake = socket.socket()

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from unbroken.control.netif import split_address
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "UNBROKEN_TOKEN"
@@ -496,11 +498,12 @@ class Tunnel:
     """A local port that leads, authenticated, to the coordinator: connect one TCPStore client to it."""
 
     def __init__(self, address: str, token: str, timeout_s: float) -> None:
-        host, sep, port = address.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"--coordinator {address!r} is malformed; expected HOST:PORT")
         try:
-            upstream = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+            host, port = split_address(address)
+        except ValueError:
+            raise ValueError(f"--coordinator {address!r} is malformed; expected HOST:PORT") from None
+        try:
+            upstream = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
             error = NothingListens if isinstance(e, ConnectionRefusedError) else TunnelError
             raise error(f"cannot reach the coordinator at {address}: {e.strerror or e}") from None
