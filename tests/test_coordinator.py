@@ -301,6 +301,28 @@ def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
         assert woken == [True]
 
 
+def test_the_ring_of_an_epoch_holds_its_record_and_every_other_ring_nothing(tmp_path: Path) -> None:
+    """A watcher woken by the ring of the newest epoch reads the count, the epoch number and that ring in one
+    call, and takes the ring's value for the record (``CoordinatorClient._watch_news``): it must be the
+    published record itself. A stop's ring, and a count whose key the coordinator fills in, hold nothing, so
+    a watcher woken by one reads the stop flag."""
+    from unbroken.control import keys
+    from unbroken.control.store import connect_store, get_int
+
+    token = new_token()
+    with in_process_coordinator(tmp_path, token) as coordinator:
+        store = connect_store(coordinator.address, token=token)
+        coordinator.publish((0,), "start")
+        rung = get_int(store, keys.doorbell_seq(keys.NEWS))
+        assert store.get(keys.doorbell(keys.NEWS, rung)) == store.get(keys.epoch(coordinator.epoch))
+        assert json.loads(store.get(keys.doorbell(keys.NEWS, rung)))["members"] == [0]
+        store.add(keys.doorbell_seq(keys.NEWS), 1)  # a number taken whose key never came
+        coordinator.stop("enough")
+        rung_after = get_int(store, keys.doorbell_seq(keys.NEWS))
+        assert rung_after == rung + 2
+        assert [store.get(keys.doorbell(keys.NEWS, k)) for k in (rung + 1, rung + 2)] == [b"", b""]
+
+
 def test_a_store_call_that_is_not_answered_is_cut_by_its_guard(tmp_path: Path) -> None:
     """A store call whose peer does not answer (here a coordinator stopped with SIGSTOP; a host cut off from
     the network is the same to the caller) waits for as long as the peer is silent, whatever the store's

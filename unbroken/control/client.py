@@ -278,26 +278,33 @@ class CoordinatorClient:
         before ringing: nothing published is missed.
         """
         store = self._news_store
+        woken: int | None = None  # the ring that ended the last wait (None: the wait timed out, or none yet)
         try:
             while not self._watch_stop.is_set():
                 # The rings so far, then what they announced: a ring after this count is waited for below. The
                 # count is read afresh each time, so a ring whose key never came (its ringer died between the
-                # two calls) holds this watcher for one wait at most. Both in one call: each call is a round trip
-                # through the gateway for every member at every epoch change (both exist from the coordinator's
-                # start, before it admits anyone).
-                rung_value, newest_value = store.multi_get([keys.doorbell_seq(keys.NEWS), keys.EPOCH])
-                rung, newest = int(rung_value), int(newest_value)
+                # two calls) holds this watcher for one wait at most. One call (each is a round trip through the
+                # gateway for every member at every epoch change): the count, the epoch number (both exist from
+                # the coordinator's start, before it admits anyone), and the ring that woke this watcher.
+                wanted = [keys.doorbell_seq(keys.NEWS), keys.EPOCH]
+                values = store.multi_get(wanted if woken is None else [*wanted, keys.doorbell(keys.NEWS, woken)])
+                rung, newest = int(values[0]), int(values[1])
+                # That ring the only one since the last look, and it holds the newest epoch's record: nothing else
+                # to read. A stop is announced by a ring of its own, which holds nothing.
+                rang = json.loads(values[2]) if woken is not None and rung == woken and values[2] else None
+                known = rang if rang is not None and rang["epoch"] == newest else None
                 if newest > self._seen_epoch:
-                    self._advance(store, newest)
-                if self.stopped is None and store.check([keys.STOP]):
+                    self._advance(store, newest, known)
+                if self.stopped is None and known is None and store.check([keys.STOP]):
                     self.stopped = store.get(keys.STOP).decode()
-                wait_key(store, keys.doorbell(keys.NEWS, rung + 1), self._news_wait_s)
+                rung_next = keys.doorbell(keys.NEWS, rung + 1)
+                woken = rung + 1 if wait_key(store, rung_next, self._news_wait_s) else None
         except RuntimeError:
             self._connection_failed(generation)
 
-    def _advance(self, store: TCPStore, newest: int) -> None:
-        """Read the epochs after the last one seen up to ``newest``: note the removals, then the epoch; then
-        tell ``on_epoch`` of the newest one read."""
+    def _advance(self, store: TCPStore, newest: int, known: dict[str, Any] | None = None) -> None:
+        """Read the epochs after the last one seen up to ``newest`` (``known``: the newest one's record, from
+        its ring): note the removals, then the epoch; then tell ``on_epoch`` of the newest one read."""
         read: tuple[int, tuple[int, ...]] | None = None
         for epoch in range(self._seen_epoch + 1, newest + 1):
             # The newest is there (its record is written before the epoch number): one call less per member
@@ -305,7 +312,7 @@ class CoordinatorClient:
             # one (a restart skips it).
             if epoch < newest and not store.check([keys.epoch(epoch)]):
                 continue
-            record = read_json(store, keys.epoch(epoch))
+            record = known if epoch == newest and known is not None else read_json(store, keys.epoch(epoch))
             members = frozenset(record["members"])
             removed = self._seen_members if record.get("reform") else self._seen_members - members
             if removed:

@@ -482,13 +482,16 @@ class Coordinator:
                 time.sleep(SAVE_RETRY_S)
         self.saved_step = state.committed_step
 
-    def announce(self) -> None:
+    def announce(self, epoch_record: str = "") -> None:
         """Ring the workers' doorbell, after publishing an epoch, a refusal or a stop. A ring is two calls (the
         count, then its key); one whose key never came (its ringer gone between them) would hold every watcher
-        waiting on that key, so each count since this coordinator's last ring gets its key now."""
+        waiting on that key, so each count since this coordinator's last ring gets its key now. The ring of an
+        epoch holds its record (as ``keys.epoch`` does), every other ring nothing: a watcher woken by the ring
+        of the newest epoch reads all it needs in the same call as the count (``CoordinatorClient._watch_news``),
+        one call per member at every epoch change."""
         n = self.store.add(keys.doorbell_seq(keys.NEWS), 1)
         for k in range(self.news_rung + 1, n + 1):
-            self.store.set(keys.doorbell(keys.NEWS, k), "")
+            self.store.set(keys.doorbell(keys.NEWS, k), epoch_record if k == n else "")
         self.news_rung = n
 
     def publish(self, members: tuple[int, ...], reason: str, reform: bool = False) -> None:
@@ -500,9 +503,10 @@ class Coordinator:
         record = {"epoch": self.epoch, "members": list(self.members), "reason": reason, "reform": reform}
         if self.workload_override:
             record["workload"] = self.workload_override
-        self.store.set(keys.epoch(self.epoch), json.dumps({**record, "time": time.time()}))
+        text = json.dumps({**record, "time": time.time()})
+        self.store.set(keys.epoch(self.epoch), text)
         self.store.set(keys.EPOCH, str(self.epoch))
-        self.announce()
+        self.announce(text)
         self.emit(RecordKind.MEMBERSHIP, **record, elapsed_s=time.monotonic() - self.started)
         log.info("epoch %d: members %s (%s)", self.epoch, list(self.members), reason)
 

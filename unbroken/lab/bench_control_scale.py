@@ -16,14 +16,15 @@ process (``bench_control_scale``), so its processes, threads and sockets end wit
 Measured at each N:
 
 - **death**: a victim killed, its death reported as an agent reports a process exit (``report_death``) at
-  ``t``; -> the epoch without it published (the time in its record), -> each
-  driver member's watcher has read it (its ``on_epoch``): p50 and p99 over members and deaths, and the last;
+  ``t``; -> the epoch without it published (the time in its record), -> each member's watcher has read it
+  (its ``on_epoch``): p50 and p99 over members and deaths, and the last; the coordinator's CPU from ``t`` to
+  that last read, beside what its rate at rest gives over as long (heartbeats go on meanwhile: the difference
+  is what the fan-out itself cost it, if the machine let it run);
 - **silence**: a victim stopped (``SIGSTOP``) with nobody reporting: -> the epoch without it (the heartbeat
   timeout, then the coordinator's check);
-- **joins**: ``JOINS`` new members started at once: how many epochs took them in, seconds from their start to
-  the epoch holding the last of them (its record's time), and each one's wait from its admission to the first
-  epoch holding it (the coordinator's own records); the admissions spread over as long as the driver's threads
-  take to open their connections;
+- **joins**: ``JOINS`` new members, connected beforehand, registering at once: how many epochs took them in,
+  seconds from their start to the epoch holding the last of them (its record's time), and each one's wait from
+  its admission to the first epoch holding it (the coordinator's own records);
 - the coordinator's CPU (cores: its user + system time over the wall time, from /proc) and RSS, at rest and
   over the churn (the deaths and the joins);
 - metrics.jsonl's growth per hour at rest.
@@ -307,6 +308,7 @@ class Driver:
             cpu = _cpu_seconds(self.coordinator.pid) - cpu0
             read_after += [t - t_report for t in reads]
             deaths.append({"published": record["time"] - t_report, "last_read": max(reads) - t_report, "cpu": cpu})
+            deaths[-1]["cpu_at_rest"] = rest_cores * deaths[-1]["last_read"]  # its at-rest rate over the same time
         time.sleep(SETTLE_S)
         hung = victim_ids[-1]
         self.victims[hung].send_signal(signal.SIGSTOP)
@@ -353,6 +355,7 @@ class Driver:
             "death_published_s": [d["published"] for d in deaths],
             "death_last_read_s": [d["last_read"] for d in deaths],
             "death_coordinator_cpu_s": [d["cpu"] for d in deaths],
+            "death_coordinator_cpu_at_rest_s": [d["cpu_at_rest"] for d in deaths],
             "read_p50_s": statistics.median(read_after),
             "read_p99_s": _percentile(read_after, 0.99),
             "silence_s": silence_s,
@@ -478,7 +481,7 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
         f"1 hang (SIGSTOP), {JOINS} joins (a process of their own)",
         "",
         "| members | death -> epoch published (s) | death -> every member read it: p50 / p99 / last (s) "
-        "| coordinator CPU from a death's report to its last read (s) "
+        "| coordinator CPU from a death's report to its last read, and at its rest rate over as long (s) "
         "| hang -> epoch (s) | joins: how many, in how many epoch changes, over the admissions' spread; "
         "admission -> epoch, median / max (s) | coordinator at rest: cores, RSS MiB | churn: cores, RSS MiB "
         "| metrics MB/h | start (s) | false deaths |",
@@ -494,6 +497,7 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
             f"| {r['members']} | {s(published)} (max {s(max(r['death_published_s']))}) "
             f"| {s(r['read_p50_s'])} / {s(r['read_p99_s'])} / {s(last)} "
             f"| {s(statistics.median(r['death_coordinator_cpu_s']))} "
+            f"({s(statistics.median(r['death_coordinator_cpu_at_rest_s']))} at rest) "
             f"| {s(r['silence_s'])} (timeout {r['heartbeat_timeout_s']:g}) "
             f"| {r['joins']} in {r['join_epochs']} over {r['join_admitted_spread_s']:.1f} s; "
             f"{s(r['join_wait_median_s'])} / "
