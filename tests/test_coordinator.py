@@ -323,6 +323,26 @@ def test_the_ring_of_an_epoch_holds_its_record_and_every_other_ring_nothing(tmp_
         assert [store.get(keys.doorbell(keys.NEWS, k)) for k in (rung + 1, rung + 2)] == [b"", b""]
 
 
+def _stop_every_thread(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped (Linux /proc). ``kill`` returns once
+    the signal is queued and one thread woken to start the group stop; on a loaded machine that thread can wait
+    on the run queue for milliseconds while the others go on serving (clean run r26: a store call sent after
+    the kill was answered)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30.0
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that ended meanwhile
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped 30 s after SIGSTOP: {states}"
+        time.sleep(0.001)
+
+
 def test_a_store_call_that_is_not_answered_is_cut_by_its_guard(tmp_path: Path) -> None:
     """A store call whose peer does not answer (here a coordinator stopped with SIGSTOP; a host cut off from
     the network is the same to the caller) waits for as long as the peer is silent, whatever the store's
@@ -342,7 +362,7 @@ def test_a_store_call_that_is_not_answered_is_cut_by_its_guard(tmp_path: Path) -
         store, tunnel = open_store(address, token=token)
         guard = CallGuard(limit_s=1.0)
         assert guard.call(tunnel, lambda: store.add("answered", 1)) == 1
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop_every_thread(proc.pid)
         with pytest.raises(RuntimeError):
             guard.call(tunnel, lambda: store.add("answered", 1))  # without the guard: until SIGCONT
     finally:
