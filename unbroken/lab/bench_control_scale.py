@@ -196,9 +196,11 @@ class Driver:
         self.processes.append(proc)
         return _Crowd(proc)
 
-    def _crowd_ready(self, crowd: _Crowd, event: str = "ready") -> None:
-        if not getattr(crowd, event).wait(WAIT_S * 5):
-            raise RuntimeError(f"bench control-scale: a crowd process is not {event}")
+    @staticmethod
+    def _wait_crowd(event: threading.Event, what: str) -> None:
+        """Wait for a crowd's ``event`` (its ``ready`` or ``connected``); ``what`` names it in the error."""
+        if not event.wait(WAIT_S * 5):
+            raise RuntimeError(f"bench control-scale: a crowd process is not {what}")
 
     def _epoch_without(self, wid: int) -> dict[str, Any]:
         """The first epoch published that no longer holds ``wid`` (waited for)."""
@@ -271,7 +273,7 @@ class Driver:
         self.leader.on_epoch = self._on_epoch
         self._take_victims(victims)
         for crowd in self.crowds:
-            self._crowd_ready(crowd)
+            self._wait_crowd(crowd.ready, "ready")
         _wait(lambda: self.leader is not None and self.leader.latest_epoch >= 1, "the first epoch")
         self.last_epoch = int(self.store.get(keys.EPOCH))
         started_s = time.monotonic() - t_start
@@ -318,10 +320,10 @@ class Driver:
         time.sleep(SETTLE_S)
 
         first_new_epoch = int(self.store.get(keys.EPOCH)) + 1
-        self._crowd_ready(self.joiners, "connected")
+        self._wait_crowd(self.joiners.connected, "connected")
         t_joins = time.time()
         self.joiners.go()
-        self._crowd_ready(self.joiners)
+        self._wait_crowd(self.joiners.ready, "ready")
         ids = self.joiner_ids = set(self.joiners.ids)
         taken_in: dict[int, float] = {}  # joiner -> the time of the first epoch holding it
         joined_epochs: set[int] = set()

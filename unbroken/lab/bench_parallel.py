@@ -1,21 +1,24 @@
-"""``unbroken bench parallel``: replicas of several ranks (FSDP2 shards, optionally tensor ranks) against plain
-FSDP2 HSDP (with torch's tensor parallelism), and what the death of one rank costs.
+"""``unbroken bench parallel``: replicas of several ranks (FSDP2 shards, pipeline stages, tensor ranks, in any mix)
+against plain torch on the same mesh, and what the death of one rank costs.
 
-The layout is the config's: ``--parallel.shard=k`` (default 2 here) and ``--parallel.tensor=t`` (default 1), so
-``--workers`` is R x k x t for R >= 2 replicas; pipeline stages are not benchmarked.
+The layout is the config's: ``--parallel.shard=k`` (default 2 here), ``--parallel.pipeline=p`` and
+``--parallel.tensor=t`` (default 1), so ``--workers`` is R x k x p x t for R >= 2 replicas.
 
-1. **Step time.** ``unbroken train --workers R*k*t --parallel.shard=k --parallel.tensor=t`` (fp32, and exact,
-   reduction) against the same model, data, M, optimizer and clipping under plain FSDP2 HSDP: ``fully_shard``
-   on a 2-D mesh (replicate R, shard k), where torch reduce-scatters inside a replica at every microbatch and
-   all-reduces across replicas at the last one (``set_requires_all_reduce``), as unbroken's replicas do through
-   its own reduction. With t > 1 the mesh is 3-D (replicate R, shard k, tensor t): the model is first split by
-   ``apply_tensor_parallel`` (torch's ``parallelize_module``) on its tensor dimension, then ``fully_shard``-ed on
-   its (replicate, shard) sub-mesh as above; the t tensor ranks of a shard compute the same microbatches. The
-   systems alternate round by round, so drift in the machine's load hits each alike; step times are commit to
-   commit for unbroken (everything a worker does per step counts) and the loop body for HSDP.
+1. **Step time.** ``unbroken train --workers R*k*p*t`` with that layout (fp32, and exact, reduction) against the
+   same model, data, M, optimizer and clipping under plain torch: ``fully_shard`` on a 2-D mesh (replicate R,
+   shard k) as FSDP2's HSDP, where torch reduce-scatters inside a replica at every microbatch and all-reduces
+   across replicas at the last one (``set_requires_all_reduce``), as unbroken's replicas do through its own
+   reduction. With t > 1 the model is first split by ``apply_tensor_parallel`` (torch's ``parallelize_module``)
+   on the mesh's tensor dimension; with p > 1 each rank keeps its stage (``pipeline_stage``) and runs torch's
+   own schedule (``torch.distributed.pipelining``, 1F1B or GPipe as unbroken picks it), which defers FSDP's
+   reduce-scatter and all-reduce to the last microbatch; the clipping norm is summed over the stages. The
+   mesh is unbroken's rank order (replicate, pp, shard, tensor), and the tensor ranks of a shard compute the
+   same microbatches. The systems alternate round by round, so drift in the machine's load hits each alike;
+   step times are commit to commit for unbroken (everything a worker does per step counts) and the loop body
+   for plain torch.
 2. **Peak memory per rank.** Each rank's resident high-water mark (``VmHWM``, read from /proc while it runs),
    in the same rounds.
-3. **A rank killed.** A job of 3 replicas x k x t (the ``tiny`` model) under ``kill:worker=...,phase=backward``
+3. **A rank killed.** A job of 3 such replicas (the ``tiny`` model) under ``kill:worker=...,phase=backward``
    events: from the kill to the failure seen, the epoch without its replica, that epoch's group formed, the
    survivors recovered (the lost microbatches re-planned), and the interrupted step committed; and the peak
    memory of each replacement rank, which receives only its shard of the state from the rank of the same index
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import committed_steps, read_records
 from unbroken.lab.figures import rank_main, run_ranks, stats
 
@@ -147,11 +151,11 @@ def run_hsdp(cfg: RunConfig, workers: int) -> tuple[list[float], PeakMemory]:
 
 
 def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
-    """One rank of plain FSDP2 HSDP (with t > 1 tensor ranks, on a 3-D mesh): the trainer's model, data, M,
-    optimizer, clipping and schedule."""
+    """One rank of plain torch on the replica's mesh: FSDP2 HSDP, with t > 1 tensor ranks torch's tensor
+    parallelism, with p > 1 stages torch's pipelining; the trainer's model, data, M, optimizer, clipping and
+    schedule."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from unbroken.core.plan import plan_step
@@ -159,42 +163,67 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
     from unbroken.ft.hostmem import retain_freed_memory
     from unbroken.ft.tensor import apply_tensor_parallel
     from unbroken.train.data import open_corpus, train_sampler
-    from unbroken.train.trainer import build_model, build_optimizer, lr_at
+    from unbroken.train.stages import pipeline_stage
+    from unbroken.train.trainer import build_model, build_optimizer, cross_entropy, lr_at
 
     cfg = load_config(config_path)
-    tc, shard, tensor = cfg.train, cfg.parallel.shard, cfg.parallel.tensor
-    data_ranks = world // tensor  # a shard's tensor ranks compute the same microbatches
+    tc, shard, stages, tensor = cfg.train, cfg.parallel.shard, cfg.parallel.pipeline, cfg.parallel.tensor
+    lanes = world // (stages * tensor)  # (replica, shard) pairs: each computes microbatches of its own
     if tc.retain_host_memory:  # the same allocator setting as unbroken's workers
         retain_freed_memory()
     torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     corpus = open_corpus(cfg.data)
     model = build_model(cfg, corpus.vocab_size)
-    if tensor == 1:
+    stage_group = None
+    if tensor == 1 and stages == 1:
         mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    else:  # tensor ranks innermost, as unbroken places them (worker = replica x shard x tensor, row-major)
-        mesh3 = init_device_mesh(
-            "cpu", (data_ranks // shard, shard, tensor), mesh_dim_names=("replicate", "shard", "tensor")
+        lane, stage = rank, 0
+    else:  # unbroken's rank order: worker = replica x (stage, shard, tensor), row-major, tensor ranks innermost
+        mesh4 = init_device_mesh(
+            "cpu",
+            (lanes // shard, stages, shard, tensor),
+            mesh_dim_names=("replicate", "pp", "shard", "tensor"),
         )
-        apply_tensor_parallel(model, mesh3["tensor"], cfg.parallel.sequence_parallel)
-        mesh = mesh3["replicate", "shard"]
+        stage = mesh4["pp"].get_local_rank()
+        lane = mesh4["replicate"].get_local_rank() * shard + mesh4["shard"].get_local_rank()
+        if stages > 1:
+            model = pipeline_stage(model, stage, stages)
+            stage_group = mesh4["pp"].get_group()
+        if tensor > 1:
+            apply_tensor_parallel(model, mesh4["tensor"], cfg.parallel.sequence_parallel)
+        mesh = mesh4["replicate", "shard"]
     apply_fsdp(model, mesh)  # a 2-D mesh: replicated over its first dimension, sharded over its second (HSDP)
-    clip = torch.nn.utils.clip_grad_norm_ if tensor == 1 else clip_across_meshes
     optimizer = build_optimizer(model, tc)
     sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
+
+    def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets) * lanes / tc.microbatches  # FSDP averages over its mesh: SUM/M
+
+    schedules: dict[int, Any] = {}
     times = []
     for step in range(tc.steps):
         t0 = time.perf_counter()
-        ids = plan_step(step, range(data_ranks), tc.microbatches).ids_for(rank // tensor)
+        ids = plan_step(step, range(lanes), tc.microbatches).ids_for(lane)
         optimizer.zero_grad(set_to_none=True)
-        for k, j in enumerate(ids):
-            model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
-            inputs, targets = sampler.microbatch(step, j)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-            (loss * data_ranks / tc.microbatches).backward()  # FSDP averages over its mesh: SUM/M as unbroken
-        if tc.grad_clip > 0:
-            clip(list(model.parameters()), tc.grad_clip, foreach=True)
+        if stage_group is None:
+            for k, j in enumerate(ids):
+                model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
+                scaled_loss(*_logits_and_targets(model, sampler.microbatch(step, j))).backward()
+        else:  # pipelining defers FSDP's reduce-scatter and all-reduce to the last microbatch itself
+            if len(ids) not in schedules:
+                schedules[len(ids)] = _schedule(model, stage, stages, stage_group, len(ids), cfg, scaled_loss)
+            schedule = schedules[len(ids)]
+            pairs = [sampler.microbatch(step, j) for j in ids]
+            args = (torch.cat([x for x, _ in pairs]),) if stage == 0 else ()
+            if stage == stages - 1:
+                schedule.step(*args, target=torch.cat([y for _, y in pairs]))
+            else:
+                schedule.step(*args)
+        if tc.grad_clip > 0 and tensor == 1 and stage_group is None:  # one mesh: torch's own clipping
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), tc.grad_clip, foreach=True)
+        elif tc.grad_clip > 0:
+            clip_across_meshes(list(model.parameters()), tc.grad_clip, stage_group=stage_group)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
         optimizer.step()
@@ -204,11 +233,33 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
     dist.destroy_process_group()
 
 
-def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True) -> None:
+def _logits_and_targets(model: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
+    inputs, targets = batch
+    return model(inputs), targets
+
+
+def _schedule(model: Any, stage: int, stages: int, group: Any, n: int, cfg: RunConfig, loss_fn: Any) -> Any:
+    """torch's schedule for ``n`` microbatches through this rank's stage, chosen as unbroken chooses it (GPipe
+    for fewer microbatches than stages, which 1F1B refuses); gradients summed, not averaged."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from unbroken.core.config import PipelineSchedule
+
+    gpipe = cfg.parallel.schedule is PipelineSchedule.GPIPE or n < stages
+    pipeline_stage = PipelineStage(model, stage, stages, torch.device("cpu"), group=group)
+    kind = ScheduleGPipe if gpipe else Schedule1F1B
+    return kind(pipeline_stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+
+
+def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True, stage_group: Any = None) -> None:
     """torch's ``clip_grad_norm_`` for gradients on several meshes: FSDP's (replicate, shard) mesh for what
     tensor parallelism leaves whole, the 3-D one for what it splits. DTensor's foreach ops take one mesh at a
-    time, so the norm is taken per mesh, made whole and combined, and each mesh's gradients are scaled apart."""
+    time, so the norm is taken per mesh, made whole and combined, and each mesh's gradients are scaled apart.
+    With pipeline stages the squared norms of the stages are summed over ``stage_group`` (as torchtitan's
+    clipping does)."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     by_mesh: dict[object, list[Any]] = {}
@@ -217,6 +268,10 @@ def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True)
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=foreach) for ps in by_mesh.values()]
     total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    if stage_group is not None:
+        squared = total**2
+        dist.all_reduce(squared, group=stage_group)
+        total = squared.sqrt()
     for ps in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=foreach)
 
@@ -240,10 +295,9 @@ def bench_step_time(config: str | None, workers: int, shard: int, repeats: int, 
     return {"cfg": cfg, "workers": workers, "times": times, "memory": memory, "paired": paired}
 
 
-def bench_kills(config: str | None, shard: int, tensor: int, overrides: list[str]) -> dict[str, Any]:
-    """A job of 3 replicas x ``shard`` x ``tensor`` ranks with a rank killed in its backward at each of
-    ``KILL_STEPS``."""
-    per = shard * tensor  # ranks per replica
+def bench_kills(config: str | None, layout: ReplicaLayout, overrides: list[str]) -> dict[str, Any]:
+    """A job of 3 replicas of ``layout`` with a rank killed in its backward at each of ``KILL_STEPS``."""
+    per = layout.size  # ranks per replica
     workers = 3 * per
     steps = KILL_STEPS[-1] + 15
     events = []
@@ -253,8 +307,8 @@ def bench_kills(config: str | None, shard: int, tensor: int, overrides: list[str
         # A replacement takes seconds to start; slow steps (the last replica 10x slower) leave it that time.
         slow = 2 * per if n % 3 != 2 else 0
         events.append(f"slow:worker={slow},factor=10,steps={step + 1}-{min(step + 15, steps - 1)}")
-    layout = [f"--parallel.shard={shard}", f"--parallel.tensor={tensor}"]
-    cfg = _config(config, [*layout, f"--failures.schedule={'; '.join(events)}", *overrides], steps)
+    degrees = [f"--parallel.{name}={n}" for name, n in _degrees(layout)]
+    cfg = _config(config, [*degrees, f"--failures.schedule={'; '.join(events)}", *overrides], steps)
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-kills-") as keep:
         _, memory, run = run_unbroken(cfg, workers, keep=Path(keep))
         records = read_records(run)
@@ -311,22 +365,19 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
     cfg: RunConfig = step["cfg"]
     t, m, paired = step["times"], step["memory"], step["paired"]
     tokens = cfg.train.microbatches * cfg.data.microbatch_size * cfg.data.seq_len
-    k, tp = cfg.parallel.shard, cfg.parallel.tensor
-    tensor = f" x {tp} tensor ranks" if tp > 1 else ""
+    layout = ReplicaLayout.of(cfg.parallel)
     med = {name: statistics.median(v) for name, v in t.items()}
     mem = {name: statistics.median(v) for name, v in m.items()}
-    baseline = "FSDP2 HSDP + TP (3-D mesh)" if tp > 1 else "FSDP2 HSDP (2-D mesh)"
-    kill_layout = f"{k} shards{tensor}" if tp > 1 else f"{k}"
     lines = [
-        f"model {cfg.model.flavour}, {step['workers'] // (k * tp)} replicas x {k} shards{tensor}, "
+        f"model {cfg.model.flavour}, {step['workers'] // layout.size} replicas x {_describe(layout)}, "
         f"M = {cfg.train.microbatches}, "
         f"{tokens} tokens/step, {MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up per round, "
         f"{len(paired)} rounds; median [q1, q3] (n)",
         "",
-        "| system | step time (ms) | vs HSDP | peak RSS per rank (MiB) | vs HSDP |",
+        "| system | step time (ms) | vs baseline | peak RSS per rank (MiB) | vs baseline |",
         "|---|---|---|---|---|",
     ]
-    for name, label in (("hsdp", baseline), ("fp32", "unbroken fp32"), ("exact", "unbroken exact")):
+    for name, label in (("hsdp", _baseline(layout)), ("fp32", "unbroken fp32"), ("exact", "unbroken exact")):
         lines.append(
             f"| {label} | {_cell(t[name], 1000)} | {med[name] / med['hsdp']:.3f} | {_cell(m[name])} "
             f"| {mem[name] / mem['hsdp']:.3f} |"
@@ -334,10 +385,10 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
     p = stats(paired)
     lines += [
         "",
-        f"unbroken fp32 / HSDP per round (the two ran back to back): median {p['median']:.3f} "
+        f"unbroken fp32 / baseline per round (the two ran back to back): median {p['median']:.3f} "
         f"[{p['min']:.3f}, {p['max']:.3f}]",
         "",
-        f"A rank killed in its backward ({kills['workers'] // (k * tp)} replicas x {kill_layout}, "
+        f"A rank killed in its backward ({kills['workers'] // layout.size} replicas x {_describe(layout)}, "
         f"{kills['cfg'].model.flavour}); "
         "seconds from the kill:",
         "",
@@ -363,21 +414,42 @@ def format_parallel(step: dict[str, Any], kills: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _degrees(layout: ReplicaLayout) -> list[tuple[str, int]]:
+    return [("shard", layout.shard), ("pipeline", layout.pipeline), ("tensor", layout.tensor)]
+
+
+def _describe(layout: ReplicaLayout) -> str:
+    """``(2 shards x 2 stages x 2 tensor ranks)``: a replica's degrees above 1."""
+    names = {"shard": "shards", "pipeline": "stages", "tensor": "tensor ranks"}
+    parts = [f"{n} {names[name]}" for name, n in _degrees(layout) if n > 1]
+    return f"({' x '.join(parts)})" if parts else "(1 rank)"
+
+
+def _baseline(layout: ReplicaLayout) -> str:
+    """What plain torch runs on the same mesh."""
+    parts = ["FSDP2 HSDP"] + ["TP"] * (layout.tensor > 1) + ["pipelining"] * (layout.pipeline > 1)
+    mesh = 2 + (layout.tensor > 1) + (layout.pipeline > 1)
+    return f"{' + '.join(parts)} ({mesh}-D mesh)"
+
+
 def bench_parallel(config: str | None, workers: int, repeats: int, overrides: list[str]) -> str:
-    """``unbroken bench parallel``: ``workers`` = R x k x t ranks (``--parallel.shard=k``, default 2, and
-    ``--parallel.tensor=t``, default 1, among ``overrides``) for R >= 2 replicas."""
-    layout = _config(config, [f"--parallel.shard={SHARD}", *overrides], 1).parallel
-    shard, tensor, per = layout.shard, layout.tensor, layout.shard * layout.tensor
-    if layout.pipeline != 1:
+    """``unbroken bench parallel``: ``workers`` = R x k x p x t ranks (``--parallel.shard=k``, default 2,
+    ``--parallel.pipeline=p`` and ``--parallel.tensor=t``, default 1, among ``overrides``) for R >= 2 replicas."""
+    cfg = _config(config, [f"--parallel.shard={SHARD}", *overrides], 1)
+    layout = ReplicaLayout.of(cfg.parallel)
+    if workers % layout.size or workers < 2 * layout.size:
         raise ValueError(
-            f"bench parallel: parallel.pipeline = {layout.pipeline} must be 1 (it benchmarks shards and tensor ranks)"
+            f"bench parallel: --workers {workers} must be a multiple of shard x pipeline x tensor = {layout.size}, "
+            f"at least {2 * layout.size}"
         )
-    if workers % per or workers < 2 * per:
+    lanes = workers // (layout.pipeline * layout.tensor)
+    if layout.pipeline > 1 and cfg.train.microbatches % lanes:
         raise ValueError(
-            f"bench parallel: --workers {workers} must be a multiple of shard x tensor = {per}, at least {2 * per}"
+            f"bench parallel: train.microbatches = {cfg.train.microbatches} must be a multiple of the {lanes} "
+            "pipelines (replicas x shards): plain torch's stages need as many microbatches in every pipeline"
         )
-    step = bench_step_time(config, workers, shard, repeats, overrides)
-    kills = bench_kills(str(preset_path("tiny")), shard, tensor, overrides)  # tiny: the slow windows stay short
+    step = bench_step_time(config, workers, layout.shard, repeats, overrides)
+    kills = bench_kills(str(preset_path("tiny")), layout, overrides)  # tiny: the slow windows stay short
     return format_parallel(step, kills)
 
 
