@@ -209,7 +209,8 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
         if stage_group is None:
             for k, j in enumerate(ids):
                 model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
-                scaled_loss(*_logits_and_targets(model, sampler.microbatch(step, j))).backward()
+                inputs, targets = sampler.microbatch(step, j)
+                scaled_loss(model(inputs), targets).backward()
         else:  # pipelining defers FSDP's reduce-scatter and all-reduce to the last microbatch itself
             if len(ids) not in schedules:
                 schedules[len(ids)] = _schedule(model, stage, stages, stage_group, len(ids), cfg, scaled_loss)
@@ -231,11 +232,6 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
-
-
-def _logits_and_targets(model: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
-    inputs, targets = batch
-    return model(inputs), targets
 
 
 def _schedule(model: Any, stage: int, stages: int, group: Any, n: int, cfg: RunConfig, loss_fn: Any) -> Any:
