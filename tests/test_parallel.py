@@ -287,3 +287,17 @@ def test_a_layout_that_cannot_run_is_one_line_and_exit_2(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not out.exists()
+
+
+def test_the_configured_schedule_runs_unless_a_replica_has_fewer_microbatches_than_stages() -> None:
+    """1F1B needs at least as many microbatches as stages; a step that gives a replica fewer runs GPipe (the
+    built-in pipeline and the benchmark's baseline both pick with ``schedule_kind``)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from unbroken.core.config import PipelineSchedule
+    from unbroken.ft.pipeline import schedule_kind
+
+    assert schedule_kind(PipelineSchedule.ONE_F_ONE_B, 4, 2) is Schedule1F1B
+    assert schedule_kind(PipelineSchedule.ONE_F_ONE_B, 2, 2) is Schedule1F1B
+    assert schedule_kind(PipelineSchedule.ONE_F_ONE_B, 1, 2) is ScheduleGPipe
+    assert schedule_kind(PipelineSchedule.GPIPE, 4, 2) is ScheduleGPipe

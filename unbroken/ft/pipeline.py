@@ -32,6 +32,12 @@ from unbroken.ft.comm import GradientReducer
 BatchOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
+def schedule_kind(schedule: PipelineSchedule, n: int, stages: int) -> type[PipelineScheduleSingle]:
+    """torch's schedule class for ``n`` microbatches through ``stages`` stages: the configured one, except GPipe
+    for fewer microbatches than stages, which 1F1B refuses."""
+    return ScheduleGPipe if schedule is PipelineSchedule.GPIPE or n < stages else Schedule1F1B
+
+
 class _FoldingStage(PipelineStage):
     """A ``PipelineStage`` that folds each microbatch's gradient into the exact reduction after its backward.
 
@@ -114,7 +120,7 @@ class Pipeline:
         self.schedule = schedule
         self.reducer = reducer
         self.M = microbatches
-        self._schedules: dict[tuple[int, bool], PipelineScheduleSingle] = {}
+        self._schedules: dict[tuple[int, type[PipelineScheduleSingle]], PipelineScheduleSingle] = {}
         self._ids: list[int] = []
         self._padding: set[int] = set()  # positions in ``_ids`` of padding microbatches
         # id of each scaled loss the schedule got -> the microbatch's loss (the schedule may also call the loss
@@ -153,8 +159,8 @@ class Pipeline:
         return chunk in self._padding
 
     def _schedule(self, n: int) -> PipelineScheduleSingle:
-        gpipe = self.schedule is PipelineSchedule.GPIPE or n < self.stages
-        key = (n, gpipe)
+        kind = schedule_kind(self.schedule, n, self.stages)
+        key = (n, kind)
         if key not in self._schedules:
             stage = _FoldingStage(
                 self.module,
@@ -168,7 +174,6 @@ class Pipeline:
                 padding=self._is_padding,
                 exact_fsdp=self.reducer.exact and self.reducer.sharded,
             )
-            kind = ScheduleGPipe if gpipe else Schedule1F1B
             self._schedules[key] = kind(stage, n_microbatches=n, loss_fn=self._scaled_loss, scale_grads=False)
         return self._schedules[key]
 

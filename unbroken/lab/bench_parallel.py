@@ -235,16 +235,15 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
 
 
 def _schedule(model: Any, stage: int, stages: int, group: Any, n: int, cfg: RunConfig, loss_fn: Any) -> Any:
-    """torch's schedule for ``n`` microbatches through this rank's stage, chosen as unbroken chooses it (GPipe
-    for fewer microbatches than stages, which 1F1B refuses); gradients summed, not averaged."""
+    """torch's schedule for ``n`` microbatches through this rank's stage, the kind unbroken's pipeline runs
+    (``schedule_kind``); gradients summed, not averaged."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
-    from unbroken.core.config import PipelineSchedule
+    from unbroken.ft.pipeline import schedule_kind
 
-    gpipe = cfg.parallel.schedule is PipelineSchedule.GPIPE or n < stages
     pipeline_stage = PipelineStage(model, stage, stages, torch.device("cpu"), group=group)
-    kind = ScheduleGPipe if gpipe else Schedule1F1B
+    kind = schedule_kind(cfg.parallel.schedule, n, stages)
     return kind(pipeline_stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
 
 
