@@ -26,7 +26,7 @@ from runner import (
     wait_for,
 )
 
-from unbroken.control.client import CoordinatorClient
+from unbroken.control.client import STALL_HEADER, CoordinatorClient
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
 
@@ -238,7 +238,7 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
     source, first = inspect.getsourcelines(CoordinatorClient._send)
     beat = f'client.py", line {first + next(i for i, line in enumerate(source) if "store.add(key, 1)" in line)} '
     for wid in (0, 1):
-        dump = (out / "logs" / f"worker-{wid}.log").read_text().split("Timeout (0:00:01.500000)!", 1)
+        dump = (out / "logs" / f"worker-{wid}.log").read_text().split(STALL_HEADER.split("{")[0], 1)
         assert len(dump) == 2, f"worker {wid} logged no stacks for its late heartbeats"
         sender = next(t for t in dump[1].split("\n\n") if " in _send" in t)
         innermost = sender.splitlines()[1]  # in a store call: the beat's add, or a record's publication

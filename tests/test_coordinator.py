@@ -464,3 +464,30 @@ def test_a_stop_is_asked_for_once_whoever_asks() -> None:
     assert not request_stop(store, "coordinator: every worker exited")
     assert request_stop(store, "worker 1: the loss is not finite")
     assert store.get(keys.STOP).decode() == "worker 1: the loss is not finite"
+
+
+def test_a_late_heartbeat_s_stacks_show_each_thread_innermost_call_first() -> None:
+    """What a worker logs when its heartbeat is late (``thread_stacks``, read under the GIL): one block per thread,
+    named, its innermost call on the line after the name and the thread's start on the last."""
+    from unbroken.control.client import thread_stacks
+
+    release = threading.Event()
+
+    def parked_in_a_known_function() -> None:
+        release.wait(60)
+
+    thread = threading.Thread(target=parked_in_a_known_function, name="parked")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "parked_in_a_known_function" not in (text := thread_stacks()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        release.set()
+        thread.join(timeout=10)
+    block = next(b for b in text.split("\n\n") if b.startswith("Thread parked (most recent call first):"))
+    lines = block.splitlines()
+    assert lines[1].startswith('  File "') and lines[1].endswith(" in wait"), block  # Condition.wait, in Event.wait
+    assert any(line.endswith(" in parked_in_a_known_function") for line in lines), block
+    assert lines[-1].endswith(" in _bootstrap"), block
+    assert "Thread MainThread (most recent call first):" in text

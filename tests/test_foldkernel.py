@@ -4,6 +4,8 @@ use them: tests/test_comm.py)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,3 +126,32 @@ def test_quantise_sum_many_is_quantise_sum_tensor_by_tensor(monkeypatch: pytest.
     assert [p for k, p in enumerate(peaks) if k not in (1, 4)] == [
         float(t.abs().max()) for k, t in enumerate(grads) if k not in (1, 4)
     ]
+
+
+WARM_CHECK = """
+import torch
+from unbroken.ft import foldkernel
+kernels = foldkernel._kernels()
+assert not any(kernel.signatures for kernel in kernels), "compiled before warm"
+foldkernel.warm()
+warmed = [list(kernel.signatures) for kernel in kernels]
+assert all(warmed), warmed
+grads = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+acc = torch.zeros(1000, dtype=torch.int64)
+foldkernel.quantise_sum(grads, None, acc, 10, 2.0**40)
+foldkernel.quantise_sum(grads[:2], acc, acc, 10, 2.0**40)
+foldkernel.dequantise(acc, 10)
+foldkernel.peaks_of(grads)
+foldkernel.square_sums(grads, [3] * len(grads))
+assert [list(kernel.signatures) for kernel in kernels] == warmed, "the fold compiled more after warm"
+"""
+
+
+def test_warm_compiles_every_signature_the_fold_calls() -> None:
+    """``warm`` (run before a worker registers) leaves nothing for the fold to load: in a fresh process, after
+    it, the calls a fold makes (several gradients with and without a base, the norm's square sums, the peaks,
+    the conversion back) add no signature to any kernel."""
+    if foldkernel._kernels() is None:
+        pytest.skip("numba is not installed: the fold runs torch ops")
+    done = subprocess.run([sys.executable, "-c", WARM_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -19,14 +19,15 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import datetime
-import faulthandler
 import json
 import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,8 @@ RECENT_RECORDS = 256  # records kept to send again to a coordinator that replace
 RECONNECT_POLL_S = 0.1
 REFUSAL_CHECK_S = 0.1  # how often a worker waiting for its first epoch looks whether it was refused
 LEFT_CHECK_S = 0.05  # how often a member blocked in a superseded group's collective looks for members that left
-STALL_DUMP_SHARE = 0.75  # a heartbeat this late (share of the timeout) dumps every thread's stack to stderr
+STALL_DUMP_SHARE = 0.75  # a heartbeat this late (share of the timeout) logs every thread's stack
+STALL_HEADER = "heartbeat late by {late:.2f} s; every thread's stack, most recent call first:"
 
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
 # under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
@@ -81,6 +83,21 @@ class Epoch:
     reason: str
     reform: bool = False  # every member of the previous epoch must abandon its group (a collective stalled)
     workload: str = ""  # the workload policy from this epoch on, when not the config's (recovery.slow = rebalance)
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, innermost call first (faulthandler's layout), read while holding the GIL.
+    ``faulthandler``'s own dump reads other threads' frames without it, and a live worker crashed in one (SIGSEGV
+    while its training thread ran; CPython issues 116008 and 131580)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    blocks = []
+    for ident, frame in sys._current_frames().items():
+        lines = [f"Thread {names.get(ident, hex(ident))} (most recent call first):"]
+        lines += [
+            f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in reversed(traceback.extract_stack(frame))
+        ]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def addresses_of(spec: str) -> list[str]:
@@ -147,6 +164,8 @@ class CoordinatorClient:
         self._stall_dump_s = STALL_DUMP_SHARE * heartbeat_timeout_s
         self._hb_timeout_s = heartbeat_timeout_s
         self._beat_since: float | None = None  # when the heartbeat under way was sent (None: none is)
+        self._beat_done = time.monotonic()  # when the last heartbeat was answered (or the sender started)
+        self._stall_logged = 0.0  # the ``_beat_done`` whose lateness was logged (once per late beat)
         self._news_wait_s = NEWS_WAIT_S
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
@@ -222,6 +241,7 @@ class CoordinatorClient:
         every interval and the metrics records queued by the training thread, the news watcher sleeps in a
         store wait on the workers' doorbell."""
         generation = self._generation
+        self._beat_done = time.monotonic()  # the sender beats at once: a late beat is counted from here
         self._watch_threads = [
             threading.Thread(target=self._send, args=(generation,), name="heartbeat+metrics", daemon=True),
             threading.Thread(target=self._watch_news, args=(generation,), name="epoch-watch", daemon=True),
@@ -242,18 +262,14 @@ class CoordinatorClient:
                     self._beat_since = time.monotonic()
                     store.add(key, 1)
                     self._beat_since = None
-                    next_beat = time.monotonic() + self._hb_interval
-                    # Should the next beat be late by most of the timeout (this thread starved of the GIL, or
-                    # the store slow to answer), every thread's stack goes to stderr (the worker's log):
-                    # why a live worker was about to be declared dead. Re-armed at each beat.
-                    faulthandler.dump_traceback_later(self._stall_dump_s, exit=False)
+                    self._beat_done = time.monotonic()
+                    next_beat = self._beat_done + self._hb_interval
                 if self._in_hand is None:
                     try:
                         item = self._outbox.get(timeout=max(0.0, next_beat - time.monotonic()))
                     except queue.Empty:
                         continue
                     if item is None:
-                        faulthandler.cancel_dump_traceback_later()
                         return
                     if isinstance(item, threading.Event):
                         item.set()  # a flush: everything queued before it is in the store
@@ -263,7 +279,6 @@ class CoordinatorClient:
                 self._recent.append(self._in_hand)
                 self._in_hand = None
             except RuntimeError:
-                faulthandler.cancel_dump_traceback_later()
                 self._connection_failed(generation)
                 return
 
@@ -416,8 +431,16 @@ class CoordinatorClient:
         coordinator may be only slow or paused (it declares nobody dead then), and a worker whose own link is
         down is excluded by the coordinator and learns it when the link is back. Needed because a store call
         on a connection whose peer the network no longer reaches neither fails nor times out (TCPStore's
-        timeout does not bound it): only the diagnosis of a failed call would otherwise find the successor."""
+        timeout does not bound it): only the diagnosis of a failed call would otherwise find the successor.
+
+        Also logs every thread's stack once the next heartbeat is late by most of the timeout (the sender
+        starved of the GIL, or the store slow to answer): why a live worker was about to be declared dead."""
         while not self._watch_stop.wait(self._hb_interval) and generation == self._generation:
+            done = self._beat_done
+            late = time.monotonic() - done
+            if late > self._stall_dump_s and self._stall_logged != done:
+                self._stall_logged = done
+                log.warning("%s\n\n%s", STALL_HEADER.format(late=late), thread_stacks())
             since = self._beat_since
             if since is None or time.monotonic() - since < self._hb_timeout_s or len(self.addresses) < 2:
                 continue

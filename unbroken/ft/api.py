@@ -62,12 +62,12 @@ from torch import nn
 from unbroken.control.client import CoordinatorClient, Refused
 from unbroken.control.console import install_tee
 from unbroken.control.gateway import TunnelError
-from unbroken.core.config import ActivationCheckpointing, Precision, RunConfig, load_config
+from unbroken.core.config import ActivationCheckpointing, Precision, Reduction, RunConfig, load_config
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
 from unbroken.core.records import ErrorPhase, RecordKind, check_script_record
 from unbroken.core.throughput import table_peak_tflops
-from unbroken.ft import comm, crash, datacheck, determinism, process
+from unbroken.ft import comm, crash, datacheck, determinism, foldkernel, process
 from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.inject import FaultInjector, remove
 from unbroken.ft.protocol import (
@@ -315,6 +315,10 @@ class Context:
         if self.state.model is None:
             raise ValueError("call register_state(model=...) before steps()")
         job = self._job
+        model = self.state.model
+        device = next(model.parameters()).device
+        if self.config.recovery.reduction is Reduction.EXACT and foldkernel.kernels_serve(device):
+            foldkernel.warm()  # before the heartbeats start, not in the first backward (see warm)
         try:
             self._client = job.register()
         except Refused as e:  # exact mode: another fingerprint than the group's (core.numerics)
@@ -322,8 +326,6 @@ class Context:
         process.name_logs(f"worker {self._client.worker_id}")
         injector = FaultInjector(FailureSchedule.parse(self.config.failures.schedule))
         injector.attach(self._client.store, self._client.worker_id)
-        model = self.state.model
-        device = next(model.parameters()).device
         self._proto = StepProtocol(
             ProtocolConfig.of(self.config),
             self._client,

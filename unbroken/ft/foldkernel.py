@@ -100,6 +100,22 @@ def _kernels() -> _Kernels | None:
     return quantise_sum4, peak_bits, dequantise, square_sum
 
 
+def warm() -> None:
+    """Load the CPU kernels and run each once, as the fold calls them, on a few values: numba's first use in a
+    process (its registries and cached machine code, about 0.8 s of CPU here, mostly Python) then happens where
+    it is called (before a worker registers), not in the first backward, where it held the heartbeat sender
+    back (late by 0.4 s and more on a loaded host). Nothing without numba."""
+    if _kernels() is None:
+        return
+    grads = [torch.ones(8) for _ in range(KERNEL_ARITY + 1)]  # two passes: the second adds to the first's sum
+    acc = torch.zeros(8, dtype=torch.int64)
+    quantise_sum(grads, None, acc, 0, 2.0**40)
+    quantise_sum(grads[:1], acc, acc, 0, 2.0**40)
+    dequantise(acc, 0)
+    peaks_of(grads[:1])
+    square_sums(grads[:1], [0])
+
+
 def _float_of(bits: int) -> float:
     return math.nan if bits > _INF_BITS else float(np.int32(bits).view(np.float32))
 
