@@ -31,7 +31,6 @@ from unbroken.control.agent import (
     POLL_S,
     STOP_GRACE_S,
     Agent,
-    WorkerProcess,
     check_spares,
     wait_for_exit,
     worker_defaults,
@@ -190,7 +189,7 @@ class Launcher:
         self.agent.console = self.console
 
     @property
-    def workers(self) -> dict[int, WorkerProcess]:
+    def workers(self) -> dict[int, subprocess.Popen[bytes]]:
         return self.agent.workers
 
     # -- processes ----------------------------------------------------------------------------------
@@ -284,7 +283,6 @@ class Launcher:
         if warning := idle_warning(self.cfg, self.plan.workers):
             print(warning, file=sys.stderr, flush=True)
         try:
-            self.agent.warm()  # the zygote imports torch while the coordinator starts
             self.start_coordinator()
             self.agent.start_all()
             with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches) as progress:
@@ -322,7 +320,6 @@ class Launcher:
             return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
-            self.agent.close()
             self.sock.close()
             self.console.close()
             for p in [*self.agent.processes(), *([self.coordinator] if self.coordinator else [])]:
