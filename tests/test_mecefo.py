@@ -75,3 +75,30 @@ def test_kill_and_rejoin_under_mecefo(runs: dict[str, Path], name: str) -> None:
     ref = step_losses(runs["recover"])
     losses = step_losses(run)
     assert max(abs(losses[s] - ref[s]) for s in ref) < 0.5
+
+
+def test_a_death_seen_at_a_step_s_start_gives_the_step_of_one_seen_in_its_reduction(
+    tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """When the neighbour sees a death decides nothing: its own microbatches of the step it was starting run
+    exactly and only the dead worker's in efficient mode, whether it sees the death before the step starts
+    (worker 0, worker 2's neighbour in the ring, is stopped in step 2's commit while worker 2 is killed there,
+    so it resumes with the death published) or in the step's reduction (worker 2 is killed in step 3's
+    backward). Worker 1 stays running: a kill that would leave no member running is skipped."""
+    common = ["--train.steps=6", "--checkpoint.every=0", "--train.microbatches=6", "--mecefo.rank=8"]
+    common += ["--recovery.policy=mecefo", EXACT, ONE_THREAD]
+    schedules = {
+        "at_start": "kill:worker=2,step=2,phase=optimizer; pause:worker=0,step=2,phase=optimizer,seconds=1.0",
+        "in_reduction": "kill:worker=2,step=3,phase=backward",
+    }
+    for name, schedule in schedules.items():
+        result = train(tmp_path / name, data_cache_dir, *common, f"--failures.schedule={schedule}", workers=3)
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    steps = {name: committed_steps(read_records(tmp_path / name)) for name in schedules}
+    # Step 3: worker 0's own 2 exact, worker 2's 2 efficient; then worker 0 runs its own and worker 2's efficient.
+    for name in schedules:
+        assert [steps[name][s]["efficient"] for s in range(6)] == [0, 0, 0, 2, 4, 4], name
+    assert step_losses(tmp_path / "at_start") == step_losses(tmp_path / "in_reduction")
+    ref = final_params(tmp_path / "in_reduction")
+    for name, tensor in final_params(tmp_path / "at_start").items():
+        assert torch.equal(tensor, ref[name]), name

@@ -216,8 +216,14 @@ class StepProtocol:
             return todo
         # A join agreed in the last reduction (the same value on every rank), or a death between steps. The ranks of
         # a replica may see a death at different moments, so they do not act on it here: they start the step, and
-        # its reduction (interrupted on every rank index) recovers.
-        removed = self.replica is None and self.client.removed_since(group.epoch, group.members)
+        # its reduction (interrupted on every rank index) recovers. Nor does MeCeFO: a death seen now would run this
+        # worker's own microbatches in efficient mode, one seen in the reduction exactly, so the step would depend on
+        # when the death was seen; deferred, its own are always exact and only the orphans efficient.
+        removed = (
+            self.replica is None
+            and not self.cfg.policy.mecefo
+            and self.client.removed_since(group.epoch, group.members)
+        )
         if removed or self.committer.switch_epoch > group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
             self.plan.recoveries += 1
