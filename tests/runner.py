@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 from unbroken.lab.figures import free_port  # noqa: F401 - the tests take it from here
@@ -39,11 +40,16 @@ def train_cmd(cache: Path, *args: str, workers: int = 4) -> list[str]:
 
 
 def train(
-    out: Path, cache: Path, *overrides: str, workers: int = 4, timeout_s: float = RUN_TIMEOUT_S
+    out: Path,
+    cache: Path,
+    *overrides: str,
+    workers: int = 4,
+    timeout_s: float = RUN_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``unbroken train configs/tiny.toml`` with ``workers`` worker processes into ``out``."""
     cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -69,9 +75,14 @@ CONTROL_COMMON = [
 
 # -- the recovery runs (tests/conftest.py makes them; test_recovery and test_report read them) ------------------
 RECOVERY_STEPS = 50
-# Two kills (backward, reduction) and a rejoin. 50 steps: the restarted worker needs a few seconds to start
-# (import torch, build the model) before it can rejoin, and a tiny-model step takes about 0.15 s here.
-RECOVERY_SCHEDULE = "kill:worker=2,step=5,phase=backward,rejoin=1.0; kill:worker=1,step=15,phase=reduction"
+# Two kills (backward, reduction) and a rejoin. Worker 1's kill comes the step after worker 2's, while worker 2 is
+# still down: it is restarted 6 s after its kill (a fork: it starts at once) and rejoins at a step boundary. Worker
+# 0 computes 4x slower over steps 7-19, so that the rejoin lands well before the last step even on an idle
+# machine (a tiny-model step takes about 0.15 s here; the slow-down does not change what exact mode computes).
+RECOVERY_SCHEDULE = (
+    "kill:worker=2,step=5,phase=backward,rejoin=6.0; kill:worker=1,step=6,phase=reduction; "
+    "slow:worker=0,factor=4,steps=7-19"
+)
 FP32_STEPS = 20  # the fp32 runs: both kills, no need to wait for the rejoin
 
 
@@ -111,12 +122,8 @@ def worker_pids(token: str) -> dict[int, int]:
             continue
         try:
             env = (entry / "environ").read_bytes().split(b"\0")
-            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if wanted not in env or b"unbroken.train" not in cmdline:
-            continue
-        for item in env:
-            if item.startswith(b"UNBROKEN_WORKER_ID="):
-                found[int(item.split(b"=", 1)[1])] = int(entry.name)
+        if wanted in env and (worker := worker_of(int(entry.name))) is not None:
+            found[worker] = int(entry.name)
     return found

@@ -28,6 +28,7 @@ from runner import (
 
 from unbroken.control.client import STALL_HEADER, CoordinatorClient
 from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,8 +39,7 @@ COMMON = CONTROL_COMMON
 
 def worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
     for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"UNBROKEN_WORKER_ID={worker}".encode() in env:
+        if worker_of(int(pid)) == worker:
             return int(pid)
     raise AssertionError(f"worker {worker} is not a child of agent {agent.pid}")
 

@@ -180,7 +180,9 @@ def test_a_sharded_pipeline_pads_a_round_and_stays_the_unsplit_model(tmp_path: P
 
 
 MECEFO_COMMON = [ONE_THREAD, EXACT, "--recovery.policy=mecefo", "--mecefo.rank=16", "--train.steps=10"]
-MECEFO_COMMON += ["--checkpoint.every=0"]
+# The kill is seen by the launcher (the process exits), not by heartbeats: a long timeout keeps a worker that a
+# loaded machine starves for 2 s from being excluded, which would hand its microbatches over at another step.
+MECEFO_COMMON += ["--checkpoint.every=0", "--comm.heartbeat_timeout_s=10"]
 
 
 def mecefo_run(run: Path, cache: Path, workers: int, victim: int, *layout: str) -> dict[int, tuple[float, int]]:

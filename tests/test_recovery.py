@@ -24,10 +24,10 @@ def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(recove
     memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
     assert memberships == [(0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 2, 3)]  # worker 2 came back
     recoveries = read_records(run, "recovery")
-    # Worker 1 dies in step 15's reduction: the survivors recover in step 15, or in 16 when its contribution
-    # had already gone out and they committed 15 before noticing.
+    # Worker 1 dies in step 6's reduction: the survivors recover in step 6, or in 7 when its contribution had
+    # already gone out and they committed 6 before noticing.
     steps_recovered = {r["step"] for r in recoveries}
-    assert 5 in steps_recovered and steps_recovered & {15, 16}
+    assert 5 in steps_recovered and steps_recovered & {6, 7}
     ref_losses, losses = step_losses(ref), step_losses(run)
     assert sorted(losses) == list(range(50))
     assert all(losses[s] == ref_losses[s] for s in ref_losses), "losses differ from the failure-free run"
@@ -59,7 +59,7 @@ def test_fp32_mode_with_failures_commits_every_step_once_and_agrees_up_to_the_fa
 def test_drop_policy_visibly_diverges(recovery_runs: dict[str, Path]) -> None:
     ref_losses, losses = step_losses(recovery_runs["exact_ref"]), step_losses(recovery_runs["drop_failures"])
     dropped = {r["step"]: r["dropped"] for r in read_records(recovery_runs["drop_failures"], "step") if r["dropped"]}
-    assert dropped == {5: 1, 15: 1}
+    assert dropped == {5: 1, 6: 1}
     assert all(losses[s] == ref_losses[s] for s in range(5))  # bitwise identical until the first failure
     divergence = max(abs(losses[s] - ref_losses[s]) for s in range(5, 50))
     assert divergence > 1e-3, divergence

@@ -33,8 +33,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.control import keys
-from unbroken.control.client import COORDINATOR_ENV, DEVICE_INDEX_ENV, LOCAL_WORKERS_ENV, SPARE_ENV, WORKER_ID_ENV
+from unbroken.control import keys, zygote
+from unbroken.control.client import (
+    COORDINATOR_ENV,
+    DEVICE_INDEX_ENV,
+    LOCAL_WORKERS_ENV,
+    SPARE_ENV,
+    STARTED_AT_ENV,
+    WORKER_ID_ENV,
+)
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
 from unbroken.control.store import CallGuard, open_store, publish_record, report_death, request_stop, ring
@@ -55,6 +62,8 @@ CALL_LIMIT_S = 10.0
 STOP_GRACE_S = 10.0
 MAX_SPARE_DEATHS = 3  # per spare: a host whose spares keep dying while they wait stops starting them
 
+WorkerProcess = subprocess.Popen[bytes] | zygote.ForkedProcess
+
 
 class Agent:
     """The workers ``worker_ids`` of this host, each running ``command``."""
@@ -74,7 +83,7 @@ class Agent:
         self.layout = layout or ReplicaLayout()
         check_spares(spares, self.layout)
         self.num_spares = spares
-        self.spares: dict[int, subprocess.Popen[bytes]] = {}  # warm spares by index, not yet promoted
+        self.spares: dict[int, WorkerProcess] = {}  # warm spares by index, not yet promoted
         self.next_spare = 0
         self.spare_deaths = 0  # spares that died while they waited
         # The host's device index of each spare (the workers' come from their ids): the first spares take the
@@ -98,7 +107,7 @@ class Agent:
         self.tunnel: Tunnel | None = None
         self.guard = CallGuard(CALL_LIMIT_S)
         self.finished = False  # the run is over: exits are not failures, nobody is restarted
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.workers: dict[int, WorkerProcess] = {}
         self.reported: set[int] = set()
         self.down: dict[int, dict[str, Any]] = {}  # workers killed or stopped, and when they come back
         self.pauses: dict[int, float] = {}  # paused workers and when to SIGCONT them
@@ -109,6 +118,8 @@ class Agent:
         self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
         # What the group's leader prints, for this process's console (``control.console``); None: logs only.
         self.console: ConsoleRelay | None = None
+        self.zygote: zygote.Zygote | None = None
+        self._zygote_tried = False
 
     # -- the coordinator ---------------------------------------------------------------------------
     def connect(self, address: str, token: str, reached: tuple[Any, Tunnel] | None = None) -> None:
@@ -151,6 +162,7 @@ class Agent:
             COORDINATOR_ENV: self.address,
             WORKER_ID_ENV: str(worker_id),
             LOCAL_WORKERS_ENV: str(len(self.ids)),
+            STARTED_AT_ENV: repr(time.time()),
         }
         if self.layout.size > 1:
             env[INCARNATION_ENV] = self.incarnations[self.layout.replica_of(worker_id)]
@@ -158,11 +170,17 @@ class Agent:
         if self.console is not None:  # worker 0 speaks for the job until the group forms, on its first start only
             env[CONSOLE_ENV] = self.console.env(worker_id == 0 and worker_id not in self.workers)
             fds = (self.console.write_fd,)
-        self.workers[worker_id] = self._popen(env, f"worker-{worker_id}.log", fds)
+        self.workers[worker_id] = self._start(env, f"worker-{worker_id}.log", fds)
         self.reported.discard(worker_id)
 
-    def _popen(self, env: dict[str, str], log_name: str, fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
-        with open(self.log_dir / log_name, "ab") as out:
+    def _start(self, env: dict[str, str], log_name: str, fds: tuple[int, ...] = ()) -> WorkerProcess:
+        """A process running the workers' command: forked by the zygote when it can, else started cold."""
+        log_path = self.log_dir / log_name
+        self.warm()
+        forked = self.zygote.fork(list(self.command), env, log_path, self.own_sessions, fds) if self.zygote else None
+        if forked is not None:
+            return forked
+        with open(log_path, "ab") as out:
             return subprocess.Popen(
                 list(self.command),
                 stdout=out,
@@ -180,8 +198,26 @@ class Agent:
         env = {**self.env, COORDINATOR_ENV: self.address, SPARE_ENV: str(k), LOCAL_WORKERS_ENV: str(len(self.ids))}
         env[DEVICE_INDEX_ENV] = str(device)
         env.pop(WORKER_ID_ENV, None)
-        self.spares[k] = proc = self._popen(env, f"spare-{k}.log")
+        self.spares[k] = proc = self._start(env, f"spare-{k}.log")
         self._record(make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.STARTED, worker=-1, pid=proc.pid))
+
+    def warm(self) -> None:
+        """Start the zygote that forks this host's workers (``control.zygote``), once, if they can be forked: its
+        imports run while the caller goes on (start it before anything slow, e.g. the coordinator)."""
+        if self._zygote_tried:
+            return
+        self._zygote_tried = True
+        if zygote.forkable(self.command) and zygote.enabled(self.env):
+            try:
+                self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log")
+            except OSError as e:
+                log.warning("workers start cold: %s", e)
+
+    def close(self) -> None:
+        """End the zygote (the workers are this process's children and stay so)."""
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
     def start_all(self) -> None:
         for replica in self.layout.replicas(self.alive_ids()):
@@ -264,7 +300,7 @@ class Agent:
     def alive_ids(self) -> list[int]:
         return [w for w in self.ids if w not in self.down]
 
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def processes(self) -> list[WorkerProcess]:
         """The workers' processes, then the waiting spares'."""
         return [*self.workers.values(), *self.spares.values()]
 
@@ -440,7 +476,7 @@ class Agent:
                 log_file.write(line + "\n")
         return late
 
-    def stop_workers(self, grace_s: float = STOP_GRACE_S, others: list[subprocess.Popen[bytes]] | None = None) -> None:
+    def stop_workers(self, grace_s: float = STOP_GRACE_S, others: list[WorkerProcess] | None = None) -> None:
         """Wait ``grace_s`` for the workers (and ``others``) to end, then kill what is left."""
         for info in self.down.values():
             info["hung"] = False
@@ -485,7 +521,7 @@ def worker_defaults(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def wait_for_exit(procs: list[subprocess.Popen[bytes]], timeout_s: float, readable: tuple[int, ...] = ()) -> None:
+def wait_for_exit(procs: list[WorkerProcess], timeout_s: float, readable: tuple[int, ...] = ()) -> None:
     """Sleep up to ``timeout_s``, waking as soon as one of ``procs`` exits (Linux pidfds; elsewhere a plain
     sleep) or one of the ``readable`` descriptors has data. The workers share the host's cores: a busy agent
     would slow them down."""
@@ -562,6 +598,7 @@ def run_agent(args: argparse.Namespace) -> int:
         layout=layout,
         spares=args.spares,
     )
+    agent.warm()
     agent.connect(address, token)
     agent.env[COORDINATOR_ENV] = ",".join(addresses)
     agent.address = ",".join(addresses)
@@ -599,6 +636,7 @@ def run_agent(args: argparse.Namespace) -> int:
             break
         wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S, (console.read_fd,))
     agent.stop_workers()
+    agent.close()
     for line in console.drain():
         print(line, flush=True)
     console.close()

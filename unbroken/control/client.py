@@ -70,6 +70,26 @@ LOCAL_WORKERS_ENV = "UNBROKEN_LOCAL_WORKERS"  # workers on this host (to size ea
 SPARE_ENV = "UNBROKEN_SPARE"  # a warm spare's index: it waits, initialised, for the id of a dead worker to replace
 DEVICE_INDEX_ENV = "UNBROKEN_DEVICE_INDEX"  # a warm spare's device on its host (the workers' come from their ids)
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # where this worker writes checkpoints (default: the coordinator's run dir)
+# Set by the agent that starts the process: when it asked for it (time.time()), and "1" if a zygote forked it
+# (control.zygote). The registration reports how long the start took, in wall time and in the process's CPU.
+STARTED_AT_ENV = "UNBROKEN_STARTED_AT"
+FORKED_ENV = "UNBROKEN_FORKED"
+
+
+def start_cost() -> dict[str, Any]:
+    """What this process's start cost until now: ``start_s``, the wall time since its agent asked for it (None if
+    no agent said when), ``start_cpu_s``, the CPU this process used (a forked process starts from zero), and
+    ``forked``."""
+    asked = os.environ.get(STARTED_AT_ENV)
+    try:
+        start_s: float | None = round(time.time() - float(asked), 4) if asked else None
+    except ValueError:
+        start_s = None
+    return {
+        "start_s": start_s,
+        "start_cpu_s": round(time.process_time(), 4),
+        "forked": os.environ.get(FORKED_ENV) == "1",
+    }
 
 
 class Refused(Exception):
@@ -213,6 +233,7 @@ class CoordinatorClient:
             "pid": os.getpid(),
             "returning": returning,  # a member of the job whose coordinator was replaced: it holds the state
             "fingerprint": self.fingerprint,
+            **({} if returning else start_cost()),
         }
         store.set(keys.register(seq), json.dumps(request))
         ring(store)

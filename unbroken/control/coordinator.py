@@ -290,7 +290,15 @@ class Coordinator:
             self.store.delete_key(keys.dead(wid))
             self.store.delete_key(keys.refused(wid))
             fingerprint = request.get("fingerprint") or {}
-            self.emit(RecordKind.ADMITTED, worker=wid, host=str(request.get("host", "")), fingerprint=fingerprint)
+            self.emit(
+                RecordKind.ADMITTED,
+                worker=wid,
+                host=str(request.get("host", "")),
+                fingerprint=fingerprint,
+                start_s=request.get("start_s"),
+                start_cpu_s=request.get("start_cpu_s"),
+                forked=bool(request.get("forked")),
+            )
             if self.exact and self.fingerprint is None and (returning or self.epoch > 0):
                 self.fingerprint = fingerprint  # a restarted coordinator: the state's holders define the group
             line = refusal(wid, fingerprint, self.fingerprint) if self.exact and self.fingerprint else None

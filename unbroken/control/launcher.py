@@ -31,6 +31,7 @@ from unbroken.control.agent import (
     POLL_S,
     STOP_GRACE_S,
     Agent,
+    WorkerProcess,
     check_spares,
     wait_for_exit,
     worker_defaults,
@@ -189,7 +190,7 @@ class Launcher:
         self.agent.console = self.console
 
     @property
-    def workers(self) -> dict[int, subprocess.Popen[bytes]]:
+    def workers(self) -> dict[int, WorkerProcess]:
         return self.agent.workers
 
     # -- processes ----------------------------------------------------------------------------------
@@ -283,6 +284,7 @@ class Launcher:
         if warning := idle_warning(self.cfg, self.plan.workers):
             print(warning, file=sys.stderr, flush=True)
         try:
+            self.agent.warm()  # the zygote imports torch while the coordinator starts
             self.start_coordinator()
             self.agent.start_all()
             with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches) as progress:
@@ -320,6 +322,7 @@ class Launcher:
             return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
+            self.agent.close()
             self.sock.close()
             self.console.close()
             for p in [*self.agent.processes(), *([self.coordinator] if self.coordinator else [])]:

@@ -47,7 +47,9 @@ class RecordKind(StrEnum):
     STOPPED = "stopped"  # the run stopped on purpose (a broken invariant, train.nonfinite = stop)
     STALL = "stall"  # a collective timed out with every heartbeat arriving: what the coordinator decided
     COORDINATOR = "coordinator"  # a coordinator started (or restarted: restored_epoch > 0), and where
-    ADMITTED = "admitted"  # a worker registered: its host and fingerprint (what decides its bits, core.numerics)
+    ADMITTED = (
+        "admitted"  # a worker registered: its host, fingerprint (what decides its bits, core.numerics), start cost
+    )
     REFUSED = "refused"  # a worker kept out of the membership, and why (exact mode: another fingerprint)
     USER = "user"  # anything a user's script logs
     ERROR = "error"  # a worker died of an exception (``WorkerError``: where, and the traceback's last frames)
@@ -81,7 +83,7 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     RecordKind.STOPPED: frozenset({"reason"}),
     RecordKind.STALL: frozenset({"epoch", "reported", "suspects", "decision"}),
     RecordKind.COORDINATOR: frozenset({"incarnation", "restored_epoch", "address", "status"}),
-    RecordKind.ADMITTED: frozenset({"worker", "host", "fingerprint"}),
+    RecordKind.ADMITTED: frozenset({"worker", "host", "fingerprint", "start_s", "start_cpu_s", "forked"}),
     RecordKind.REFUSED: frozenset({"worker", "reason"}),
     RecordKind.USER: frozenset(),
     RecordKind.ERROR: frozenset(

@@ -19,6 +19,8 @@ second, recomputed and dropped microbatches.
 ``bench library``: ``examples/plain_loop.py`` under ``unbroken launch`` against the same loop with DDP: the
 library's own per-step cost (``bench_library``).
 
+``bench start``: what starting a worker costs, cold against forked by the agent's zygote (``bench_start``).
+
 ``bench data``: ``unbroken prepare`` against Hugging Face ``tokenizers`` and ``datasets.map``, its memory,
 and what reading prepared data costs a training step and a worker's memory (``bench_data``).
 """
@@ -492,6 +494,7 @@ class Bench(StrEnum):
     FAILSLOW = "failslow"
     CONTROL_SCALE = "control-scale"
     CONTROL_NETNS = "control-netns"  # needs root (network namespaces): says why not where it cannot run
+    START = "start"
     GPU = "gpu"  # needs a CUDA GPU: not part of ``all`` (bench_gpu)
 
 
@@ -612,6 +615,10 @@ def run_one(
         from unbroken.lab.bench_control_scale import DEFAULT_MEMBERS, bench_control_scale, format_control_scale
 
         return format_control_scale(bench_control_scale(list(members or DEFAULT_MEMBERS)))
+    if what == "start":
+        from unbroken.lab.bench_start import bench_start, format_start
+
+        return format_start(bench_start(max(worker_counts), repeats, overrides), max(worker_counts))
     if what == "simulator":
         from unbroken.lab.bench_simulator import bench_simulator, format_simulator
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records
 from unbroken.lab.figures import free_port, stats
 from unbroken.lab.netns import Network, unavailable
@@ -76,13 +77,9 @@ def _members(run: Path) -> tuple[int, ...]:
 def _children_by_worker(agent: subprocess.Popen[bytes]) -> dict[int, int]:
     found = {}
     for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in env:
-            if item.startswith(b"UNBROKEN_WORKER_ID="):
-                found[int(item.split(b"=", 1)[1])] = int(pid)
+        worker = worker_of(int(pid))
+        if worker is not None:
+            found[worker] = int(pid)
     return found
 
 

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.control.zygote import worker_of
+
 _POLL_S = 0.02
 PARTS = ("prepare", "memory", "steps", "reader", "workers")
 READER_STEPS = 2000
@@ -80,17 +82,9 @@ def _status_kib(pid: int, keys: tuple[str, ...] = ("VmRSS",)) -> dict[str, int]:
     return out
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [part.decode(errors="replace") for part in f.read().split(b"\x00") if part]
-    except OSError:
-        return []
-
-
-def tree_rss(pid: int, match: str = "") -> tuple[int, int, dict[int, int]]:
-    """(sum, largest, {pid: rss} of the processes with ``match`` among their arguments) of the resident set
-    sizes in bytes of ``pid`` and all its descendants (Linux /proc)."""
+def tree_rss(pid: int, workers: bool = False) -> tuple[int, int, dict[int, int]]:
+    """(sum, largest, {pid: rss} of the worker processes if ``workers``) of the resident set sizes in bytes of
+    ``pid`` and all its descendants (Linux /proc)."""
     total = largest = 0
     matched: dict[int, int] = {}
     stack = [pid]
@@ -99,7 +93,7 @@ def tree_rss(pid: int, match: str = "") -> tuple[int, int, dict[int, int]]:
         rss = _status_kib(p).get("VmRSS", 0) * 1024
         total += rss
         largest = max(largest, rss)
-        if match and match in _cmdline(p):
+        if workers and worker_of(p) is not None:
             matched[p] = rss
         stack.extend(_children(p))
     return total, largest, matched
@@ -109,7 +103,7 @@ def tree_rss(pid: int, match: str = "") -> tuple[int, int, dict[int, int]]:
 class Measured:
     """A finished command: exit status, output, wall time, CPU time (user + system of its whole process
     tree, every descendant having been waited for), and the peaks of its process tree's memory
-    (``peak_rss_matched``: each matching process's own peak, by pid)."""
+    (``peak_rss_matched``: each worker process's own peak, by pid)."""
 
     returncode: int
     stdout: str
@@ -126,10 +120,10 @@ def run_measured(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     timeout: float = 3600,
-    match: str = "",
+    workers: bool = False,
 ) -> Measured:
-    """Run ``cmd`` and sample the memory of its process tree every 20 ms until it exits; ``match`` names an
-    argument (``unbroken.train``) whose processes' own peaks are kept too."""
+    """Run ``cmd`` and sample the memory of its process tree every 20 ms until it exits; with ``workers``, each
+    worker process's own peak is kept too (cold or forked: ``control.zygote.worker_of``)."""
     start = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
@@ -139,7 +133,7 @@ def run_measured(
 
     def sample() -> None:
         while not done.is_set():
-            total, largest, now = tree_rss(proc.pid, match)
+            total, largest, now = tree_rss(proc.pid, workers)
             peaks[0], peaks[1] = max(peaks[0], total), max(peaks[1], largest)
             for p, rss in now.items():
                 matched[p] = max(matched.get(p, 0), rss)
@@ -511,7 +505,7 @@ def bench_worker_memory(work: Path, big: Path, big_gb: float, steps: int) -> dic
     out = {}
     for name, extra in (("embedded", []), (f"prepared {big_gb:g} GB", [f"--data.source={big}"])):
         run = work / f"run-{len(out)}"
-        m = run_measured([*base, "--out", str(run), *extra], env=env, match="unbroken.train")
+        m = run_measured([*base, "--out", str(run), *extra], env=env, workers=True)
         if m.returncode != 0:
             raise RuntimeError(f"training on {name} failed: {m.stderr.strip()[-500:]}")
         peaks = sorted(m.peak_rss_matched.values())

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, read_records
 
-WORKER_ID_ENV = b"UNBROKEN_WORKER_ID="
 STOP_RANGE_S = (0.2, 4.0)  # SIGSTOP lengths: below and beyond the default heartbeat timeout (2 s)
 BOTH_AT_ONCE = 0.25  # share of faults that hit two workers at the same moment
 KILL_SHARE = 0.6
@@ -80,13 +80,9 @@ def worker_processes(launcher_pid: int) -> dict[int, int]:
     """Worker id -> pid of the launcher's worker children that are running (not stopped, not exited)."""
     out: dict[int, int] = {}
     for pid in _children(launcher_pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ids = [e[len(WORKER_ID_ENV) :] for e in env if e.startswith(WORKER_ID_ENV)]
-        if ids and _state(pid) in ("R", "S", "D"):
-            out[int(ids[0])] = pid
+        worker = worker_of(pid)
+        if worker is not None and _state(pid) in ("R", "S", "D"):
+            out[worker] = pid
     return out
 
 

@@ -1,0 +1,81 @@
+"""Workers forked by the zygote (``control.zygote``): the wire, and training that cannot tell a forked worker from
+a started one.
+
+The wire is driven from a process of its own (``scripts/zygote_driver.py``): the driver becomes a child
+subreaper, which the pytest process must not (it would inherit every orphan of the other tests). The oracle for
+fork safety is the cold start: a run whose workers, the restarted one included, are forked after the zygote
+served others must be bitwise the run whose workers all started as fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runner import EXACT, ROOT, final_params, train
+
+from unbroken.control.zygote import ZYGOTE_ENV
+from unbroken.core.records import read_records, step_losses
+
+pytestmark = pytest.mark.timeout(240)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descriptors_and_session(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(SCRIPTS / "zygote_driver.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    # The driver reaps each worker itself (waitpid works only on one's own children): exit status, exception, kill.
+    assert (out["own"]["code"], out["group"]["code"], out["killed"]["code"]) == (3, 1, -9)
+    assert out["killed_stopped_poll"] is None  # stopped is not ended
+    said = {s["mark"]: s for s in out["said"]}
+    assert sorted(said) == ["group", "killed", "own"]  # each got its own request's environment
+    for name, s in said.items():
+        assert s["pid"] == out[name]["pid"] and s["forked"] == "1" and s["name"] == "__main__"
+        assert s["torch_loaded"]  # imported before the fork: the worker starts at its first line
+        handed = int(s["argv"][2])
+        assert handed in s["fds"] and len(set(s["fds"]) - {0, 1, 2, handed}) <= 1  # the one listing /proc/self/fd
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "to the log" in log and "started by a fork of the agent's zygote" in log
+    # A session of its own (the terminal's Ctrl-C reaches only the launcher), or the agent's process group (a
+    # host's loss, ``kill -9`` of that group, takes its workers too).
+    assert said["own"]["sid"] == said["own"]["pgid"] != out["pgid"]
+    assert said["group"]["pgid"] == out["pgid"]
+    assert "RuntimeError: a bug" in (tmp_path / "group.log").read_text()
+    assert out["zygote_code"] == 0  # it ends when the driver closes its socket
+
+
+def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, data_cache_dir: Path) -> None:
+    """Worker 1 is killed at step 3 and restarted (forked again, after the zygote forked both workers)."""
+    args = [EXACT, "--train.steps=8", "--checkpoint.every=0",
+            "--failures.schedule=kill:worker=1,step=3,phase=backward,rejoin=0.5"]  # fmt: skip
+    runs = {}
+    for name, setting in (("forked", "1"), ("cold", "0")):
+        result = train(tmp_path / name, data_cache_dir, *args, workers=2, env={**os.environ, ZYGOTE_ENV: setting})
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = tmp_path / name
+    forks = (runs["forked"] / "logs" / "worker-1.log").read_text().count("started by a fork of the agent's zygote")
+    assert forks == 2  # its first start and its restart
+    assert "started by a fork" not in (runs["cold"] / "logs" / "worker-1.log").read_text()
+    assert [tuple(m["members"]) for m in read_records(runs["forked"], "membership")] == [(0, 1), (0,), (0, 1)]
+    # The admissions say how each start went, forked or cold as the setting says, each with the wall time since its
+    # agent asked for it and its own CPU until then: two starts and the restart (a cold one may come too late).
+    for name, run in runs.items():
+        admitted = read_records(run, "admitted")
+        expected = [[0, 1, 1]] if name == "forked" else [[0, 1, 1], [0, 1]]
+        assert sorted(r["worker"] for r in admitted) in expected, admitted
+        assert all(r["forked"] is (name == "forked") for r in admitted), admitted
+        assert all(r["start_s"] > 0 and r["start_cpu_s"] > 0 for r in admitted), admitted
+    assert step_losses(runs["forked"]) == step_losses(runs["cold"])
+    cold = final_params(runs["cold"])
+    assert all(torch.equal(tensor, cold[name]) for name, tensor in final_params(runs["forked"]).items())

@@ -1,0 +1,304 @@
+"""Starting a worker costs a fork, not an import.
+
+Owns the zygote: one process per agent that has imported torch, ``torch._dynamo`` (which every torch optimizer
+imports when it is built: 1.6 s of CPU on this machine) and the built-in trainer, has loaded the exact fold's
+numba kernels (``foldkernel.warm``), and has run nothing that starts a thread, OpenMP or CUDA; it forks each worker
+on request. A cold worker spends about 4 s of CPU on imports before its first line of training; a forked one
+starts at its first line.
+
+The worker is the zygote's grandchild: the zygote forks a child, which joins the session or process group the
+worker must have and forks the worker, then exits. Linux hands an orphan to its nearest "subreaper": the agent
+marks itself one (``PR_SET_CHILD_SUBREAPER``), so a forked worker is the agent's own child, as a started one is:
+its exit status, ``kill``, ``SIGSTOP`` and pidfd work the same (``ForkedProcess``).
+
+Only the built-in trainer is forked (``forkable``). A user's script is started cold: a forked process inherits
+the zygote's string-hash seed, so data seeded with Python's ``hash()`` (impure, and different in every process of a
+real cluster) would look pure on one host. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
+
+The wire, agent to zygote (a ``SOCK_SEQPACKET`` pair, one message each way per worker): a JSON request (argv,
+environment, log file, session or process group, descriptors to hand on and the numbers they must have) with the
+descriptors as ``SCM_RIGHTS``; the answer, ``{"pid": N}`` or ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import gc
+import json
+import os
+import re
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unbroken.control.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
+
+ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "unbroken.train.trainer")
+READY_TIMEOUT_S = 120.0  # the zygote's imports, on a loaded machine
+MESSAGE_BYTES = 1 << 20
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+READY_LINE = "zygote ready: imports took {wall:.3f} s wall, {cpu:.3f} s CPU"
+READY_PATTERN = r"zygote ready: imports took (?P<wall>[\d.]+) s wall, (?P<cpu>[\d.]+) s CPU"
+_FD_HIGH = 1000  # received descriptors are parked above every number a worker is told to use
+
+
+def ready_cost(log_path: Path) -> tuple[float, float] | None:
+    """(wall, CPU) seconds the zygote logging to ``log_path`` took from its start to ready (its imports); None
+    if it never got there."""
+    for line in log_path.read_text(errors="replace").splitlines() if log_path.exists() else []:
+        if match := re.fullmatch(READY_PATTERN, line):
+            return float(match["wall"]), float(match["cpu"])
+    return None
+
+
+def forkable(command: tuple[str, ...]) -> bool:
+    """Whether ``command`` is the built-in trainer's worker, which the zygote can fork (see the module's doc)."""
+    return tuple(command[:3]) == (sys.executable, "-m", "unbroken.train") and sys.platform == "linux"
+
+
+def enabled(env: dict[str, str]) -> bool:
+    return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV, "1")) != "0"
+
+
+def _prctl(option: int, value: int | ctypes.c_char_p) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def process_name(worker_id: str) -> str:
+    """A forked worker's name (``ps -o comm``, ``top``, ``/proc/PID/comm``): its command line and ``/proc/PID/environ``
+    are the zygote's, its name says which worker it is."""
+    return f"unbroken w{worker_id}"
+
+
+def worker_of(pid: int) -> int | None:
+    """The worker id of process ``pid``, started cold (its environment says) or forked (its name says); None for
+    any other process, or one that is gone."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        for item in (proc / "environ").read_bytes().split(b"\0"):
+            if item.startswith(WORKER_ID_ENV.encode() + b"="):
+                return int(item.split(b"=", 1)[1])
+        name = (proc / "comm").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    prefix = process_name("")
+    return int(name[len(prefix) :]) if name.startswith(prefix) and name[len(prefix) :].isdigit() else None
+
+
+class ForkedProcess:
+    """A worker forked by the zygote, now this process's child: what the agent uses of ``subprocess.Popen``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped elsewhere: gone, and how is unknown
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Zygote:
+    """The agent's end: starts the zygote (its imports run while the agent goes on) and asks it for workers."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+            raise OSError("cannot become a child subreaper")
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.control.zygote", "--fd", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(theirs.fileno(),),
+                env={**env, STARTED_AT_ENV: repr(time.time())},
+            )
+        theirs.close()
+        self.sock = mine
+        self.broken = False
+
+    def fork(
+        self, argv: list[str], env: dict[str, str], log_path: Path, new_session: bool, fds: tuple[int, ...] = ()
+    ) -> ForkedProcess | None:
+        """A worker running ``argv`` with ``env``, its output appended to ``log_path``, in a session of its own or
+        in this process's group; ``fds`` keep their numbers in it. None if the zygote cannot (the caller starts
+        the worker cold; the zygote is not asked again)."""
+        if self.broken:
+            return None
+        request = {
+            "argv": argv,
+            "env": env,
+            "log": str(log_path),
+            "pgid": None if new_session else os.getpgid(0),
+            "fds": list(fds),
+        }
+        try:
+            self.sock.settimeout(READY_TIMEOUT_S)
+            socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
+            answer = json.loads(self.sock.recv(MESSAGE_BYTES) or b"{}")
+        except (OSError, ValueError):
+            answer = {}
+        if "pid" not in answer:
+            self.broken = True
+            return None
+        return ForkedProcess(int(answer["pid"]))
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote ends at the end of its socket
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The zygote process: ``python -m unbroken.control.zygote --fd N``
+
+
+@dataclass(frozen=True)
+class _Job:
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+    fds: list[tuple[int, int]]  # (received descriptor, the number the worker expects)
+
+
+def _serve(conn: socket.socket) -> _Job | None:
+    """Answer requests until the agent closes its end (None: the zygote ends). Returns in a forked worker only."""
+    while True:
+        msg, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 16)
+        if not msg:
+            return None
+        request: dict[str, Any] = json.loads(msg)
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(read_end)
+            worker = -1
+            try:
+                if request["pgid"] is None:
+                    os.setsid()
+                else:
+                    os.setpgid(0, request["pgid"])
+                worker = os.fork()
+            except OSError as e:
+                os.write(write_end, json.dumps({"error": str(e)}).encode())
+                os._exit(1)
+            if worker == 0:
+                os.close(write_end)
+                conn.detach()  # its descriptor is closed with the others (``_become``)
+                handed = list(zip(fds, request["fds"], strict=True))
+                return _Job(request["argv"], request["env"], request["log"], handed)
+            os.write(write_end, json.dumps({"pid": worker}).encode())
+            os._exit(0)
+        os.close(write_end)
+        answer = b""
+        while chunk := os.read(read_end, 4096):
+            answer += chunk
+        os.close(read_end)
+        os.waitpid(child, 0)  # the child is gone: the worker now belongs to the agent (the subreaper)
+        for fd in fds:
+            os.close(fd)
+        conn.send(answer or json.dumps({"error": "the fork failed"}).encode())
+
+
+def _become(job: _Job) -> None:
+    """In the forked worker: its output to its log, only the descriptors it was given, its environment."""
+    log = os.open(job.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    parked = [(fcntl.fcntl(fd, fcntl.F_DUPFD, _FD_HIGH), number) for fd, number in job.fds]
+    os.closerange(3, _FD_HIGH)
+    for fd, number in parked:
+        os.dup2(fd, number)
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(job.env)
+    os.environ[FORKED_ENV] = "1"
+    os.write(2, f"started by a fork of the agent's zygote (pid {os.getpid()})\n".encode())
+    if (worker := job.env.get(WORKER_ID_ENV)) is not None:
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(process_name(worker).encode()[:15]))
+
+
+def _run(argv: list[str]) -> None:
+    """What ``python ARGV[1:]`` would run, as ``__main__``: ``-m module [args]`` or ``script [args]``."""
+    if argv[1] == "-m":
+        sys.argv = [argv[0], *argv[3:]]
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
+        runpy.run_path(argv[1], run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m unbroken.control.zygote", description=__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
+    args = parser.parse_args(argv)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the agent's death ends the zygote (its workers go on)
+    # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
+    # order, and the zygote must live on to serve that job's restarts (a worker gets Python's handler back).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = socket.socket(fileno=args.fd)
+    for name in PRELOAD:
+        __import__(name)
+    from unbroken.ft import foldkernel
+
+    foldkernel.warm()  # numba's start as well (its kernels are not parallel: no thread is started)
+    # What the zygote holds now lives as long as every worker: out of the collector's reach, so that a worker's
+    # collections neither walk it nor copy its pages (Python's advice for a process that forks without exec).
+    gc.freeze()
+    print(READY_LINE.format(wall=time.time() - float(os.environ[STARTED_AT_ENV]), cpu=time.process_time()), flush=True)
+    job = _serve(conn)
+    if job is None:
+        return 0
+    _become(job)
+    _run(job.argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
