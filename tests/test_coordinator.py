@@ -452,6 +452,29 @@ def test_a_worker_stopped_after_the_run_finished_is_no_failure_of_its_agent(tmp_
         assert agent.late == ({0, 1} if finished else set())
 
 
+@pytest.mark.timeout(60)
+def test_waiting_for_workers_wakes_once_at_an_exit_then_sleeps_on_the_rest() -> None:
+    """The launcher's and the agent's loops sleep in ``wait_for_exit`` between looks. A worker that exited wakes
+    the wait once (it is reaped then); after that the wait sleeps its full timeout on the workers still running.
+    It used to wake at once on every call for as long as an exited worker was not reaped (its pidfd stays
+    readable): after a run's final record, when the agent stops reaping, the launcher's loop spun through
+    thousands of looks a second until the coordinator exited."""
+    from unbroken.control.agent import wait_for_exit
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wait_for_exit([done, running], 60.0)  # returns at done's exit
+        assert done.returncode == 0 and running.returncode is None
+        for _ in range(3):
+            started = time.monotonic()
+            wait_for_exit([done, running], 0.2)
+            assert time.monotonic() - started >= 0.2  # no process exited: nothing may end the sleep early
+    finally:
+        running.kill()
+        running.wait()
+
+
 def test_a_stop_is_asked_for_once_whoever_asks() -> None:
     """Workers, agents and the coordinator all stop the job through ``request_stop``: the first caller is told its
     reason is kept, a later one with another reason that it is not (the same reason again is still the one kept: two

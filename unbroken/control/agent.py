@@ -524,8 +524,11 @@ def worker_defaults(cfg: RunConfig) -> dict[str, str]:
 def wait_for_exit(procs: list[WorkerProcess], timeout_s: float, readable: tuple[int, ...] = ()) -> None:
     """Sleep up to ``timeout_s``, waking as soon as one of ``procs`` exits (Linux pidfds; elsewhere a plain
     sleep) or one of the ``readable`` descriptors has data. The workers share the host's cores: a busy agent
-    would slow them down."""
+    would slow them down. A process that exited is reaped here (``poll``, which sets its ``returncode``): the
+    pidfd of an unreaped one stays readable and would end every later wait at once."""
     running = [p for p in procs if p.returncode is None]
+    if any(p.poll() is not None for p in running):
+        return  # one exited since the caller last looked
     fds: list[int] = []
     try:
         for p in running:
@@ -536,6 +539,8 @@ def wait_for_exit(procs: list[WorkerProcess], timeout_s: float, readable: tuple[
     finally:
         for fd in fds:
             os.close(fd)
+        for p in running:
+            p.poll()
 
 
 # ---------------------------------------------------------------------------------------------------------
