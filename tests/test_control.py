@@ -119,6 +119,8 @@ def test_the_coordinator_killed_mid_run(tmp_path: Path, data_cache_dir: Path, re
     assert result.returncode == 0, result.stderr[-3000:]
     starts = read_records(out, "coordinator")
     assert len(starts) == 2 and starts[0]["restored_epoch"] == 0 and starts[1]["restored_epoch"] >= 1
+    # Both forked by the launcher's zygote: the successor too, with no import to wait for.
+    assert (out / "logs" / "coordinator.log").read_text().count("started by a fork of the agent's zygote") == 2
     epochs = [m["epoch"] for m in read_records(out, "membership")]
     assert epochs == sorted(set(epochs))  # no epoch number handed out twice, none going backwards
     assert sorted(step_losses(out)) == list(range(STEPS))

@@ -67,6 +67,9 @@ def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, 
     forks = (runs["forked"] / "logs" / "worker-1.log").read_text().count("started by a fork of the agent's zygote")
     assert forks == 2  # its first start and its restart
     assert "started by a fork" not in (runs["cold"] / "logs" / "worker-1.log").read_text()
+    # The launcher's coordinator comes from the same zygote (or starts cold with the workers).
+    assert "started by a fork" in (runs["forked"] / "logs" / "coordinator.log").read_text()
+    assert "started by a fork" not in (runs["cold"] / "logs" / "coordinator.log").read_text()
     assert [tuple(m["members"]) for m in read_records(runs["forked"], "membership")] == [(0, 1), (0,), (0, 1)]
     # The admissions say how each start went, forked or cold as the setting says, each with the wall time since its
     # agent asked for it and its own CPU until then: two starts and the restart (a cold one may come too late).

@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbroken.control import keys
 from unbroken.control.alerts import Alerter
@@ -75,6 +75,9 @@ from unbroken.core.records import (
     make,
     read_records,
 )
+
+if TYPE_CHECKING:
+    from unbroken.control.zygote import ForkedProcess, Zygote
 
 log = logging.getLogger(__name__)
 
@@ -797,12 +800,20 @@ START_TIMEOUT_S = 60.0
 
 
 def spawn_coordinator(
-    sock: socket.socket, run_dir: Path, workers: int, resume: bool, env: dict[str, str], restore: bool = False
-) -> tuple[subprocess.Popen[bytes], str]:
+    sock: socket.socket,
+    run_dir: Path,
+    workers: int,
+    resume: bool,
+    env: dict[str, str],
+    restore: bool = False,
+    zygote: Zygote | None = None,
+) -> tuple[subprocess.Popen[bytes] | ForkedProcess, str]:
     """Start ``unbroken coordinator`` as a child process serving ``sock`` (a copy is handed over; the caller
     keeps its own, to start a successor at the same address, or closes it) for the run in ``run_dir`` (its
     config.toml written); returns the process and the job's address once it listens. Its log is
-    ``run_dir/logs/coordinator.log``; it exits if this process dies."""
+    ``run_dir/logs/coordinator.log``; it exits if this process dies. Forked by ``zygote`` if one is given (it
+    has imported torch already: the caller must be the zygote's agent, a child subreaper); started cold if the
+    zygote cannot."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     address_file = run_dir / "coordinator.json"
@@ -815,10 +826,12 @@ def spawn_coordinator(
         cmd.append("--restore")
     address_file.unlink(missing_ok=True)  # a previous run's address
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **env}  # c10d logs a stack trace for every bounded wait that ends
-    with open(logs / "coordinator.log", "ab") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, pass_fds=(fd,), start_new_session=True, env=env
-        )
+    proc = zygote.fork(cmd, env, logs / "coordinator.log", new_session=True, fds=(fd,)) if zygote else None
+    if proc is None:
+        with open(logs / "coordinator.log", "ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, pass_fds=(fd,), start_new_session=True, env=env
+            )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not address_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

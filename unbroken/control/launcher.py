@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -157,7 +156,7 @@ class Launcher:
         self.run_dir = plan.run_dir
         self.show_progress = show_progress
         self.show_summary = show_summary
-        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.coordinator: WorkerProcess | None = None
         self.interrupted = False
         self.interrupt_reason = "interrupted by the user (Ctrl-C)"
         self._metrics_offset = 0
@@ -196,7 +195,7 @@ class Launcher:
     # -- processes ----------------------------------------------------------------------------------
     def start_coordinator(self, restore: bool = False) -> None:
         self.coordinator, address = spawn_coordinator(
-            self.sock, self.run_dir, len(self.agent.alive_ids()), self.resume, self.env, restore
+            self.sock, self.run_dir, len(self.agent.alive_ids()), self.resume, self.env, restore, self.agent.zygote
         )
         self.agent.connect(address, self.token)
 
@@ -284,7 +283,7 @@ class Launcher:
         if warning := idle_warning(self.cfg, self.plan.workers):
             print(warning, file=sys.stderr, flush=True)
         try:
-            self.agent.warm()  # the zygote imports torch while the coordinator starts
+            self.agent.warm()  # the zygote forks the coordinator and the workers once it has imported torch
             self.start_coordinator()
             self.agent.start_all()
             with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches) as progress:

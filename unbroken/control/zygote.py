@@ -7,12 +7,13 @@ on request. A cold worker spends about 4 s of CPU on imports before its first li
 starts at its first line.
 
 The worker is the zygote's grandchild: the zygote forks a child, which joins the session or process group the
-worker must have and forks the worker, then exits. Linux hands an orphan to its nearest "subreaper": the agent
-marks itself one (``PR_SET_CHILD_SUBREAPER``), so a forked worker is the agent's own child, as a started one is:
-its exit status, ``kill``, ``SIGSTOP`` and pidfd work the same (``ForkedProcess``).
+worker must have and forks the worker, then exits; the worker starts once it has. Linux hands an orphan to its
+nearest "subreaper": the agent marks itself one (``PR_SET_CHILD_SUBREAPER``), so a forked worker is the agent's own
+child, as a started one is: its exit status, ``kill``, ``SIGSTOP`` and pidfd work the same (``ForkedProcess``).
 
-Only the built-in trainer is forked (``forkable``). A user's script is started cold: a forked process inherits
-the zygote's string-hash seed, so data seeded with Python's ``hash()`` (impure, and different in every process of a
+Only the built-in trainer is forked (``forkable``), and the launcher's coordinator (``spawn_coordinator``), whose
+successor after a death is then forked too. A user's script is started cold: a forked process inherits the
+zygote's string-hash seed, so data seeded with Python's ``hash()`` (impure, and different in every process of a
 real cluster) would look pure on one host. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
 
 The wire, agent to zygote (a ``SOCK_SEQPACKET`` pair, one message each way per worker): a JSON request (argv,
@@ -222,12 +223,18 @@ def _serve(conn: socket.socket) -> _Job | None:
                     os.setsid()
                 else:
                     os.setpgid(0, request["pgid"])
+                gate, gate_held = os.pipe()  # held open by this child alone: closed when it exits
                 worker = os.fork()
             except OSError as e:
                 os.write(write_end, json.dumps({"error": str(e)}).encode())
                 os._exit(1)
             if worker == 0:
                 os.close(write_end)
+                os.close(gate_held)
+                # Start once this child has exited and the agent is the parent: a process that watches its
+                # parent (the coordinator stops the job when the launcher dies) must never see this one.
+                os.read(gate, 1)
+                os.close(gate)
                 conn.detach()  # its descriptor is closed with the others (``_become``)
                 handed = list(zip(fds, request["fds"], strict=True))
                 return _Job(request["argv"], request["env"], request["log"], handed)
