@@ -24,6 +24,16 @@ class Died(Exception):
     """Raised by a test's loop to make its worker die at that point."""
 
 
+def _close_connections(ctx: Context) -> None:
+    """A dead process's sockets close with it: drop the dead thread's group (its destructor closes its gloo
+    connections, so a peer's collective with it fails now, as with a process killed). Left open, the group
+    would be destroyed only when the interpreter exits, under a peer's group still waiting on it: gloo throws
+    there, and the process aborts."""
+    proto = ctx._proto
+    if proto is not None:
+        proto.membership.group = None
+
+
 class ThreadJob:
     """A coordinator for ``workers`` workers; ``run(loop)`` runs ``loop(ctx, worker)`` on one thread each."""
 
@@ -52,6 +62,7 @@ class ThreadJob:
             self.results[worker] = loop(ctx, worker)
         except Died:
             ctx.close()  # its heartbeats stop; report the death as a launcher reports a process exit
+            _close_connections(ctx)
             report_death(self.store, worker, "died in the test")
         except WorkerLeft as e:
             self.results[worker] = e
