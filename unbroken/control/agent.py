@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # with a failure schedule: injection points need a prompt answer
 IDLE_WAIT_S = 0.25  # otherwise; a process exit wakes the agent at once
+FULL_LOOK_EVERY = 50  # looks between reads of every worker's injection key, whether the bell rang or not
 # A store call of the agent's that takes longer than this is cut (the coordinator's host unreachable): the agent
 # then looks for a coordinator again, the same one or an etcd standby.
 CALL_LIMIT_S = 10.0
@@ -116,6 +117,8 @@ class Agent:
         self.late: set[int] = set()  # workers stopped because the run finished without them
         self.refused: set[int] = set()  # ids the coordinator refused: not restarted
         self.fired: set[str] = set()  # injected events (each fires once, across coordinator restarts too)
+        self._rung: int | None = None  # the injection bell's count at the last look at the workers' keys
+        self._looks = 0
         # What the group's leader prints, for this process's console (``control.console``); None: logs only.
         self.console: ConsoleRelay | None = None
         self.zygote: zygote.Zygote | None = None
@@ -127,6 +130,7 @@ class Agent:
         connection and its tunnel) if given."""
         self.address = address
         self.store, self.tunnel = reached if reached is not None else open_store(address, token=token)
+        self._rung = None  # a new coordinator's store counts from 0
         for event in self.fired:
             self._call(lambda s, e=event: s.set(keys.fired(e), "1"))
 
@@ -314,6 +318,13 @@ class Agent:
         """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
         if not self.injections or self.store is None or self.finished:
             return
+        # One store call a look: the workers' keys are read when the bell rang since the last look, and every
+        # FULL_LOOK_EVERY looks anyway (a ring lost with a coordinator that died between a key and its ring).
+        rung = self._call(lambda s: s.add(keys.INJECT_BELL, 0))
+        self._looks += 1
+        if rung is None or (rung == self._rung and self._looks % FULL_LOOK_EVERY):
+            return
+        self._rung = rung
         for wid, proc in self.workers.items():
             if proc.poll() is not None or wid in self.down or wid in self.pauses:
                 continue

@@ -133,6 +133,9 @@ BELL = "bell"  # the coordinator's doorbell
 NEWS = "news"  # the workers' doorbell
 
 
+INJECT_BELL = "inject-bell"  # a count a worker adds 1 to once its injection key is set: its agent looks then
+
+
 def inject(worker: int) -> str:
     return f"inject/{worker}"
 

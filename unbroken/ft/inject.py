@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unbroken.control import keys
 from unbroken.core.failures import FailureKind, FailureSchedule, Phase, cut_connections
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ class FaultInjector:
         if event is None:
             return
         log.warning("injection point reached: %s", event.describe())
-        key = f"inject/{self.worker}"
+        key = keys.inject(self.worker)
         store.set(key, json.dumps({"event": event.describe(), "time": time.time()}))
+        store.add(keys.INJECT_BELL, 1)
         deadline = time.monotonic() + HANDSHAKE_S
         while time.monotonic() < deadline and store.check([key]):
             time.sleep(0.005)  # the launcher takes the key, then signals
