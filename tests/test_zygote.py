@@ -43,6 +43,8 @@ def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descripto
     for name, s in said.items():
         assert s["pid"] == out[name]["pid"] and s["forked"] == "1" and s["name"] == "__main__"
         assert s["torch_loaded"]  # imported before the fork: the worker starts at its first line
+        assert not s["numba_loaded"]  # the exact fold's kernels only for an exact run: 57 MiB of every process
+        assert s["ppid"] == out["driver"]  # the agent's child from its first line (the intermediate has exited)
         handed = int(s["argv"][2])
         assert handed in s["fds"] and len(set(s["fds"]) - {0, 1, 2, handed}) <= 1  # the one listing /proc/self/fd
         log = (tmp_path / f"{name}.log").read_text()

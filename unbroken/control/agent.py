@@ -45,7 +45,7 @@ from unbroken.control.client import (
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
 from unbroken.control.store import CallGuard, open_store, publish_record, report_death, request_stop, ring
-from unbroken.core.config import RunConfig, config_from_toml_text, deterministic_kernels
+from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
@@ -80,7 +80,9 @@ class Agent:
         own_sessions: bool = True,
         layout: ReplicaLayout | None = None,
         spares: int = 0,
+        fold_kernels: bool = False,
     ) -> None:
+        self.fold_kernels = fold_kernels  # the zygote loads the exact fold's kernels (exact mode)
         self.layout = layout or ReplicaLayout()
         check_spares(spares, self.layout)
         self.num_spares = spares
@@ -213,7 +215,7 @@ class Agent:
         self._zygote_tried = True
         if zygote.forkable(self.command) and zygote.enabled(self.env):
             try:
-                self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log")
+                self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log", self.fold_kernels)
             except OSError as e:
                 log.warning("workers start cold: %s", e)
 
@@ -613,6 +615,7 @@ def run_agent(args: argparse.Namespace) -> int:
         own_sessions=False,
         layout=layout,
         spares=args.spares,
+        fold_kernels=cfg.recovery.reduction is Reduction.EXACT,
     )
     agent.warm()
     agent.connect(address, token)

@@ -41,7 +41,7 @@ from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.control.progress import ProgressView, describe_error, print_summary
 from unbroken.control.store import bind_listen_socket
 from unbroken.core import ckptfiles
-from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
+from unbroken.core.config import RecoveryPolicy, Reduction, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import plan_step
@@ -184,6 +184,7 @@ class Launcher:
             injections=bool(schedule.events),
             layout=ReplicaLayout.of(self.cfg.parallel),
             spares=plan.spares,
+            fold_kernels=self.cfg.recovery.reduction is Reduction.EXACT,
         )
         self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
         self.agent.console = self.console

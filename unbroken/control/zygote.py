@@ -2,9 +2,9 @@
 
 Owns the zygote: one process per agent that has imported torch, ``torch._dynamo`` (which every torch optimizer
 imports when it is built: 1.6 s of CPU on this machine) and the built-in trainer, has loaded the exact fold's
-numba kernels (``foldkernel.warm``), and has run nothing that starts a thread, OpenMP or CUDA; it forks each worker
-on request. A cold worker spends about 4 s of CPU on imports before its first line of training; a forked one
-starts at its first line.
+numba kernels (``foldkernel.warm``) when the run's reduction is exact (an fp32 worker never loads numba: 57 MiB of
+each process), and has run nothing that starts a thread, OpenMP or CUDA; it forks each worker on request. A cold
+worker spends about 4 s of CPU on imports before its first line of training; a forked one starts at its first line.
 
 The worker is the zygote's grandchild: the zygote forks a child, which joins the session or process group the
 worker must have and forks the worker, then exits; the worker starts once it has. Linux hands an orphan to its
@@ -142,13 +142,20 @@ class ForkedProcess:
 class Zygote:
     """The agent's end: starts the zygote (its imports run while the agent goes on) and asks it for workers."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, fold_kernels: bool = False) -> None:
         if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
             raise OSError("cannot become a child subreaper")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "unbroken.control.zygote", "--fd", str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-m",
+                    "unbroken.control.zygote",
+                    "--fd",
+                    str(theirs.fileno()),
+                    *(["--fold-kernels"] if fold_kernels else []),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -284,6 +291,7 @@ def _run(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unbroken.control.zygote", description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
+    parser.add_argument("--fold-kernels", action="store_true", help="load the exact fold's numba kernels")
     args = parser.parse_args(argv)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the agent's death ends the zygote (its workers go on)
     # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
@@ -292,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     conn = socket.socket(fileno=args.fd)
     for name in PRELOAD:
         __import__(name)
-    from unbroken.ft import foldkernel
+    if args.fold_kernels:
+        from unbroken.ft import foldkernel
 
-    foldkernel.warm()  # numba's start as well (its kernels are not parallel: no thread is started)
+        foldkernel.warm()  # numba's start as well (its kernels are not parallel: no thread is started)
     # What the zygote holds now lives as long as every worker: out of the collector's reach, so that a worker's
     # collections neither walk it nor copy its pages (Python's advice for a process that forks without exec).
     gc.freeze()

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unbroken.control.zygote import worker_of
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import committed_steps, read_records
@@ -51,7 +52,10 @@ POLL_S = 0.05
 # -- memory of child processes --------------------------------------------------------------------------
 class PeakMemory:
     """Samples the resident high-water mark (VmHWM, KiB) of every descendant of this process whose command
-    line contains ``marker``, until ``stop``; the last value read of each is its peak (VmHWM only grows)."""
+    line contains ``marker`` (``WORKERS``: every unbroken worker, started cold or forked by a zygote, whose command
+    line is the zygote's), until ``stop``; the last value read of each is its peak (VmHWM only grows)."""
+
+    WORKERS = ""
 
     def __init__(self, marker: str) -> None:
         self.marker = marker
@@ -73,7 +77,10 @@ class PeakMemory:
         while not self._stop.wait(POLL_S):
             for pid in _descendants(os.getpid()):
                 try:
-                    if self.marker not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    if self.marker == PeakMemory.WORKERS:
+                        if worker_of(pid) is None:
+                            continue
+                    elif self.marker not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
                         continue
                     status = Path(f"/proc/{pid}/status").read_text()
                     hwm = int(status.split("VmHWM:")[1].split()[0])
@@ -81,7 +88,7 @@ class PeakMemory:
                     continue
                 if pid not in self.peaks:
                     self.started[pid] = time.time()
-                    self.workers[pid] = _worker_id(pid)
+                    self.workers[pid] = worker_of(pid)
                 self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
 
     def mib(self) -> list[float]:
@@ -97,16 +104,6 @@ def _descendants(pid: int) -> list[int]:
     for child in children:
         out += [child, *_descendants(child)]
     return out
-
-
-def _worker_id(pid: int) -> int | None:
-    try:
-        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if item.startswith(b"UNBROKEN_WORKER_ID="):
-                return int(item.split(b"=", 1)[1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 # -- the two systems ------------------------------------------------------------------------------------
@@ -130,7 +127,7 @@ def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> tupl
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-parallel-", dir=keep))
     run_dir = tmp / "run"
     plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
-    with PeakMemory("unbroken.train") as memory:
+    with PeakMemory(PeakMemory.WORKERS) as memory:
         code = Launcher(plan, show_progress=False, show_summary=False).run()
     if code != 0:
         raise RuntimeError(f"unbroken run failed (exit {code}); logs in {run_dir}/logs")

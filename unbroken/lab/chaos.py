@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
@@ -539,11 +540,11 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-def _cmdline(pid: int) -> list[str]:
+def _coordinator_pid(run_dir: Path) -> int | None:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").split("\0")
-    except OSError:
-        return []
+        return int(json.loads((run_dir / "coordinator.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def default_config() -> str:
@@ -581,8 +582,9 @@ def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | N
         time.sleep(0.5)
         memberships = read_records(run_dir, "membership")
         for child in _children(proc.pid):
-            args = _cmdline(child)
-            name = "coordinator" if "coordinator" in args else "worker 0" if args[-2:] == ["--worker-id", "0"] else ""
+            # Forked by the launcher's zygote, both have the zygote's command line: the coordinator is named by its
+            # address file, a worker by its process name (``worker_of``).
+            name = "coordinator" if child == _coordinator_pid(run_dir) else "worker 0" if worker_of(child) == 0 else ""
             if name:
                 sample = proc_sample(child)
                 if sample is not None:
