@@ -51,6 +51,7 @@ from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
 from unbroken.core.numerics import DETERMINISTIC_ENV
 from unbroken.core.records import RecordKind, SpareState, make, read_records
+from unbroken.ft.protocoldefs import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 
@@ -477,6 +478,9 @@ class Agent:
         says so in one line. Returns their ids."""
         self.completed = True
         late = [w for w, p in self.workers.items() if p.poll() is None and w not in members]
+        # One that already left on its own for the same reason (restarted while its host was cut off, it could not
+        # join: EXIT_STOPPED) was not in the run's end either.
+        self.late.update(w for w, p in self.workers.items() if p.poll() == EXIT_STOPPED and w not in members)
         self.late.update(late)
         for wid in late:
             self.workers[wid].kill()

@@ -209,7 +209,7 @@ class Zygote:
 class _Job:
     argv: list[str]
     env: dict[str, str]
-    log: str
+    log: int  # the descriptor of its log, opened for appending
     fds: list[tuple[int, int]]  # (received descriptor, the number the worker expects)
 
 
@@ -230,6 +230,8 @@ def _serve(conn: socket.socket) -> _Job | None:
                     os.setsid()
                 else:
                     os.setpgid(0, request["pgid"])
+                # The log exists once the agent has its answer, as it does for a process it starts itself.
+                log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 gate, gate_held = os.pipe()  # held open by this child alone: closed when it exits
                 worker = os.fork()
             except OSError as e:
@@ -244,7 +246,7 @@ def _serve(conn: socket.socket) -> _Job | None:
                 os.close(gate)
                 conn.detach()  # its descriptor is closed with the others (``_become``)
                 handed = list(zip(fds, request["fds"], strict=True))
-                return _Job(request["argv"], request["env"], request["log"], handed)
+                return _Job(request["argv"], request["env"], log, handed)
             os.write(write_end, json.dumps({"pid": worker}).encode())
             os._exit(0)
         os.close(write_end)
@@ -260,9 +262,8 @@ def _serve(conn: socket.socket) -> _Job | None:
 
 def _become(job: _Job) -> None:
     """In the forked worker: its output to its log, only the descriptors it was given, its environment."""
-    log = os.open(job.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(job.log, 1)
+    os.dup2(job.log, 2)
     parked = [(fcntl.fcntl(fd, fcntl.F_DUPFD, _FD_HIGH), number) for fd, number in job.fds]
     os.closerange(3, _FD_HIGH)
     for fd, number in parked:
