@@ -59,7 +59,7 @@ class FaultInjector:
             return
         store = self.store
         # Each event fires once per run, also when a restart replays its step.
-        event = next((e for e in candidates if not store.check([f"fired/{e.describe()}"])), None)
+        event = next((e for e in candidates if not store.check([keys.fired(e.describe())])), None)
         if event is None:
             return
         log.warning("injection point reached: %s", event.describe())
@@ -69,8 +69,8 @@ class FaultInjector:
         deadline = time.monotonic() + HANDSHAKE_S
         while time.monotonic() < deadline and store.check([key]):
             time.sleep(0.005)  # the launcher takes the key, then signals
-        if store.check([f"skip/{self.worker}"]):  # the launcher spares the group's last alive member
-            store.delete_key(f"skip/{self.worker}")
+        if store.check([keys.skip(self.worker)]):  # the launcher spares the group's last alive member
+            store.delete_key(keys.skip(self.worker))
             log.warning("injection skipped: no other member of the group is alive")
             return
         if event.kind is FailureKind.CUT:
@@ -137,9 +137,9 @@ class FaultInjector:
     def stall(self, step: int) -> None:
         """``stall`` events: block inside the reduction (the heartbeat thread goes on)."""
         event = self.schedule.stall(self.worker, step)
-        if event is None or self.store is None or self.store.check([f"fired/{event.describe()}"]):
+        if event is None or self.store is None or self.store.check([keys.fired(event.describe())]):
             return
-        self.store.set(f"fired/{event.describe()}", "1")
+        self.store.set(keys.fired(event.describe()), "1")
         log.warning("stalling %.1f s inside the reduction: %s", event.seconds, event.describe())
         time.sleep(event.seconds)
 
