@@ -27,14 +27,23 @@ pytestmark = pytest.mark.timeout(240)
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+@pytest.mark.parametrize("how", ["started", "early"])
 def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descriptors_and_session(
-    tmp_path: Path,
+    tmp_path: Path, how: str
 ) -> None:
+    """The zygote started as a program of its own, or forked from its agent at the agent's start (``fork_early``, as
+    ``unbroken train`` does): the workers it forks cannot tell which."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(SCRIPTS / "zygote_driver.py"), str(tmp_path)],
+    result = subprocess.run([sys.executable, str(SCRIPTS / "zygote_driver.py"), str(tmp_path), how],
                             capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
+    zygote_log = (tmp_path / "zygote.log").read_text()
+    if how == "early":
+        assert out["zygote"] == out["early"]  # the agent's Zygote is the process forked at its start
+        assert f"zygote forked from its program (pid {out['driver']})" in zygote_log
+    else:
+        assert out["early"] is None and "forked from its program" not in zygote_log
     # The driver reaps each worker itself (waitpid works only on one's own children): exit status, exception, kill.
     assert (out["own"]["code"], out["group"]["code"], out["killed"]["code"]) == (3, 1, -9)
     assert out["killed_stopped_poll"] is None  # stopped is not ended
@@ -75,6 +84,9 @@ def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, 
     # The launcher's coordinator comes from the same zygote (or starts cold with the workers).
     assert "started by a fork" in (runs["forked"] / "logs" / "coordinator.log").read_text()
     assert "started by a fork" not in (runs["cold"] / "logs" / "coordinator.log").read_text()
+    # The launcher forked its zygote (it had imported torch already): a run imports torch once.
+    assert "zygote forked from its program" in (runs["forked"] / "logs" / "zygote.log").read_text()
+    assert not (runs["cold"] / "logs" / "zygote.log").exists()
     assert [tuple(m["members"]) for m in read_records(runs["forked"], "membership")] == [(0, 1), (0,), (0, 1)]
     # The admissions say how each start went, forked or cold as the setting says, each with the wall time since its
     # agent asked for it and its own CPU until then: two starts and the restart (a cold one may come too late).

@@ -563,8 +563,28 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, extra
 
 
+def _fork_zygote_early(args: argparse.Namespace) -> bool:
+    """``train`` and ``agent`` (the built-in trainer's) fork their zygote here, after the imports they make anyway
+    and before they do anything else (``control.zygote.fork_early``). True in the forked zygote."""
+    if args.func is cmd_train and not args.dry_run:
+        import unbroken.control.launcher
+        import unbroken.train.trainer  # noqa: F401 - what cmd_train imports first: torch, shared with the zygote
+    elif args.func is cmd_agent and args.script is None:
+        import unbroken.control.agent  # noqa: F401
+    else:
+        return False
+    from unbroken.control import zygote
+
+    return zygote.fork_early()
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_command(sys.argv[1:] if argv is None else argv)
+    if _fork_zygote_early(args):
+        from unbroken.control import zygote
+
+        # The zygote, and in time each worker it forks: returns what ``python -m unbroken.control.zygote`` would.
+        return zygote.serve_early()
     try:
         return int(args.func(args, extra) or 0)
     except ValueError as e:

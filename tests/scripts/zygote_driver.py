@@ -1,5 +1,8 @@
 """Drives a real zygote from a process of its own (it becomes a child subreaper, which a pytest process must not):
-forks ``zygote_child.py`` with the arguments the test gives, and prints what the test checks, as JSON."""
+forks ``zygote_child.py`` with the arguments the test gives, and prints what the test checks, as JSON.
+
+``zygote_driver.py OUT started``: the zygote is started (``python -m unbroken.control.zygote``); ``OUT early``: it is
+forked from this process at the top of ``main``, as ``unbroken train`` forks its own (``fork_early``)."""
 
 import json
 import os
@@ -8,15 +11,24 @@ import sys
 import time
 from pathlib import Path
 
+from unbroken.control import zygote as zygotes
 from unbroken.control.zygote import Zygote
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def main() -> int:
+    out, how = Path(sys.argv[1]), sys.argv[2]
+    early = None
+    if how == "early":
+        import torch  # noqa: F401 - what the program imports before it forks its zygote
+
+        if zygotes.fork_early():
+            return zygotes.serve_early()  # the zygote, and each process it forks
+        assert zygotes._early is not None
+        early = zygotes._early.pid
     child = str(Path(__file__).with_name("zygote_child.py"))
     zygote = Zygote({**os.environ, "MARK": "zygote"}, out / "zygote.log")
     read_fd, write_fd = os.pipe()
-    results = {"driver": os.getpid(), "pgid": os.getpgid(0)}
+    results = {"driver": os.getpid(), "pgid": os.getpgid(0), "early": early, "zygote": zygote.proc.pid}
     for name, new_session, code in (("own", True, "3"), ("group", False, "raise"), ("killed", True, "sleep")):
         env = {**os.environ, "MARK": name}
         proc = zygote.fork([sys.executable, child, code, str(write_fd)], env, out / f"{name}.log", new_session,
@@ -39,7 +51,8 @@ def main() -> None:
     zygote.close()
     results["zygote_code"] = zygote.proc.returncode
     print(json.dumps(results))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

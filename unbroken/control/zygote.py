@@ -16,6 +16,13 @@ successor after a death is then forked too. A user's script is started cold: a f
 zygote's string-hash seed, so data seeded with Python's ``hash()`` (impure, and different in every process of a
 real cluster) would look pure on one host. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
 
+``unbroken train`` and ``unbroken agent`` import torch for themselves, so their zygote is not started but forked
+from them (``fork_early``), at the top of the command line's ``main``, before they have started a thread or touched a
+device: it then imports only what they did not (``torch._dynamo``, the trainer), and a run imports torch once. The
+forked zygote waits for its setup (environment, log, kernels: what the command line of a started one says) and goes
+on as a started one does; the process it forks for a worker returns from ``main`` and ends as any program does. A
+program that cannot fork it (threads started, CUDA initialised) starts it (``python -m unbroken.control.zygote``).
+
 The wire, agent to zygote (a ``SOCK_SEQPACKET`` pair, one message each way per worker): a JSON request (argv,
 environment, log file, session or process group, descriptors to hand on and the numbers they must have) with the
 descriptors as ``SCM_RIGHTS``; the answer, ``{"pid": N}`` or ``{"error": "..."}``.
@@ -27,6 +34,7 @@ import argparse
 import ctypes
 import fcntl
 import gc
+import io
 import json
 import os
 import re
@@ -35,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +152,23 @@ class Zygote:
     """The agent's end: starts the zygote (its imports run while the agent goes on) and asks it for workers."""
 
     def __init__(self, env: dict[str, str], log_path: Path, fold_kernels: bool = False) -> None:
+        global _early
+        early, _early = _early, None  # forked at this program's start (``fork_early``): used once, or dropped
         if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+            if early is not None:
+                early.sock.close()
             raise OSError("cannot become a child subreaper")
+        self.broken = False
+        setup = {"env": {**env, STARTED_AT_ENV: repr(time.time())}, "log": str(log_path), "fold_kernels": fold_kernels}
+        if early is not None:
+            try:
+                early.sock.send(json.dumps(setup).encode())
+            except OSError:  # it is gone: start one
+                early.sock.close()
+            else:
+                self.proc: subprocess.Popen[bytes] | ForkedProcess = ForkedProcess(early.pid)
+                self.sock = early.sock
+                return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -160,11 +184,10 @@ class Zygote:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),),
-                env={**env, STARTED_AT_ENV: repr(time.time())},
+                env=setup["env"],
             )
         theirs.close()
         self.sock = mine
-        self.broken = False
 
     def fork(
         self, argv: list[str], env: dict[str, str], log_path: Path, new_session: bool, fds: tuple[int, ...] = ()
@@ -289,19 +312,94 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[1], run_name="__main__")
 
 
+@dataclass(frozen=True)
+class _Early:
+    pid: int
+    sock: socket.socket  # the program's end: the setup goes here, then the requests
+
+
+_early: _Early | None = None  # in a program that forked its zygote early, until its ``Zygote`` takes it
+_early_conn: socket.socket | None = None  # in that zygote: its end
+
+
+def fork_early() -> bool:
+    """Fork this program's zygote now, if it can be forked (Linux, no thread of this program's own started, no
+    CUDA initialised, ``UNBROKEN_ZYGOTE`` not 0). Call it from the program's ``main``, after the imports the program
+    needs anyway (torch), before anything else. Returns False in the program, whose first ``Zygote`` then uses this
+    one instead of starting one; True in the forked zygote, whose ``main`` must return ``serve_early()`` at once."""
+    global _early, _early_conn
+    if sys.platform != "linux" or not enabled(dict(os.environ)) or threading.active_count() != 1:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None or torch.cuda.is_initialized():
+        return False
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    program = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        mine.close()
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the program's death ends it, as it ends a started one
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as ``_zygote`` says
+        if os.getppid() != program:  # the program died before the line above
+            os._exit(0)
+        _early_conn = theirs
+        return True
+    theirs.close()
+    _early = _Early(pid, mine)
+    return False
+
+
+def serve_early() -> int:
+    """In a zygote forked by ``fork_early``: wait for its setup (none: the program ended without needing it), take
+    the environment, output and descriptors a started one would have, and go on as one (``_zygote``)."""
+    conn = _early_conn
+    if conn is None:
+        raise RuntimeError("serve_early() outside a zygote forked by fork_early()")
+    try:
+        setup = json.loads(conn.recv(MESSAGE_BYTES) or b"null")
+    except (OSError, ValueError):
+        setup = None
+    if setup is None:
+        return 0
+    log = os.open(setup["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, number in ((null, 0), (log, 1), (log, 2)):
+        os.dup2(fd, number)
+    keep = conn.fileno()
+    os.closerange(3, keep)  # the program's descriptors (its listening socket, pipes) are not the zygote's
+    os.closerange(keep + 1, _FD_HIGH)
+    os.environ.clear()
+    os.environ.update(setup["env"])
+    if os.environ.get("PYTHONUNBUFFERED"):
+        # What the interpreter does at start for a started zygote: its workers' output is not held in a buffer.
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            raw = io.FileIO(stream.fileno(), "w", closefd=False)
+            setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True))
+    print(f"zygote forked from its program (pid {os.getppid()})", flush=True)
+    return _zygote(conn, bool(setup["fold_kernels"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unbroken.control.zygote", description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
     parser.add_argument("--fold-kernels", action="store_true", help="load the exact fold's numba kernels")
     args = parser.parse_args(argv)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the agent's death ends the zygote (its workers go on)
+    return _zygote(socket.socket(fileno=args.fd), args.fold_kernels)
+
+
+def _zygote(conn: socket.socket, fold_kernels: bool) -> int:
+    """The zygote, started or forked early: its imports, then requests until its program closes the socket. Returns
+    0 in the zygote when it ends, and in each worker when the worker's program has run."""
     # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
     # order, and the zygote must live on to serve that job's restarts (a worker gets Python's handler back).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = socket.socket(fileno=args.fd)
     for name in PRELOAD:
         __import__(name)
-    if args.fold_kernels:
+    if fold_kernels:
         from unbroken.ft import foldkernel
 
         foldkernel.warm()  # numba's start as well (its kernels are not parallel: no thread is started)
