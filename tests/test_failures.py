@@ -35,6 +35,18 @@ def test_parse_and_describe_round_trip() -> None:
     assert FailureSchedule.parse("kill:worker=0,step=1", default_rejoin_s=4.0).events[0].rejoin_after_s == 4.0
 
 
+def test_a_slow_down_by_a_factor_by_added_seconds_or_both() -> None:
+    schedule = FailureSchedule.parse(
+        "slow:worker=1,seconds=0.2,steps=5-20; slow:worker=2,factor=2,seconds=0.1,steps=1-3; "
+        "slow:worker=2,factor=3,steps=3-4"
+    )
+    assert FailureSchedule.parse(schedule.describe()) == schedule
+    assert (schedule.slow_factor(1, 5), schedule.slow_seconds(1, 5), schedule.slow_seconds(1, 21)) == (1.0, 0.2, 0.0)
+    assert (schedule.slow_factor(2, 2), schedule.slow_seconds(2, 2)) == (2.0, 0.1)
+    assert (schedule.slow_factor(2, 3), schedule.slow_seconds(2, 3)) == (3.0, 0.1)  # the largest of each applies
+    assert (schedule.slow_factor(2, 4), schedule.slow_seconds(2, 4)) == (3.0, 0.0)
+
+
 def test_only_kill_coordinator_targets_the_coordinator() -> None:
     """A ``scale`` event names no worker either; the launcher must not read it as a coordinator kill."""
     scale, coordinator = FailureSchedule.parse("scale:step=2,microbatch=1,factor=1e9; kill:coordinator,step=3").events
@@ -55,6 +67,8 @@ def test_only_kill_coordinator_targets_the_coordinator() -> None:
         ("kill:worker=1,step=1,speed=3", "unknown key 'speed'"),
         ("slow:worker=1,factor=0.5,steps=1-2", "factor >= 1"),
         ("slow:worker=1,factor=2,steps=5-2", "FIRST <= LAST"),
+        ("slow:worker=1,steps=1-2", "factor= or seconds="),
+        ("slow:worker=1,seconds=-0.5,steps=1-2", ">= 0"),
         ("hang:worker=1,step=1,rejoin=-1", ">= 0"),
     ],
 )

@@ -34,6 +34,10 @@ PORT = 29400  # each namespace has its own ports: nothing else on the machine ca
 HEARTBEAT_TIMEOUT_S = 3.0  # a little above the default 2 s: six processes share two cores here
 CUT_S = 3 * HEARTBEAT_TIMEOUT_S
 FLAP_FOR_S = 60.0
+# A fixed latency added to each microbatch worker 0 computes (the same arithmetic): with 2 of a step's 8
+# microbatches (4 while host 1 is out), the run lasts at least 80 x 0.6 s whatever the machine's speed, long
+# enough for several flaps, or for a cut-off host to come back and rejoin before the end.
+PACE = f"slow:worker=0,seconds=0.3,steps=0-{STEPS - 1}"
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,7 @@ class Job:
             f"--data.cache_dir={data_cache_dir}",
             "--failures.mttr_s=0.5",
             f"--comm.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+            f"--failures.schedule={PACE}",
         ]
         python = [sys.executable, "-m", "unbroken"]
         host = net.address["coordinator"]
@@ -203,8 +208,10 @@ def test_with_etcd_a_cut_minority_changes_nothing_and_a_cut_leader_is_replaced(
                 f"--coordinator.state={cluster.url}",
                 f"--coordinator.lease_s={lease_s}",
                 f"--comm.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
-                # Slower steps (the same arithmetic), so the leader's cut lands mid-run after the etcd member's.
-                "--failures.schedule=slow:worker=0,factor=3,steps=0-79; slow:worker=1,factor=3,steps=0-79",
+                # Steps of at least 0.6 s (the same arithmetic, whatever the machine's speed), so the leader's cut
+                # lands mid-run after the etcd member's.
+                f"--failures.schedule=slow:worker=0,seconds=0.15,steps=0-{STEPS - 1}; "
+                f"slow:worker=1,seconds=0.15,steps=0-{STEPS - 1}",
             ]
             coordinators = []
             for host in ("coordA", "coordB"):

@@ -14,6 +14,8 @@ Grammar (events separated by ``;``):
                                                       (its store tunnel and its gloo sockets), as a cut
                                                       link would; it leaves, and (rejoin=) is restarted
     slow:worker=1,factor=3,steps=5-20                 the worker computes 3x slower during steps 5..20
+    slow:worker=1,seconds=0.2,steps=5-20              each microbatch it computes takes 0.2 s more (a fixed
+                                                      latency, whatever the machine's speed; with factor=, both)
     stall:worker=1,step=5,seconds=S[,rejoin=5]        the worker blocks S seconds inside the reduction while its
                                                       heartbeats go on (a stalled link); the others' collective
                                                       times out and the coordinator decides
@@ -88,7 +90,7 @@ class FailureEvent:
     rejoin_after_s: float | None = None  # kill/hang: restart the worker this long after it was killed
     factor: float = 1.0  # slow: compute time multiplier
     last_step: int = -1  # slow: last step affected (inclusive)
-    seconds: float = 0.0  # pause, stall: how long the worker stays stopped
+    seconds: float = 0.0  # pause, stall: how long the worker stays stopped; slow: added to each microbatch
     microbatch: int = -1  # scale: the microbatch id
 
     @property
@@ -100,7 +102,8 @@ class FailureEvent:
         if self.targets_coordinator:
             return f"kill:coordinator,step={self.step}"
         if self.kind is FailureKind.SLOW:
-            return f"slow:worker={self.worker},factor={self.factor:g},steps={self.step}-{self.last_step}"
+            added = f",seconds={self.seconds:g}" if self.seconds else ""
+            return f"slow:worker={self.worker},factor={self.factor:g}{added},steps={self.step}-{self.last_step}"
         if self.kind is FailureKind.SCALE:
             return f"scale:step={self.step},microbatch={self.microbatch},factor={self.factor:g}"
         if self.kind in (FailureKind.NAN, FailureKind.INF, FailureKind.DUP):
@@ -119,7 +122,7 @@ _ALLOWED_KEYS = {
     FailureKind.HANG: {"worker", "step", "phase", "rejoin"},
     FailureKind.PAUSE: {"worker", "step", "phase", "rejoin", "seconds"},
     FailureKind.CUT: {"worker", "step", "phase", "rejoin"},
-    FailureKind.SLOW: {"worker", "factor", "steps"},
+    FailureKind.SLOW: {"worker", "factor", "seconds", "steps"},
     FailureKind.STALL: {"worker", "step", "seconds", "rejoin"},
     FailureKind.NAN: {"worker", "step"},
     FailureKind.INF: {"worker", "step"},
@@ -185,15 +188,16 @@ def parse_event(text: str, default_rejoin_s: float | None = None) -> FailureEven
         raise ValueError(f"failure event {text!r} names no worker")
     worker = _int(fields["worker"], "worker", text)
     if kind is FailureKind.SLOW:
-        if "steps" not in fields or "factor" not in fields:
-            raise ValueError(f"failure event {text!r}: slow needs factor= and steps=FIRST-LAST")
+        if "steps" not in fields or not {"factor", "seconds"} & set(fields):
+            raise ValueError(f"failure event {text!r}: slow needs steps=FIRST-LAST and factor= or seconds= (or both)")
         first, dash, last = fields["steps"].partition("-")
         start = _int(first, "steps", text)
         end = _int(last, "steps", text) if dash else start
-        factor = _float(fields["factor"], "factor", text)
-        if factor < 1.0 or end < start:
-            raise ValueError(f"failure event {text!r}: needs factor >= 1 and steps FIRST <= LAST")
-        return FailureEvent(kind, worker, start, factor=factor, last_step=end)
+        factor = _float(fields.get("factor", "1"), "factor", text)
+        added = _float(fields.get("seconds", "0"), "seconds", text)
+        if factor < 1.0 or added < 0.0 or end < start:
+            raise ValueError(f"failure event {text!r}: needs factor >= 1, seconds >= 0 and steps FIRST <= LAST")
+        return FailureEvent(kind, worker, start, factor=factor, last_step=end, seconds=added)
     if "step" not in fields:
         raise ValueError(f"failure event {text!r} names no step")
     if kind in (FailureKind.NAN, FailureKind.INF, FailureKind.DUP):
@@ -288,10 +292,20 @@ class FailureSchedule:
 
     def slow_factor(self, worker: int, step: int) -> float:
         factor = 1.0
-        for e in self.events:
-            if e.kind is FailureKind.SLOW and e.worker == worker and e.step <= step <= e.last_step:
-                factor = max(factor, e.factor)
+        for e in self._slow(worker, step):
+            factor = max(factor, e.factor)
         return factor
+
+    def slow_seconds(self, worker: int, step: int) -> float:
+        """What ``slow`` events add to each microbatch ``worker`` computes in ``step`` (``seconds=``)."""
+        return max((e.seconds for e in self._slow(worker, step)), default=0.0)
+
+    def _slow(self, worker: int, step: int) -> list[FailureEvent]:
+        return [
+            e
+            for e in self.events
+            if e.kind is FailureKind.SLOW and e.worker == worker and e.step <= step <= e.last_step
+        ]
 
     def poison(self, worker: int, step: int) -> FailureEvent | None:
         """The ``nan`` / ``inf`` event of ``worker`` at ``step``, if any."""

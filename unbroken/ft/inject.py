@@ -101,6 +101,9 @@ class FaultInjector:
     def slow_factor(self) -> float:
         return self.schedule.slow_factor(self.worker, self.step)
 
+    def slow_seconds(self) -> float:
+        return self.schedule.slow_seconds(self.worker, self.step)
+
     def loss_factor(self, microbatch: int) -> float:
         """``scale`` events: the factor microbatch ``microbatch`` of this step's loss is multiplied by, whoever
         computes it (so a recomputation after a failure is the same microbatch)."""
