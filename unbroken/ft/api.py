@@ -349,13 +349,16 @@ class Context:
     def evaluate(self, num_items: int, loss_of: Callable[[int], float], *, record: bool = True) -> float | None:
         """The mean of ``loss_of(k)`` over ``k in range(num_items)``, the items split over the members (each
         computes its share), recorded as the validation loss of the last committed step (an ``eval`` record;
-        ``record=False``: only returned). None if a failure interrupted it: skip this evaluation (the protocol
-        has already recovered, and the next step goes on as usual)."""
+        ``record=False``: only returned). None if a failure interrupted it, or the step it follows (the members
+        may have recovered at different points: every one skips it): skip this evaluation (the protocol has
+        already recovered, and the next step goes on as usual)."""
         proto = self._proto
         if proto is None or proto.group is None:
             raise ValueError("ctx.evaluate() runs between steps, once steps() has started")
         if self.layout.pipeline > 1:
             raise ValueError("under parallel.pipeline > 1, evaluate with evaluate_pipeline()")
+        if proto.failure_in_step:
+            return None
         total = torch.zeros(2, dtype=torch.float64)
         # The items are split over every rank computing a forward of its own: the members, and under FSDP each
         # member's shards. A replica's ranks run as many forwards each (FSDP gathers the weights together):
@@ -385,6 +388,8 @@ class Context:
         proto = self._proto
         if proto is None or proto.group is None:
             raise ValueError("ctx.evaluate_pipeline() runs between steps, once steps() has started")
+        if proto.failure_in_step:
+            return None  # as ``evaluate`` says
         ids = list(range(proto.group.rank, num_items, proto.group.size))
         total = torch.zeros(2, dtype=torch.float64)
         if ids:
@@ -742,9 +747,9 @@ class Step:
                 remove(hooks)
                 if proto.state.efficient is not None:
                     proto.state.efficient.set_active(False)
-            slow = proto.injector.slow_factor()
-            if slow > 1.0:  # an injected slow-down: this rank (so its replica) computes `slow` x slower
-                time.sleep((slow - 1.0) * (time.perf_counter() - started))
+            slow, added = proto.injector.slow_factor(), proto.injector.slow_seconds() * len(ids)
+            if slow > 1.0 or added > 0.0:  # an injected slow-down: this rank (so its replica) computes slower
+                time.sleep((slow - 1.0) * (time.perf_counter() - started) + added)
             if pipe.last:
                 proto.pipelined(losses, {j: int(batch_of(j)[1].numel()) for j in losses})
             proto.round_done(todo, (time.perf_counter() - started) / max(1, len(todo)))
@@ -819,10 +824,10 @@ class Step:
         if eb is not None:
             eb.set_active(False)
         elapsed = time.perf_counter() - self._t0
-        slow = proto.injector.slow_factor()
-        if slow > 1.0:
-            time.sleep((slow - 1.0) * elapsed)  # an injected slow-down: this worker computes `slow` x slower
-            elapsed *= slow
+        slow, added = proto.injector.slow_factor(), proto.injector.slow_seconds()
+        if slow > 1.0 or added > 0.0:
+            time.sleep((slow - 1.0) * elapsed + added)  # an injected slow-down: this worker computes slower
+            elapsed = slow * elapsed + added
         self._awaiting = None
         if not self._padding:
             # On a GPU the time so far is the kernels' launch, not their run (timed per round, ``_round_timed``);

@@ -115,6 +115,11 @@ class StepProtocol:
         client.on_epoch = self.membership.epoch_published
         self.resume_pending = False  # --resume: the leader loads the newest checkpoint in its first recovery
         self.pending_todo: list[int] | None = None  # this worker's share of a step, planned while it recovered
+        # A failure made this worker recover during the current step (at its start or in its reduction; a join
+        # agreed beforehand does not count). The evaluation after the step is then skipped: the members may have
+        # recovered at different points (one in the step's reduction, another already in the evaluation, whose
+        # interrupted collective it gave up), and only skipping it on every one keeps their collectives matched.
+        self.failure_in_step = False
 
     # -- the parts, as the user's loop (api) and the process reach them -----------------------------
     @property
@@ -211,6 +216,7 @@ class StepProtocol:
         assert group is not None
         self.plan.reset_counts()
         self.reduction.reduced = None
+        self.failure_in_step = False
         if self.pending_todo is not None:
             todo, self.pending_todo = self.pending_todo, None
             return todo
@@ -227,6 +233,7 @@ class StepProtocol:
         if removed or self.committer.switch_epoch > group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
             self.plan.recoveries += 1
+            self.failure_in_step = removed
             if self.cfg.policy is RecoveryPolicy.DROP:
                 # The others may have started this step with the group's plan: under drop only the dead members'
                 # share is lost, so this worker still owes its own.
@@ -257,6 +264,7 @@ class StepProtocol:
             return None
         todo = self.recover()
         self.plan.recoveries += 1
+        self.failure_in_step = True
         return todo
 
     def _redo_step(self) -> list[int]:
