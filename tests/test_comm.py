@@ -409,3 +409,43 @@ def test_a_superseded_epoch_is_abandoned_and_an_untaken_group_is_retired() -> No
     _s, _l, nccl = _formers(1, backend="nccl")
     nccl[0].offer(3, (0, 1))
     assert formers[0].pending() == 0 and nccl[0].pending() == 0
+
+
+_SETTLE_IN_A_FRESH_PROCESS = """
+import os, sys, threading, torch
+from torch.distributed import TCPStore
+from unbroken.ft.comm import WaitStatus, form_group, settle
+
+server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(2)]
+before = len(os.listdir("/proc/self/fd"))
+cpu = torch.device("cpu")
+# Worker 0 gives up on epoch 1 at once (superseded), but its rendezvous goes on and completes once worker 1
+# arrives: the group formed for nobody is dropped on the rendezvous thread.
+abandoned = form_group(clients[0], 1, [0, 1], 0, "gloo", 30.0, cpu, interrupted=lambda: True)
+taken = []
+thread = threading.Thread(target=lambda: taken.append(form_group(clients[1], 1, [0, 1], 1, "gloo", 30.0, cpu)))
+thread.start()
+thread.join()
+assert abandoned == (None, WaitStatus.INTERRUPTED) and taken[0][1] is WaitStatus.DONE, (abandoned, taken)
+taken.clear()  # worker 1's group, destroyed here
+settled = settle(30.0)
+print(settled, len(os.listdir("/proc/self/fd")) - before)
+"""
+
+
+def test_settle_returns_once_a_group_formed_for_an_abandoned_rendezvous_is_destroyed() -> None:
+    """At exit, ``settle`` waits for the rendezvous threads: one still inside C++ (which releases the GIL) when the
+    interpreter finalizes is ended by ``pthread_exit`` on its way back, which aborts the process (SIGABRT after a
+    run that finished; seen in the flapping-link test). A rendezvous abandoned by its caller that completes later
+    leaves a group nobody takes: it must be destroyed before the thread counts as ended, so that once ``settle``
+    has returned no descriptor of that group (its listening socket, its pairs) is left open."""
+    import subprocess
+    import sys
+
+    for _ in range(3):  # the group's destruction used to race settle's return
+        done = subprocess.run(
+            [sys.executable, "-c", _SETTLE_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=100
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split()[-2:] == ["True", "0"], done.stdout

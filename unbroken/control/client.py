@@ -189,6 +189,7 @@ class CoordinatorClient:
         self._news_wait_s = NEWS_WAIT_S
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
+        self._diagnosis: threading.Thread | None = None
         self._outbox: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
         self._in_hand: dict[str, Any] | None = None  # the record the sender was publishing when it failed
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
@@ -373,7 +374,8 @@ class CoordinatorClient:
             return  # a watcher of a connection already replaced
         if self._watch_stop.is_set() or not self._diagnosing.acquire(blocking=False):
             return
-        threading.Thread(target=self._diagnose, name="coordinator-lost", daemon=True).start()
+        self._diagnosis = threading.Thread(target=self._diagnose, name="coordinator-lost", daemon=True)
+        self._diagnosis.start()
 
     def _probe(self) -> tuple[str, TCPStore, Tunnel] | None:
         """A fresh connection to the first coordinator that answers, its address and tunnel; None if none does."""
@@ -705,5 +707,6 @@ class CoordinatorClient:
         # a count with no key, on which every other worker's watcher would wait until NEWS_WAIT_S.
         self._news_tunnel.cut()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)
-        for thread in self._watch_threads:
+        # The diagnosis of a lost connection makes store calls too (it ends at its next look, at ``_watch_stop``).
+        for thread in [*self._watch_threads, *([self._diagnosis] if self._diagnosis is not None else [])]:
             thread.join(timeout=max(1.0, 4 * self._hb_interval) + self._probe_timeout_s)

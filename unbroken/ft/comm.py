@@ -112,6 +112,8 @@ class _Reaper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopped = False  # the interpreter is exiting: nothing more is destroyed on this thread
+        self._destroying = False
 
     def retire(self, group: Group, hold_s: float) -> None:
         with self._lock:
@@ -133,10 +135,23 @@ class _Reaper:
 
     def _release(self, now: float) -> None:
         with self._lock:
-            done = [entry for entry in self._held if entry[0] <= now or entry[1].idle()]
-            for entry in done:
-                self._held.remove(entry)
-        # Returning drops the last references: the groups' destructors run on this thread, outside the lock.
+            if self._stopped:
+                return
+            due = [deadline <= now or group.idle() for deadline, group in self._held]
+            done = [entry for entry, d in zip(self._held, due, strict=True) if d]
+            self._held = collections.deque(entry for entry, d in zip(self._held, due, strict=True) if not d)
+            self._destroying = bool(done)
+        done.clear()  # the last references: the groups' destructors run here, on this thread, outside the lock
+        with self._lock:
+            self._destroying = False
+
+    def stop(self) -> bool:
+        """Destroy nothing more on this thread (the interpreter is exiting: a destructor, which releases the
+        GIL, must not be running when it finalizes; what is held is destroyed with the interpreter, on its main
+        thread). Returns whether a destruction is still under way."""
+        with self._lock:
+            self._stopped = True
+            return self._destroying
 
 
 _reaper = _Reaper()
@@ -149,9 +164,13 @@ _rendezvous_lock = threading.Lock()
 
 
 def _start_rendezvous_thread(target: Callable[[], None], name: str) -> None:
+    held = [target]
+
     def run() -> None:
         try:
-            target()
+            # The target, and what it holds (a group formed for an abandoned rendezvous), is dropped before the
+            # thread leaves the set: that group's destructor, which releases the GIL, runs while ``settle`` waits.
+            held.pop()()
         finally:
             with _rendezvous_lock:
                 _rendezvous_threads.discard(threading.current_thread())
@@ -164,18 +183,23 @@ def _start_rendezvous_thread(target: Callable[[], None], name: str) -> None:
 
 def settle(timeout_s: float) -> bool:
     """Wait, at most ``timeout_s``, for the group rendezvous still running on helper threads (one abandoned
-    or formed ahead ends at its own timeout, or at once when the coordinator's store closes). Call before the
-    interpreter exits; returns whether none is left."""
+    or formed ahead ends at its own timeout, or at once when the coordinator's store closes) and for a retired
+    group's destruction under way; stop destroying retired groups. Call before the interpreter exits; returns
+    whether nothing is left running."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _rendezvous_lock:
             alive = [t for t in _rendezvous_threads if t.is_alive()]
-        if not alive:
+        destroying = _reaper.stop()
+        if not alive and not destroying:
             return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        alive[0].join(remaining)
+        if alive:
+            alive[0].join(remaining)
+        else:
+            time.sleep(min(remaining, CHECK_INTERVAL_S))
 
 
 def retire_group(group: Group | None, hold_s: float) -> None:
