@@ -108,7 +108,7 @@ def recovery_runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
-    """A finished run of configs/tiny.toml by 2 workers (8 steps, checkpoints at steps 4 and 8), made once for the
+    """A finished run of tests/tiny.toml by 2 workers (8 steps, checkpoints at steps 4 and 8), made once for the
     session: copy it before anything could change it."""
     from runner import train
 

@@ -16,7 +16,7 @@ from unbroken.ft import checkpoint as ckpt
 from unbroken.lab.figures import free_port  # noqa: F401 - the tests take it from here
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny.toml")
+TINY = str(ROOT / "tests" / "tiny.toml")  # configs/tiny.toml with a smaller vocabulary (read it)
 EXACT = "--recovery.reduction=exact"
 # One intra-op thread per worker, however many share the machine: every microbatch gradient is computed by the
 # same kernels, so exact runs of different worker counts are bitwise comparable (tests/test_train.py).
@@ -47,7 +47,7 @@ def train(
     timeout_s: float = RUN_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``unbroken train configs/tiny.toml`` with ``workers`` worker processes into ``out``."""
+    """``unbroken train tests/tiny.toml`` with ``workers`` worker processes into ``out``."""
     cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
 

@@ -21,7 +21,7 @@ from unbroken.lab.report import load_run, render_markdown
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 8  # configs/tiny.toml: evaluations after steps 3 and 7, checkpoints after 4 and 8 steps
+STEPS = 8  # tests/tiny.toml: evaluations after steps 3 and 7, checkpoints after 4 and 8 steps
 KILL_STEP = 5
 # Restarted 600 s after the kill: long after the run's end, so worker 2 never rejoins.
 SCHEDULE = f"kill:worker=2,step={KILL_STEP},phase=backward,rejoin=600"
@@ -30,7 +30,7 @@ STEP_LINE = re.compile(r"^step (\d+) \| loss (\d+\.\d{4}) \| .* \| (\d+)/(\d+) d
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> tuple[Path, str]:
-    """``unbroken train configs/tiny.toml --workers 3`` with worker 2 killed in step 5: its directory and its
+    """``unbroken train tests/tiny.toml --workers 3`` with worker 2 killed in step 5: its directory and its
     console (the plain lines a pipe gets, and the summary, 200 columns wide so no row wraps)."""
     out = tmp_path_factory.mktemp("agree") / "run"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "3", "--out", str(out)]

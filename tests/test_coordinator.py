@@ -227,7 +227,7 @@ def test_standalone_processes_need_the_token(
 @contextlib.contextmanager
 def in_process_coordinator(tmp_path: Path, token: str) -> Iterator[Any]:
     """A ``Coordinator`` object in this process (its store, gateway and metrics file; no loop running) for a run
-    of ``configs/tiny.toml`` in ``tmp_path / "run"``, closed at the end."""
+    of ``tests/tiny.toml`` in ``tmp_path / "run"``, closed at the end."""
     from unbroken.control.coordinator import Coordinator
     from unbroken.control.store import bind_listen_socket
     from unbroken.core.config import dump_config, load_config

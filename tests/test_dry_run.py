@@ -16,7 +16,7 @@ from runner import ROOT, TINY
 pytestmark = pytest.mark.timeout(240)
 
 PLAIN = str(ROOT / "examples" / "plain_loop.py")
-# README.md's failure example as it was (configs/tiny.toml has 8 steps: 0..7).
+# README.md's failure example as it was (tests/tiny.toml, like configs/tiny.toml, has 8 steps: 0..7).
 PAST_THE_END = "kill:worker=2,step=10,phase=backward,rejoin=5; kill:worker=1,step=20,phase=reduction"
 
 

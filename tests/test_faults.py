@@ -38,7 +38,7 @@ WORKERS = 2
 
 @pytest.fixture(scope="module")
 def exact_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
-    """The failure-free run (exact reduction, ``configs/tiny.toml``'s 8 steps) with a checkpoint after every
+    """The failure-free run (exact reduction, ``tests/tiny.toml``'s 8 steps) with a checkpoint after every
     step, that the faulted runs below are compared with (how often it checkpoints cannot change its
     trajectory: resuming from any checkpoint reproduces the run, tests/test_train.py)."""
     out = tmp_path_factory.mktemp("faults") / "reference"

@@ -389,7 +389,7 @@ def finished_view() -> RunView:
 
 @pytest.mark.timeout(180)
 def test_a_real_run_with_a_kill_shows_the_failure_and_the_reformed_group(tmp_path: Path, data_cache_dir: Path) -> None:
-    """``unbroken train configs/tiny.toml --workers 3`` with worker 1 killed in step 3's backward, its
+    """``unbroken train tests/tiny.toml --workers 3`` with worker 1 killed in step 3's backward, its
     metrics.jsonl served by the status server: the JSON shows that kill and the group without worker 1."""
     out = tmp_path / "run"
     result = train(out, data_cache_dir, f"--failures.schedule={KILL}", "--train.steps=20", workers=3)

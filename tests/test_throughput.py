@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-from runner import train
+from runner import TINY, train
 
-from unbroken.core.flavours import FLAVOURS, flops_per_token
+from unbroken.core.config import load_config
+from unbroken.core.flavours import FLAVOURS, flops_per_token, model_args
 from unbroken.core.records import committed_steps, read_records
 from unbroken.core.throughput import gpus_in_use, mfu, run_throughput, step_throughput, table_peak_tflops
 
@@ -74,11 +75,13 @@ def test_step_records_carry_the_throughput_of_a_real_run(tmp_path: Path, data_ca
     assert result.returncode == 0, result.stderr[-2000:]
     steps = list(committed_steps(read_records(tmp_path / "run")).values())
     assert len(steps) == 3
+    data = load_config(TINY).data  # the model's vocabulary is its tokenizer's
+    model_flops = flops_per_token(model_args("tiny", vocab_size=data.vocab_size), data.seq_len)
     for r in steps:
         assert r["workers"] == 2 and r["gpus"] == 0
         assert r["tokens_per_s_per_worker"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-12)
         assert math.isnan(r["tokens_per_s_per_gpu"]) and math.isnan(r["mfu"])
-        assert r["flops_per_token"] == 8_703_744
+        assert r["flops_per_token"] == model_flops
 
 
 def test_the_views_and_the_summary_show_tokens_per_gpu_and_mfu() -> None:
