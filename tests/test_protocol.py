@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -276,3 +278,80 @@ def test_a_worker_that_registers_after_the_run_ended_leaves_with_one_line(
     assert left.value.code == EXIT_STOPPED
     (line,) = [r for r in caplog.records if r.name == "unbroken.ft.process"]
     assert line.getMessage().startswith(f"cannot join the job at {job.coordinator.address}: ")
+
+
+def look_at_the_reduction_after_a_death(ctx: Context) -> None:
+    """The next reduction's wait starts only once a member's death is published: its collectives, launched,
+    complete meanwhile, but it then sees the newer epoch and takes the reduction for interrupted."""
+    proto = ctx._proto
+    assert proto is not None
+    reducer, membership = proto.reduction.reducer, proto.membership
+    original = reducer.wait
+
+    def late_wait(timeout_s: float, interrupted: Callable[[], bool]) -> Any:
+        reducer.wait = original  # type: ignore[method-assign]
+        group = membership.group
+        assert group is not None
+        while not membership.client.removed_since(group.epoch, group.members):
+            time.sleep(0.01)
+        return original(timeout_s, interrupted)
+
+    reducer.wait = late_wait  # type: ignore[method-assign]
+
+
+def evaluation_after_a_recovery(run_dir: Path) -> dict[int, list[float | None]]:
+    """Three workers, steps 0..2, an evaluation after each step. In step 1 worker 1's reduction completes, but it
+    looks at it only once worker 2's death is published (worker 2 committed step 1 and died in the evaluation):
+    it takes the reduction for interrupted and recovers in the step, while worker 0, which committed the step,
+    is interrupted in the evaluation and recovers there. Returns each survivor's evaluations."""
+    job = ThreadJob(run_dir, config(train={"steps": 3}), 3)
+
+    def loop(ctx: Context, worker: int) -> list[float | None]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx.register_state(model, opt)
+        values = []
+        for step in ctx.steps():
+            if worker == 1 and step.index == 1:
+                look_at_the_reduction_after_a_death(ctx)  # the wait ends microbatches()
+            for mb in step.microbatches():
+                step.backward(loss_of(model, step.index, mb))
+            step.commit(opt)
+
+            def val(k: int, s: int = step.index) -> float:
+                if worker == 2 and s == 1:
+                    raise Died
+                return float(k)
+
+            values.append(ctx.evaluate(6, val))
+        return values
+
+    try:
+        return job.run(loop)
+    finally:
+        job.close()
+
+
+def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(tmp_path: Path) -> None:
+    """The members recovered at different points after step 1 (worker 1 in the step's reduction, worker 0 in
+    the evaluation that follows it): both skip that evaluation, so their next collectives (the next step's) match.
+    Worker 1 evaluating there put its evaluation's allreduce against worker 0's gradient buckets on the new group
+    (gloo aborts the process: a size mismatch on its loop thread), hence a process of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from pathlib import Path; import test_protocol as t; "
+        "print(json.dumps(t.evaluation_after_a_recovery(Path(sys.argv[1]))))"
+    )
+    tests = Path(__file__).parent
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # c10d's warnings would bury gloo's one line
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=100, cwd=tests, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    values = {int(w): v for w, v in json.loads(done.stdout.splitlines()[-1]).items()}
+    assert values == {0: [2.5, None, 2.5], 1: [2.5, None, 2.5]}, values
+    steps = [r for r in read_records(tmp_path / "run", "step") if r["committed"]]
+    assert sorted(r["step"] for r in steps) == [0, 1, 2]
