@@ -76,12 +76,14 @@ CONTROL_COMMON = [
 # -- the recovery runs (tests/conftest.py makes them; test_recovery and test_report read them) ------------------
 RECOVERY_STEPS = 50
 # Two kills (backward, reduction) and a rejoin. Worker 1's kill comes the step after worker 2's, while worker 2 is
-# still down: it is restarted 6 s after its kill (a fork: it starts at once) and rejoins at a step boundary. Worker
-# 0 computes 4x slower over steps 7-19, so that the rejoin lands well before the last step even on an idle
-# machine (a tiny-model step takes about 0.15 s here; the slow-down does not change what exact mode computes).
+# still down: it is restarted 6 s after its kill (a fork: it starts at once) and rejoins at a step boundary. Each
+# microbatch worker 0 computes over steps 7-19 takes 0.25 s more (4 a step while two workers are down: at least
+# 13 s whatever the machine's speed), so that the rejoin lands well before the last step even on an idle, fast
+# machine (a factor would shrink with the step: the tests' vocabulary made steps 3x faster, and the rejoin came
+# after the end). The delay does not change what exact mode computes.
 RECOVERY_SCHEDULE = (
     "kill:worker=2,step=5,phase=backward,rejoin=6.0; kill:worker=1,step=6,phase=reduction; "
-    "slow:worker=0,factor=4,steps=7-19"
+    "slow:worker=0,seconds=0.25,steps=7-19"
 )
 FP32_STEPS = 20  # the fp32 runs: both kills, no need to wait for the rejoin
 

@@ -31,7 +31,9 @@ FIXTURE_RUNS = {"partition_reference": 1}
 STEPS = 80  # long enough that a host cut off for a few seconds is back, restarted and rejoined before the end
 COMMON = [*CONTROL_COMMON, f"--train.steps={STEPS}"]
 PORT = 29400  # each namespace has its own ports: nothing else on the machine can hold this one there
-HEARTBEAT_TIMEOUT_S = 3.0  # a little above the default 2 s: six processes share two cores here
+# Above the default 2 s: six processes share two cores here, beside the rest of the suite (both workers of host 0
+# once went 3.9 s without a beat, starved, and the run stopped with every worker declared dead).
+HEARTBEAT_TIMEOUT_S = 5.0
 CUT_S = 3 * HEARTBEAT_TIMEOUT_S
 FLAP_FOR_S = 60.0
 # A fixed latency added to each microbatch worker 0 computes (the same arithmetic): with 2 of a step's 8

@@ -67,11 +67,12 @@ def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descripto
 
 
 def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, data_cache_dir: Path) -> None:
-    """Worker 1 is killed at step 3 and restarted (forked again, after the zygote forked both workers). Worker 0
-    computes 10x slower from step 4 on (it sleeps: the same arithmetic), so the restart has several seconds to
-    rejoin before the run ends; unslowed, the 4 steps left took 0.6 s, and a forked restart 0.5 s after the kill
-    came 0.02 s too late in one clean run (r34)."""
-    schedule = "kill:worker=1,step=3,phase=backward,rejoin=0.5; slow:worker=0,factor=10,steps=4-7"
+    """Worker 1 is killed at step 3 and restarted (forked again, after the zygote forked both workers). Each
+    microbatch worker 0 computes from step 4 on takes 0.3 s more (it sleeps: the same arithmetic; 4 a step alone:
+    at least 4.8 s over the 4 steps left, whatever the machine's speed), so the restart has seconds to rejoin
+    before the run ends; unslowed, those steps took 0.6 s, and a forked restart 0.5 s after the kill came 0.02 s
+    too late in one clean run (r34)."""
+    schedule = "kill:worker=1,step=3,phase=backward,rejoin=0.5; slow:worker=0,seconds=0.3,steps=4-7"
     args = [EXACT, "--train.steps=8", "--checkpoint.every=0", f"--failures.schedule={schedule}"]
     runs = {}
     for name, setting in (("forked", "1"), ("cold", "0")):

@@ -264,9 +264,14 @@ def _serve(conn: socket.socket) -> _Job | None:
                 os.close(write_end)
                 os.close(gate_held)
                 # Start once this child has exited and the agent is the parent: a process that watches its
-                # parent (the coordinator stops the job when the launcher dies) must never see this one.
+                # parent (the coordinator stops the job when the launcher dies) must never see this one. Its
+                # exit closes the gate before it hands its children to the agent: wait for that too.
+                intermediate = os.getppid()
                 os.read(gate, 1)
                 os.close(gate)
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                while os.getppid() == intermediate and time.monotonic() < deadline:
+                    time.sleep(0.001)
                 conn.detach()  # its descriptor is closed with the others (``_become``)
                 handed = list(zip(fds, request["fds"], strict=True))
                 return _Job(request["argv"], request["env"], log, handed)
