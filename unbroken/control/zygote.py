@@ -256,6 +256,7 @@ def _serve(conn: socket.socket) -> _Job | None:
                 # The log exists once the agent has its answer, as it does for a process it starts itself.
                 log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 gate, gate_held = os.pipe()  # held open by this child alone: closed when it exits
+                intermediate = os.getpid()  # not the worker's getppid(): by its first line this child may be gone
                 worker = os.fork()
             except OSError as e:
                 os.write(write_end, json.dumps({"error": str(e)}).encode())
@@ -266,7 +267,6 @@ def _serve(conn: socket.socket) -> _Job | None:
                 # Start once this child has exited and the agent is the parent: a process that watches its
                 # parent (the coordinator stops the job when the launcher dies) must never see this one. Its
                 # exit closes the gate before it hands its children to the agent: wait for that too.
-                intermediate = os.getppid()
                 os.read(gate, 1)
                 os.close(gate)
                 deadline = time.monotonic() + READY_TIMEOUT_S
