@@ -254,7 +254,7 @@ def _serve(conn: socket.socket) -> _Job | None:
                 else:
                     os.setpgid(0, request["pgid"])
                 # The log exists once the agent has its answer, as it does for a process it starts itself.
-                log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                log = _open_log(request["log"])
                 gate, gate_held = os.pipe()  # held open by this child alone: closed when it exits
                 intermediate = os.getpid()  # not the worker's getppid(): by its first line this child may be gone
                 worker = os.fork()
@@ -286,6 +286,11 @@ def _serve(conn: socket.socket) -> _Job | None:
         for fd in fds:
             os.close(fd)
         conn.send(answer or json.dumps({"error": "the fork failed"}).encode())
+
+
+def _open_log(path: str) -> int:
+    """A process's log, created if needed, opened for appending (a descriptor)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
 
 def _become(job: _Job) -> None:
@@ -368,7 +373,7 @@ def serve_early() -> int:
         setup = None
     if setup is None:
         return 0
-    log = os.open(setup["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = _open_log(setup["log"])
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, number in ((null, 0), (log, 1), (log, 2)):
         os.dup2(fd, number)

@@ -747,9 +747,7 @@ class Step:
                 remove(hooks)
                 if proto.state.efficient is not None:
                     proto.state.efficient.set_active(False)
-            slow, added = proto.injector.slow_factor(), proto.injector.slow_seconds() * len(ids)
-            if slow > 1.0 or added > 0.0:  # an injected slow-down: this rank (so its replica) computes slower
-                time.sleep((slow - 1.0) * (time.perf_counter() - started) + added)
+            proto.injector.slow_down(time.perf_counter() - started, len(ids))  # this rank (so its replica) slower
             if pipe.last:
                 proto.pipelined(losses, {j: int(batch_of(j)[1].numel()) for j in losses})
             proto.round_done(todo, (time.perf_counter() - started) / max(1, len(todo)))
@@ -824,10 +822,7 @@ class Step:
         if eb is not None:
             eb.set_active(False)
         elapsed = time.perf_counter() - self._t0
-        slow, added = proto.injector.slow_factor(), proto.injector.slow_seconds()
-        if slow > 1.0 or added > 0.0:
-            time.sleep((slow - 1.0) * elapsed + added)  # an injected slow-down: this worker computes slower
-            elapsed = slow * elapsed + added
+        elapsed += proto.injector.slow_down(elapsed)  # an injected slow-down: this worker computes slower
         self._awaiting = None
         if not self._padding:
             # On a GPU the time so far is the kernels' launch, not their run (timed per round, ``_round_timed``);

@@ -98,11 +98,14 @@ class FaultInjector:
             handles.append(middle.register_full_backward_hook(lambda *_: self.inject(Phase.BACKWARD)))
         return handles
 
-    def slow_factor(self) -> float:
-        return self.schedule.slow_factor(self.worker, self.step)
-
-    def slow_seconds(self) -> float:
-        return self.schedule.slow_seconds(self.worker, self.step)
+    def slow_down(self, elapsed_s: float, microbatches: int = 1) -> float:
+        """``slow`` events: sleep what makes ``microbatches`` computed in ``elapsed_s`` take as long as the schedule
+        says (``factor`` x the time, plus ``seconds`` each); returns the seconds slept."""
+        factor = self.schedule.slow_factor(self.worker, self.step)
+        extra = (factor - 1.0) * elapsed_s + self.schedule.slow_seconds(self.worker, self.step) * microbatches
+        if extra > 0.0:
+            time.sleep(extra)
+        return extra
 
     def loss_factor(self, microbatch: int) -> float:
         """``scale`` events: the factor microbatch ``microbatch`` of this step's loss is multiplied by, whoever
