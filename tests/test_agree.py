@@ -151,25 +151,40 @@ def test_the_report_and_the_console_agree_on_the_wall_time(killed_run: tuple[Pat
 
 
 LATE_WORKER = """
-import os, sys, threading
+import os, sys, threading, time
 from pathlib import Path
 
-marker = Path(sys.argv[1]) / f"started-{os.environ['UNBROKEN_WORKER_ID']}"
-if marker.exists():  # a restart: still coming up (here, for good) when the run ends
+markers = Path(sys.argv[1])
+started, restarted = markers / f"started-{os.environ['UNBROKEN_WORKER_ID']}", markers / "restarted"
+if started.exists():  # a restart: still coming up (here, for good) when the run ends
+    restarted.touch()
     threading.Event().wait(600)
     sys.exit(3)
-marker.touch()
+started.touch()
 sys.path.insert(0, sys.argv[2])
-from plain_loop import main
+import plain_loop
 
-main()
+evaluate = plain_loop.eval_loss
+
+
+def eval_loss_once_restarted(*args):
+    # The last step's evaluation: the run cannot end before the restarted process is running (however fast
+    # the steps are); a launcher that never restarts it fails the test at its summary, not with a hang here.
+    deadline = time.monotonic() + 60
+    while not restarted.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return evaluate(*args)
+
+
+plain_loop.eval_loss = eval_loss_once_restarted
+plain_loop.main()
 """
 
 
 def test_a_worker_restarted_too_late_is_stopped_at_the_end_with_one_line(tmp_path: Path) -> None:
-    """Worker 2 is killed in step 2 and restarted at once, but its new process is still starting when the run
-    ends: the summary says it did not rejoin, and the launcher stops it at the end (one line in its log)
-    instead of waiting for it to give up on the coordinator."""
+    """Worker 2 is killed in step 2 and restarted 0.1 s later, but its new process is still starting when the
+    run ends (the survivors' last evaluation waits until it runs): the summary says it did not rejoin, and the
+    launcher stops it at the end (one line in its log) instead of waiting for it to give up on the coordinator."""
     script, markers, out = tmp_path / "late.py", tmp_path / "markers", tmp_path / "run"
     script.write_text(LATE_WORKER)
     markers.mkdir()

@@ -452,6 +452,29 @@ def test_a_worker_stopped_after_the_run_finished_is_no_failure_of_its_agent(tmp_
         assert agent.late == ({0, 1} if finished else set())
 
 
+def test_the_agents_wait_ends_when_a_restart_or_the_end_of_a_pause_falls_due() -> None:
+    """Between looks the launcher and the agent sleep ``Agent.wait_s`` (unless an exit wakes them). A restart due
+    sooner than the idle wait must shorten it: a worker killed with ``rejoin=0.1`` was restarted up to 0.25 s
+    late, after a short run had ended without it (CI: its "restarted too late" line missing)."""
+    from unbroken.control.agent import IDLE_WAIT_S, POLL_S, Agent
+
+    agent = Agent([0, 1], ("true",), {}, Path("."))
+    assert agent.wait_s() == IDLE_WAIT_S
+    now = time.monotonic()
+    agent.down[1] = {"rejoin": None, "at": now, "hung": True}  # restarted by nobody: no deadline
+    assert agent.wait_s() == IDLE_WAIT_S
+    agent.down[0] = {"rejoin": 0.1, "at": now, "hung": False}
+    assert POLL_S <= agent.wait_s() <= 0.1
+    agent.down[0]["at"] = now - 5  # overdue (its replica not ended yet): looks at the fast pace, no busy loop
+    assert agent.wait_s() == POLL_S
+    agent.down.clear()
+    agent.pauses[1] = time.monotonic() + 0.05
+    assert POLL_S <= agent.wait_s() <= 0.05
+    agent.pauses.clear()
+    agent.injections = True
+    assert agent.wait_s() == POLL_S
+
+
 @pytest.mark.timeout(60)
 def test_waiting_for_workers_wakes_once_at_an_exit_then_sleeps_on_the_rest() -> None:
     """The launcher's and the agent's loops sleep in ``wait_for_exit`` between looks. A worker that exited wakes

@@ -317,6 +317,16 @@ class Agent:
         self.report_exits()
         self.manage_down()
 
+    def wait_s(self) -> float:
+        """How long the next wait for an exit may last: short while scheduled faults are pending (a worker waits at
+        its injection point), and no longer than until the next restart or the end of a pause falls due."""
+        wait = POLL_S if self.injections else IDLE_WAIT_S
+        dues = [info["at"] + info["rejoin"] for info in self.down.values() if info["rejoin"] is not None]
+        dues += self.pauses.values()
+        if dues:
+            wait = min(wait, max(POLL_S, min(dues) - time.monotonic()))
+        return wait
+
     def deliver_injections(self) -> None:
         """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
         if not self.injections or self.store is None or self.finished:
@@ -657,7 +667,7 @@ def run_agent(args: argparse.Namespace) -> int:
                 agent.stop_latecomers(members)
         if agent.finished or agent.nobody_left():
             break
-        wait_for_exit(agent.processes(), POLL_S if agent.injections else IDLE_WAIT_S, (console.read_fd,))
+        wait_for_exit(agent.processes(), agent.wait_s(), (console.read_fd,))
     agent.stop_workers()
     agent.close()
     for line in console.drain():

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control.agent import (
-    IDLE_WAIT_S,
     POLL_S,
     STOP_GRACE_S,
     Agent,
@@ -312,9 +311,8 @@ class Launcher:
                     if not self._final_seen and self.agent.nobody_left():
                         self.stop_all("every worker exited and none is due to restart")
                         break
-                    # Injections need a prompt answer (the worker waits at its phase to be signalled).
                     procs = [*self.agent.processes(), self.coordinator]
-                    wait_for_exit(procs, POLL_S if self.agent.injections else IDLE_WAIT_S, (self.console.read_fd,))
+                    wait_for_exit(procs, self.agent.wait_s(), (self.console.read_fd,))
                 for record in self._new_records():
                     progress.update(record)
                 for line in self.console.drain():
