@@ -229,9 +229,16 @@ def made_up_words(n: int, seed: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> Path:
-    """The placeholders, each under its name (PLACEHOLDERS), and hub/ (the Hugging Face cache)."""
+def shared(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path, data_cache_dir: Path) -> Path:
+    """The placeholders, each under its name (PLACEHOLDERS), and hub/ (the Hugging Face cache). Also the session
+    data cache's entry of the packaged presets' data (the plays at their 8,192-word vocabulary; the other tests
+    train tests/tiny.toml's 1,024): a workspace links the entries there when it is made, and one it builds itself
+    stays its own, so each command of the pages would otherwise train that tokenizer again (40 of them, 150 s)."""
+    from unbroken.core.config import load_config
     from unbroken.data.tokenizer import train_bpe
+    from unbroken.train.data import prepare_corpus
+
+    prepare_corpus(load_config(ROOT / "configs" / "default.toml", [f"--data.cache_dir={data_cache_dir}"]).data)
 
     base = tmp_path_factory.mktemp("placeholders")
     shutil.copytree(tiny_run, base / "run", symlinks=True)  # a copy: `unbroken report` writes into it
