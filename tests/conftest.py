@@ -4,7 +4,8 @@ the recovery runs that the recovery and report tests read).
 
 ``make test`` runs the suite in two pytest processes (pytest-xdist, a file per process at a time): each run
 below is made once for the whole session by whichever process needs it first, under a file lock, in a
-directory both processes share."""
+directory both processes share. ``unbroken`` commands run through ``runner.run_command`` are forked by a launchpad
+per process (tests/launchpad.py), ended with the session."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from runner import RUN_TIMEOUT_S
+from runner import RUN_TIMEOUT_S, stop_launchpad
 
 # Each shared run below is one ``runner.train`` (bounded by its subprocess timeout, RUN_TIMEOUT_S); the first test
 # that asks for a fixture builds it, and the other pytest process may wait for that build under the fixture's lock.
@@ -32,6 +33,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = item.get_closest_marker("timeout")
         own = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout"))
         item.add_marker(pytest.mark.timeout(own + runs * RUN_TIMEOUT_S))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    stop_launchpad()  # waited for here: its runs' CPU time counts in this process's (``time make test``)
 
 
 def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:

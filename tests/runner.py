@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import array
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,7 +58,95 @@ def train(
 ) -> subprocess.CompletedProcess[str]:
     """``unbroken train tests/tiny.toml`` with ``workers`` worker processes into ``out``."""
     cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    return run_command(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, **kwargs)``; an ``unbroken`` command (``python -m unbroken ...``) whose output is
+    captured as text is forked by this process's launchpad (tests/launchpad.py) instead of started, unless
+    ``UNBROKEN_TEST_LAUNCHPAD=0`` or ``env`` differs from this process's environment in anything but ``COLUMNS``
+    and ``UNBROKEN_*`` (read when used, not when torch is imported: ``PYTHONOPTIMIZE`` or ``OMP_NUM_THREADS`` are
+    not). The program is the same from its first line on; what a fork skips is the interpreter's start and the
+    imports."""
+    env = kwargs.get("env")
+    changed = {k for k in (env or {}).keys() | os.environ.keys() if (env or os.environ).get(k) != os.environ.get(k)}
+    forkable = (
+        sys.platform == "linux"
+        and os.environ.get(LAUNCHPAD_ENV) != "0"
+        and cmd[:3] == [sys.executable, "-m", "unbroken"]
+        and kwargs.get("capture_output") is True
+        and kwargs.get("text") is True
+        and set(kwargs) <= {"capture_output", "text", "timeout", "cwd", "env"}
+        and all(k == "COLUMNS" or k.startswith("UNBROKEN_") for k in changed)
+    )
+    if not forkable:
+        return subprocess.run(cmd, **kwargs)
+    cwd = kwargs.get("cwd")
+    return run_forked(cmd[3:], kwargs.get("timeout"), str(cwd) if cwd is not None else os.getcwd(), env or os.environ)
+
+
+LAUNCHPAD_ENV = "UNBROKEN_TEST_LAUNCHPAD"
+_launchpad: tuple[int, subprocess.Popen[bytes], str] | None = None  # (the pid that started it, it, its socket)
+
+
+def _launchpad_socket() -> str:
+    """The socket of this process's launchpad, started on first use (its imports: a few seconds, once)."""
+    global _launchpad
+    if _launchpad is None or _launchpad[0] != os.getpid() or _launchpad[1].poll() is not None:
+        path = os.path.join(tempfile.mkdtemp(prefix="launchpad-"), "socket")
+        server = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "launchpad.py"), path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        assert server.stdout is not None and server.stdout.readline() == b"ready\n", "the launchpad did not start"
+        _launchpad = (os.getpid(), server, path)
+    return _launchpad[2]
+
+
+def stop_launchpad() -> None:
+    """End this process's launchpad and wait for it (its runs' CPU time then counts in this process's children)."""
+    global _launchpad
+    if _launchpad is not None and _launchpad[0] == os.getpid():
+        _launchpad[1].terminate()
+        _launchpad[1].wait()
+        shutil.rmtree(os.path.dirname(_launchpad[2]), ignore_errors=True)
+    _launchpad = None
+
+
+def run_forked(
+    argv: list[str], timeout_s: float | None, cwd: str, env: Mapping[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """``python -m unbroken ARGV`` in ``cwd`` with ``env``, forked by the launchpad; what ``subprocess.run(...,
+    capture_output=True, text=True, timeout=timeout_s, cwd=cwd, env=env)`` returns (or raises)."""
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn,
+        open(os.devnull, "rb") as stdin,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
+        conn.connect(_launchpad_socket())
+        request = json.dumps({"argv": argv, "cwd": cwd, "env": dict(env)}).encode() + b"\n"
+        fds = [stdin.fileno(), out.fileno(), err.fileno()]
+        conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        replies = conn.makefile("rb")
+        pid = json.loads(replies.readline())["pid"]
+        conn.settimeout(timeout_s)
+        try:
+            status = json.loads(replies.readline())["status"]
+        except (TimeoutError, ValueError) as e:  # ValueError: the reporter died (no status line)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if isinstance(e, TimeoutError):
+                raise subprocess.TimeoutExpired([sys.executable, "-m", "unbroken", *argv], timeout_s) from None
+            raise
+        out.seek(0)
+        err.seek(0)
+        # As ``text=True`` reads them (universal newlines).
+        stdout, stderr = (
+            f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n") for f in (out, err)
+        )
+    return subprocess.CompletedProcess([sys.executable, "-m", "unbroken", *argv], status, stdout, stderr)
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runner import ROOT, TINY
+from runner import ROOT, TINY, run_command
 
 from unbroken.core.records import committed_steps, read_records
 from unbroken.lab.report import load_run, render_markdown
@@ -35,14 +34,14 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -
     out = tmp_path_factory.mktemp("agree") / "run"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "3", "--out", str(out)]
     cmd += [f"--data.cache_dir={data_cache_dir}", f"--failures.schedule={SCHEDULE}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
+    result = run_command(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result.stdout
 
 
 def _status(run_dir: Path, *args: str) -> str:
     """``unbroken status RUN_DIR`` into a pipe, in 80 columns."""
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "unbroken", "status", str(run_dir), *args],
         capture_output=True,
         text=True,
@@ -191,7 +190,7 @@ def test_a_worker_restarted_too_late_is_stopped_at_the_end_with_one_line(tmp_pat
     kill = "kill:worker=2,step=2,phase=backward,rejoin=0.1"
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", "3", "--out", str(out), "--train.steps=6"]
     cmd += [f"--failures.schedule={kill}", str(script), str(markers), str(ROOT / "examples")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
+    result = run_command(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_records(out, "final") and sorted(read_records(out, "final")[0]["checksums"]) == ["0", "1"]
     assert _summary_row(result.stdout, "not rejoined") == [

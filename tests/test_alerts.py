@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import http.server
 import json
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from runner import TINY, train_cmd
+from runner import TINY, run_command, train_cmd
 
 from unbroken.control.alerts import Alerter, AlertKind
 from unbroken.core.config import MetricsConfig
@@ -128,7 +127,7 @@ def test_a_bad_alert_setting_is_one_line_at_launch_and_nothing_is_written(
 ) -> None:
     out = tmp_path / "run"
     cmd = train_cmd(data_cache_dir, TINY, "--out", str(out), override, workers=1)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    result = run_command(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert says in line and line.startswith("unbroken: error:"), line

@@ -5,12 +5,11 @@ invariant (see unbroken/chaos.py; the long campaign's figures are in docs/reliab
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runner import TINY
+from runner import TINY, run_command
 
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.records import RecordKind, append_records, make
@@ -103,7 +102,7 @@ def test_small_campaign_keeps_every_invariant(tmp_path: Path, data_cache_dir: Pa
     cmd = [sys.executable, "-m", "unbroken", "chaos", TINY, "--trials", "1", "--seed", "105", "--steps", "30"]
     cmd += ["--workers", "3", "--train.microbatches=8"]
     cmd += ["--out", str(tmp_path / "chaos"), f"--data.cache_dir={data_cache_dir}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=380)
+    result = run_command(cmd, capture_output=True, text=True, timeout=380)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     table = result.stdout
     assert "with a violation: 0" in table, table
@@ -118,7 +117,7 @@ def test_random_time_faults_from_outside_keep_every_invariant(tmp_path: Path, da
     cmd = [sys.executable, "-m", "unbroken", "chaos", TINY, "--mode", "random-time", "--trials", "1", "--seed", "3"]
     cmd += ["--steps", "30", "--workers", "3", "--out", str(tmp_path / "chaos"), f"--data.cache_dir={data_cache_dir}"]
     cmd += ["--failures.schedule=scale:step=2,microbatch=1,factor=1e9"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=380)
+    result = run_command(cmd, capture_output=True, text=True, timeout=380)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "with a violation: 0" in result.stdout
     total = next(line for line in result.stdout.splitlines() if line.startswith("total")).split()

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from runner import ROOT, TINY, final_params, train
+from runner import ROOT, TINY, final_params, run_command, train
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
@@ -177,7 +177,7 @@ def test_a_coordinator_that_never_comes_back_checkpoints_and_resume_reproduces(
     # The steps committed before the death are all in the metrics (the leader wrote what was not drained).
     assert sorted(step_losses(out)) == list(range(lost["step"]))
 
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "unbroken", "train", "--resume", str(out), "--workers", "2", "--quiet"],
         capture_output=True,
         text=True,
@@ -195,9 +195,7 @@ def test_a_coordinator_that_never_comes_back_checkpoints_and_resume_reproduces(
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=60, env=env
-    )
+    return run_command([sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runner import ROOT, TINY
+from runner import ROOT, TINY, run_command
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,7 +24,7 @@ def dry_run(cwd: Path, cache: Path, command: str, *args: str) -> subprocess.Comp
     """``unbroken COMMAND --dry-run ARGS`` in ``cwd`` (``train`` with the session's data cache)."""
     cache_dir = [f"--data.cache_dir={cache}"] if command == "train" else []
     cmd = [sys.executable, "-m", "unbroken", command, "--dry-run", *cache_dir, *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=100)
+    return run_command(cmd, cwd=cwd, capture_output=True, text=True, timeout=100)
 
 
 def files_under(folder: Path) -> dict[str, tuple[int, int]]:

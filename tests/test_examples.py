@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, ROOT, train
+from runner import EXACT, ONE_THREAD, ROOT, run_command, train
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
@@ -26,7 +26,7 @@ HF = ROOT / "examples" / "hf_llama.py"
 
 def launch(out: Path, script: Path, *args: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out), "--quiet"]
-    return subprocess.run([*cmd, *args, str(script)], capture_output=True, text=True, timeout=280)
+    return run_command([*cmd, *args, str(script)], capture_output=True, text=True, timeout=280)
 
 
 def same_final(a: Path, b: Path, step: int) -> None:
@@ -39,7 +39,7 @@ def same_final(a: Path, b: Path, step: int) -> None:
 
 def test_the_plain_loop_is_short_and_runs_alone(tmp_path: Path) -> None:
     assert len(PLAIN.read_text().splitlines()) < 80
-    result = subprocess.run([sys.executable, str(PLAIN)], cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    result = run_command([sys.executable, str(PLAIN)], cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()  # a job of one worker, its run directory as unbroken train makes it
     final = read_records(run, "final")[0]
@@ -109,7 +109,7 @@ def test_export_gives_a_hugging_face_model_that_computes_the_same_function(
     run = tmp_path / "run"
     assert train(run, data_cache_dir, "--train.steps=2", workers=1).returncode == 0
     out = tmp_path / "hf"
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "unbroken", "export", str(run), str(out)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -123,7 +123,7 @@ def test_export_gives_a_hugging_face_model_that_computes_the_same_function(
         a = ours.double()(tokens)
         b = theirs.double()(input_ids=tokens).logits
     assert torch.allclose(a, b, rtol=1e-12, atol=1e-12 * float(a.abs().max()))
-    refused = subprocess.run(
+    refused = run_command(
         [sys.executable, "-m", "unbroken", "export", str(run), str(out)], capture_output=True, text=True, timeout=120
     )
     assert refused.returncode == 2 and "is not empty" in refused.stderr
@@ -202,7 +202,7 @@ def test_launch_warns_of_idle_workers_and_of_data_seeded_with_python_hash(tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", "3", "--out", str(tmp_path / "run"), "--quiet"]
     cmd += [ONE_THREAD, "--train.steps=2", "--train.microbatches=2", "--checkpoint.every=0", str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    result = run_command(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("unbroken: warning: ")]
     assert len(warnings) == 2, result.stderr[-3000:]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, TINY, final_params, train, train_cmd
+from runner import EXACT, ONE_THREAD, TINY, final_params, run_command, train, train_cmd
 
 from unbroken.control.progress import summarize
 from unbroken.core.config import load_config
@@ -82,7 +82,7 @@ def test_a_nan_skips_the_step_like_a_run_that_skips_it_by_construction(
     state = ckpt.verify(clean, 3)
     state = {**state, "step": 4, "ft": {**state["ft"], "nonfinite_streak": 1}}
     ckpt.save_checkpoint(constructed, 4, state, keep=8)
-    result = subprocess.run(
+    result = run_command(
         train_cmd(data_cache_dir, "--resume", str(constructed), workers=WORKERS),
         capture_output=True,
         text=True,
@@ -181,7 +181,7 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert not read_records(run, "final"), "stopped too late to test --resume"
-    result = subprocess.run(
+    result = run_command(
         train_cmd(data_cache_dir, "--resume", str(run), workers=WORKERS), capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]

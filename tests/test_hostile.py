@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runner import TINY, train
+from runner import TINY, run_command, train
 
 from unbroken.core.config import DataConfig
 from unbroken.core.failures import FailureSchedule
@@ -40,7 +40,7 @@ def _snapshot(root: Path) -> dict[Path, bytes]:
 
 def _resume(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "unbroken", "train", "--resume", str(run_dir), "--workers", "2", "--quiet", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    return run_command(cmd, capture_output=True, text=True, timeout=100)
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], message: str) -> None:
@@ -102,7 +102,7 @@ def test_data_file_that_is_not_text_is_refused(tmp_path: Path, data_cache_dir: P
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
     cmd += [f"--data.source={corpus}", f"--data.cache_dir={tmp_path / 'cache'}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    result = run_command(cmd, capture_output=True, text=True, timeout=100)
     _one_line_error(result, "is binary")
     assert not out.exists() and not (tmp_path / "cache").exists()
     assert corpus.read_bytes() == content

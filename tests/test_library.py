@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from ftharness import ThreadJob
-from runner import ROOT
+from runner import ROOT, run_command
 from torch import nn
 
 from unbroken.core.config import RunConfig
@@ -233,12 +232,12 @@ def test_python_script_alone_takes_overrides_and_a_missing_commit_is_one_error_u
         "        step.commit(opt)\n",
     )
     args = ["--train.steps=2", "--train.threads=1", "--checkpoint.every=0", "--my-flag"]
-    ok = subprocess.run([sys.executable, str(train), *args], cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    ok = run_command([sys.executable, str(train), *args], cwd=tmp_path, capture_output=True, text=True, timeout=150)
     assert ok.returncode == 0, ok.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert read_records(run_dir, "final")[0]["step"] == 2
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    bad = subprocess.run(
+    bad = run_command(
         [sys.executable, "-O", str(train), *args, "--forget-commit", f"--train.out_dir={tmp_path / 'bad'}"],
         cwd=tmp_path,
         capture_output=True,
@@ -254,7 +253,7 @@ def test_export_of_a_script_s_run_is_one_line(tmp_path: Path) -> None:
     """A library run's checkpoint holds the script's own model, which export cannot rebuild: one line, exit 2."""
     run(tmp_path, config(train={"steps": 1}), 1, lambda ctx, w: loop(ctx, w, mlp()))
     assert read_records(tmp_path / "run", "final")[0]["step"] == 1
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "unbroken", "export", str(tmp_path / "run"), str(tmp_path / "hf")],
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ROOT, TINY, train, unbroken
+from runner import EXACT, ROOT, TINY, run_command, train, unbroken
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.config import load_config
@@ -51,7 +51,7 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out)]
     cmd += [*(["--quiet"] if quiet else []), f"--data.cache_dir={cache}", *args, str(script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    return run_command(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
 def test_deterministic_kernels_are_in_force_in_every_worker_of_unbroken_train(
@@ -246,7 +246,7 @@ def test_the_group_fingerprint_is_the_majoritys_and_a_refusal_names_every_differ
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: bench gpu would run")
 def test_bench_gpu_without_a_gpu_says_so_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "unbroken", "bench", "gpu", "--record"],
         capture_output=True,
         text=True,

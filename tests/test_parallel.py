@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, RECOVERY_STEPS, TINY, train, train_cmd
+from runner import EXACT, ONE_THREAD, RECOVERY_STEPS, TINY, run_command, train, train_cmd
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
@@ -228,7 +228,7 @@ def test_mecefo_on_split_replicas_is_bitwise_mecefo_on_whole_ones(
     # Resumed by one whole-model worker, the run keeps them (no efficient microbatch: they are not recomputed),
     # and its one-file checkpoint lists them again.
     resume = train_cmd(data_cache_dir, "--resume", str(run), "--parallel.shard=1", "--parallel.pipeline=1", workers=1)
-    result = subprocess.run(
+    result = run_command(
         [*resume, "--train.steps=11", "--failures.schedule="], capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -255,7 +255,7 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
     assert not read_records(run, "final"), "stopped too late to test --resume"
     assert ckpt.load_latest(run, read_sharded=False).sharded  # type: ignore[union-attr]
     resume = train_cmd(data_cache_dir, "--resume", str(run), "--parallel.shard=1", workers=3)
-    result = subprocess.run(resume, capture_output=True, text=True, timeout=240)
+    result = run_command(resume, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = read_records(run, "resume")[-1]
     assert resumed["step"] >= 20 and resumed["path"].endswith(".dcp")
@@ -284,7 +284,7 @@ def test_a_layout_that_cannot_run_is_one_line_and_exit_2(
 ) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--out", str(out), f"--data.cache_dir={data_cache_dir}"]
-    result = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+    result = run_command([*cmd, *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr

@@ -11,12 +11,11 @@ the unsplit model's; test_tensor.py checks that they compute it to float64 round
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, train, train_cmd
+from runner import EXACT, ONE_THREAD, run_command, train, train_cmd
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
@@ -149,7 +148,7 @@ def test_a_checkpoint_of_tensor_x_shard_replicas_resumes_in_another_layout(
     runs = {}
     for name, workers, layout in (("fsdp", 4, "--parallel.shard=2"), ("whole", 1, "--parallel.shard=1")):
         runs[name] = tmp_path / name
-        subprocess.run(["cp", "-a", str(saved), str(runs[name])], check=True)
+        run_command(["cp", "-a", str(saved), str(runs[name])], check=True)
         resume = train_cmd(
             data_cache_dir,
             "--resume",
@@ -159,7 +158,7 @@ def test_a_checkpoint_of_tensor_x_shard_replicas_resumes_in_another_layout(
             layout,
             workers=workers,
         )
-        result = subprocess.run(resume, capture_output=True, text=True, timeout=240)
+        result = run_command(resume, capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, result.stderr[-3000:]
         resumed = read_records(runs[name], "resume")[-1]
         assert resumed["step"] == 20 and resumed["path"].endswith(".dcp")

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from runner import RECOVERY_SCHEDULE, RECOVERY_STEPS, ROOT
+from runner import RECOVERY_SCHEDULE, RECOVERY_STEPS, ROOT, run_command
 
 from unbroken.cli import main
 from unbroken.core.failures import FailureSchedule
@@ -57,7 +56,7 @@ def _report(*args: str | Path) -> tuple[int, str]:
         "import sys\nfrom unbroken.cli import main\nrc = main(sys.argv[1:])\n"
         "assert 'torch' not in sys.modules, 'unbroken report imported torch'\nsys.exit(rc)"
     )
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-c", code, "report", *map(str, args)], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     return result.returncode, result.stdout + result.stderr
@@ -65,7 +64,7 @@ def _report(*args: str | Path) -> tuple[int, str]:
 
 def test_importing_the_report_imports_neither_torch_nor_matplotlib() -> None:
     code = "import sys, unbroken.lab.report; assert not {'torch', 'matplotlib'} & set(sys.modules), sorted(sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = run_command([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
 
 

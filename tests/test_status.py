@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from rich.console import Console
-from runner import train
+from runner import run_command, train
 
 from unbroken.control.progress import print_summary, summarize
 from unbroken.control.runview import MetricsTee, RunView
@@ -542,7 +542,7 @@ def _chromium(browser: str, profile: Path, *args: str) -> subprocess.CompletedPr
         "--virtual-time-budget=10000",
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return run_command(cmd, capture_output=True, text=True, timeout=60)
 
 
 def _loss_coloured_pixels(png: Path) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import ROOT, TINY, final_params
+from runner import ROOT, TINY, final_params, run_command
 
 from unbroken.core.records import committed_steps, read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
@@ -30,7 +30,7 @@ def train_cmd(*args: str, cache: Path) -> list[str]:
 
 
 def run_train(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(train_cmd(*args, cache=cache), capture_output=True, text=True, cwd=cwd, timeout=200)
+    return run_command(train_cmd(*args, cache=cache), capture_output=True, text=True, cwd=cwd, timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_resume_after_ctrl_c_and_corrupt_checkpoint_reproduces_the_run(tmp_path:
     before = sorted(committed_steps(read_records(interrupted)))
     # Not --quiet: what the console shows of a resumed run is part of the test.
     resume = [sys.executable, "-m", "unbroken", "train", "--resume", str(interrupted), "--workers", "2"]
-    result = subprocess.run(
+    result = run_command(
         [*resume, f"--data.cache_dir={data_cache_dir}"],
         capture_output=True,
         text=True,
@@ -236,7 +236,7 @@ def test_cli_help_lists_the_commands_and_every_config_key() -> None:
     from unbroken.core.config import RecoveryPolicy, RunConfig
 
     def run(*args: str) -> str:
-        result = subprocess.run(
+        result = run_command(
             [sys.executable, "-m", "unbroken", *args], capture_output=True, text=True, timeout=60, env={**os.environ}
         )
         assert result.returncode == 0, result.stderr

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from runner import ROOT, final_params, train
+from runner import ROOT, final_params, run_command, train
 
 from unbroken.core.config import DataConfig
 from unbroken.core.records import read_records, step_losses
@@ -48,7 +47,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = d / "out"
     cmd = [sys.executable, "-m", "unbroken", "prepare", *files, "--out", str(out), "--train-tokenizer"]
     cmd += ["--vocab-size", str(VOCAB), "--sample-bytes", "100K", "--procs", "2", "--shard-tokens", "40000"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    result = run_command(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stderr
     assert len(read_index(out).shards) > 5
     return out

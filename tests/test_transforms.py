@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from runner import EXACT, ONE_THREAD, ROOT, TINY, train
+from runner import EXACT, ONE_THREAD, ROOT, TINY, run_command, train
 
 from unbroken.core.config import load_config
 from unbroken.core.records import read_records, step_losses
@@ -200,7 +199,7 @@ def test_bad_values_of_the_new_keys_are_one_line_errors(override: str, message: 
 )
 def test_bad_values_exit_2_with_one_line(tmp_path: Path, data_cache_dir: Path, override: str) -> None:
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--out", str(tmp_path / "run"), "--quiet"]
-    result = subprocess.run(
+    result = run_command(
         [*cmd, f"--data.cache_dir={data_cache_dir}", override], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert result.returncode == 2, result.stderr[-2000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, ROOT, free_port, unbroken
+from runner import EXACT, ONE_THREAD, ROOT, free_port, run_command, unbroken
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core import bugs
@@ -38,7 +38,7 @@ def _line_of(text: str) -> int:
 
 def launch(out: Path, *args: str, workers: int) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out), "--quiet"]
-    return subprocess.run([*cmd, *COMMON, *args], capture_output=True, text=True, timeout=280)
+    return run_command([*cmd, *COMMON, *args], capture_output=True, text=True, timeout=280)
 
 
 def same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
