@@ -72,7 +72,7 @@ def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[st
     changed = {k for k in (env or {}).keys() | os.environ.keys() if (env or os.environ).get(k) != os.environ.get(k)}
     forkable = (
         sys.platform == "linux"
-        and os.environ.get(LAUNCHPAD_ENV) != "0"
+        and (env or os.environ).get(LAUNCHPAD_ENV) != "0"
         and cmd[:3] == [sys.executable, "-m", "unbroken"]
         and kwargs.get("capture_output") is True
         and kwargs.get("text") is True
@@ -87,6 +87,7 @@ def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[st
 
 LAUNCHPAD_ENV = "UNBROKEN_TEST_LAUNCHPAD"
 _launchpad: tuple[int, subprocess.Popen[bytes], str] | None = None  # (the pid that started it, it, its socket)
+forked_pids: list[int] = []  # of the commands forked for this process, oldest first
 
 
 def _launchpad_socket() -> str:
@@ -131,6 +132,7 @@ def run_forked(
         conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         replies = conn.makefile("rb")
         pid = json.loads(replies.readline())["pid"]
+        forked_pids.append(pid)
         conn.settimeout(timeout_s)
         try:
             status = json.loads(replies.readline())["status"]
