@@ -218,8 +218,13 @@ def test_under_exclude_a_persistently_slow_worker_is_removed_and_the_run_is_the_
     where worker 2 were killed at that step is."""
     rejoin = ["--recovery.slow_rejoin=false", "--failures.mttr_s=0.5"]  # restarted, and refused once back
     run = slowed_run(tmp_path, data_cache_dir, "exclude", *rejoin)
-    (slow,) = read_records(run, "slow")
+    slow, *after = read_records(run, "slow")
     assert (slow["worker"], slow["state"], slow["decision"]) == (2, "slow", "exclude"), slow
+    # Two members are left, each the other's only yardstick: here, two one-thread workers sharing 2 cores with the
+    # coordinator and the launcher, one of them can be 1.5-2x the other's time for seconds on end (CI: worker 1 at
+    # 1.86x over steps 13-19, then worker 0 over 20-25), and the rule may say so. Excluding one of two pays off only
+    # if it is more than twice as slow (the other computes every microbatch then): it is kept, nobody else leaves.
+    assert all(r["worker"] != 2 and r["decision"] != "exclude" for r in after), after
     assert slow["step"] in (7, 11, 15) and slow["saving_s"] > slow["cost_s"] and slow["steps_left"] > 0
     (failure,) = read_records(run, "failure")
     assert failure["worker"] == 2 and failure["why"].startswith("fail-slow"), failure
