@@ -28,14 +28,7 @@ import signal
 import socket
 import sys
 
-_PR_SET_PDEATHSIG = 1
-MESSAGE_BYTES = 1 << 20
-
-
-def _prctl(option: int, value: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+from unbroken.control.zygote import _PR_SET_PDEATHSIG, MESSAGE_BYTES, PRELOAD, _prctl
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -108,7 +101,6 @@ def main() -> None:
     import gc
 
     import unbroken.cli  # noqa: F401 - what every command imports
-    from unbroken.control.zygote import PRELOAD
     from unbroken.ft import foldkernel
 
     for name in PRELOAD:
@@ -117,7 +109,6 @@ def main() -> None:
     gc.freeze()
     request = serve(path)
     # The command's process: from here on, ``python -m unbroken ARGS`` in the request's directory and environment.
-    _prctl(_PR_SET_PDEATHSIG, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # as ``python -m`` puts it (the server's is tests/)
