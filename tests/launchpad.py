@@ -29,6 +29,7 @@ import socket
 import sys
 
 from unbroken.control.zygote import _PR_SET_PDEATHSIG, MESSAGE_BYTES, PRELOAD, _prctl
+from unbroken.core.ending import run_then_exit
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -115,6 +116,11 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["unbroken", *request["argv"]]
+    # Ended as a forked worker is (without the interpreter's teardown, which copies the pages it shares).
+    run_then_exit(_command)
+
+
+def _command() -> None:
     runpy.run_module("unbroken", run_name="__main__", alter_sys=True)
 
 

@@ -20,8 +20,11 @@ real cluster) would look pure on one host. ``UNBROKEN_ZYGOTE=0`` starts every wo
 from them (``fork_early``), at the top of the command line's ``main``, before they have started a thread or touched a
 device: it then imports only what they did not (``torch._dynamo``, the trainer), and a run imports torch once. The
 forked zygote waits for its setup (environment, log, kernels: what the command line of a started one says) and goes
-on as a started one does; the process it forks for a worker returns from ``main`` and ends as any program does. A
-program that cannot fork it (threads started, CUDA initialised) starts it (``python -m unbroken.control.zygote``).
+on as a started one does. A program that cannot fork it (threads started, CUDA initialised) starts it (``python -m
+unbroken.control.zygote``).
+
+A forked process (the zygote, a worker, a coordinator) ends without the interpreter's teardown
+(``core.ending.run_then_exit``), which would copy most of the pages it shares with the zygote.
 
 The wire, agent to zygote (a ``SOCK_SEQPACKET`` pair, one message each way per worker): a JSON request (argv,
 environment, log file, session or process group, descriptors to hand on and the numbers they must have) with the
@@ -47,9 +50,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from unbroken.control.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
+from unbroken.core.ending import run_then_exit
 
 ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "unbroken.train.trainer")
@@ -361,7 +365,7 @@ def fork_early() -> bool:
     return False
 
 
-def serve_early() -> int:
+def serve_early() -> NoReturn:
     """In a zygote forked by ``fork_early``: wait for its setup (none: the program ended without needing it), take
     the environment, output and descriptors a started one would have, and go on as one (``_zygote``)."""
     conn = _early_conn
@@ -372,7 +376,7 @@ def serve_early() -> int:
     except (OSError, ValueError):
         setup = None
     if setup is None:
-        return 0
+        run_then_exit(lambda: None)
     log = _open_log(setup["log"])
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, number in ((null, 0), (log, 1), (log, 2)):
@@ -401,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     return _zygote(socket.socket(fileno=args.fd), args.fold_kernels)
 
 
-def _zygote(conn: socket.socket, fold_kernels: bool) -> int:
-    """The zygote, started or forked early: its imports, then requests until its program closes the socket. Returns
-    0 in the zygote when it ends, and in each worker when the worker's program has run."""
+def _zygote(conn: socket.socket, fold_kernels: bool) -> NoReturn:
+    """The zygote, started or forked early: its imports, then requests until its program closes the socket. Ends
+    the process (``run_then_exit``), the zygote's when it is done and each worker's when its program has run."""
     # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
     # order, and the zygote must live on to serve that job's restarts (a worker gets Python's handler back).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -419,10 +423,9 @@ def _zygote(conn: socket.socket, fold_kernels: bool) -> int:
     print(READY_LINE.format(wall=time.time() - float(os.environ[STARTED_AT_ENV]), cpu=time.process_time()), flush=True)
     job = _serve(conn)
     if job is None:
-        return 0
+        run_then_exit(lambda: None)
     _become(job)
-    _run(job.argv)
-    return 0
+    run_then_exit(lambda: _run(job.argv))
 
 
 if __name__ == "__main__":

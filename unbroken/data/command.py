@@ -12,6 +12,7 @@ import argparse
 import re
 import sys
 
+from unbroken.core.ending import run_then_exit
 from unbroken.data.prepare import FORMATS, PrepareOptions, prepare
 from unbroken.data.progress import MODES
 from unbroken.data.shards import DEFAULT_SHARD_TOKENS
@@ -123,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)

@@ -1,7 +1,6 @@
 """``python -m unbroken.train``: one worker of the built-in trainer (started by ``unbroken train``)."""
 
-import sys
-
+from unbroken.core.ending import run_then_exit
 from unbroken.train.trainer import main
 
-sys.exit(main())
+run_then_exit(main)
