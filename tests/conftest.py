@@ -2,9 +2,9 @@
 failure-free and faulted runs that several test files compare (the control-plane and launcher tests' reference,
 the recovery runs that the recovery and report tests read).
 
-``make test`` runs the suite in two pytest processes (pytest-xdist, a file per process at a time): each run
+``make test`` runs the suite in three pytest processes (pytest-xdist, a file per process at a time): each run
 below is made once for the whole session by whichever process needs it first, under a file lock, in a
-directory both processes share. ``unbroken`` commands run through ``runner.run_command`` are forked by a launchpad
+directory they all share. ``unbroken`` commands run through ``runner.run_command`` are forked by a launchpad
 per process (tests/launchpad.py), ended with the session."""
 
 from __future__ import annotations
@@ -22,9 +22,18 @@ from runner import RUN_TIMEOUT_S, stop_launchpad
 # Either way the build is part of the test's time: a test's hang bound is its own plus the builds it may wait for.
 # A test module whose own module-scoped fixture trains several runs says how many in ``FIXTURE_RUNS``.
 SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
+# The longest files, handed out first (``make test`` gives each pytest process a file at a time, in the collection's
+# order): a long file started last would run alone at the end (the namespace tests, 5 minutes of waits, did).
+LONGEST_FIRST = ("test_netns.py", "test_replica3d.py", "test_parallel.py", "test_examples.py", "test_numerics.py")
+
+
+def _schedule_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_schedule_rank)  # stable: a file's tests keep their order
     for item in items:
         builds = {**SHARED_RUNS, **getattr(getattr(item, "module", None), "FIXTURE_RUNS", {})}
         runs = sum(builds.get(name, 0) for name in getattr(item, "fixturenames", ()))
