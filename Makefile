@@ -39,7 +39,7 @@ test: $(STAMP)
 	@mkdir -p .cache
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py \
 		> .cache/test-optimised.log 2>&1 & optimised=$$!; \
-	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 3 --dist loadfile --ignore=tests/test_invariants.py; \
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --ignore=tests/test_invariants.py; \
 	suite=$$?; wait $$optimised; status=$$?; \
 	echo "--- tests/test_invariants.py under python -O:"; cat .cache/test-optimised.log; \
 	test $$suite -eq 0 -a $$status -eq 0

@@ -23,7 +23,8 @@ from runner import RUN_TIMEOUT_S, stop_launchpad
 # A test module whose own module-scoped fixture trains several runs says how many in ``FIXTURE_RUNS``.
 SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
 # The longest files, handed out first (``make test`` gives each pytest process a file at a time, in the collection's
-# order): a long file started last would run alone at the end (the namespace tests, 5 minutes of waits, did).
+# order, with xdist's own reordering by test count turned off): a long file started last would run alone at the end
+# (the namespace tests, 5 minutes of waits, did).
 LONGEST_FIRST = ("test_netns.py", "test_replica3d.py", "test_parallel.py", "test_examples.py", "test_numerics.py")
 
 
