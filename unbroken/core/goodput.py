@@ -224,12 +224,14 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
         for r in records
         if r.get("type") == RecordKind.STEP and r.get("republished") and int(r["step"]) not in final
     }
+    untimed_tokens: list[tuple[float, int]] = []  # (when it was recorded, its tokens)
     if committed and untimed:
         usual = statistics.median(int(r.get("tokens", 0)) for r in committed)
         for r in untimed.values():
             if r.get("committed", True) and not r.get("skipped"):
                 m = int(r.get("microbatches") or 1)
-                tokens += round(usual * (m - int(r.get("dropped") or 0)) / m)
+                untimed_tokens.append((float(r["time"]), round(usual * (m - int(r.get("dropped") or 0)) / m)))
+        tokens += sum(n for _, n in untimed_tokens)
     full = max((int(r.get("alive", 0)) for r in final.values()), default=0)
 
     # The sessions' timelines, and the steps of each in commit order.
@@ -256,6 +258,10 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
     ideal_rate = ideal_tokens / ideal_step if clean and ideal_step > 0 else math.nan
     per_token = 1.0 / ideal_rate if ideal_rate > 0 else 0.0  # (nan > 0 is False: then every step is excess)
 
+    def productive(begin: float, end: float) -> float:
+        """The ideal time of the untimed steps recorded in (begin, end]: productive, not a gap's badput."""
+        return sum(n for t, n in untimed_tokens if begin < t <= end) * per_token
+
     members = {int(r["epoch"]): list(r["members"]) for r in records if r.get("type") == RecordKind.MEMBERSHIP}
     events = _Timeline(r for r in records if r.get("type") in (RecordKind.FAILURE, RecordKind.RECOVERY))
 
@@ -278,12 +284,14 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
             seconds, stop = float(r["step_time_s"]), float(r["time"])
             start = stop - seconds
             if k == 0:
-                ledger.split(start - cursor, [], opening)
+                ledger.split(start - cursor - productive(cursor, start), [], opening)
                 usual = 0.0
             else:
                 usual = min(max(0.0, start - cursor), cadence)
-                _gap(ledger, timeline.between(cursor, start), start - cursor - usual, members)
+                gap = start - cursor - usual - productive(cursor, start)
+                _gap(ledger, timeline.between(cursor, start), gap, members)
             cursor = stop
+            seconds -= productive(start, stop)  # an untimed step recorded while this one ran
             if r.get("skipped") or not r.get("committed", True):
                 ledger.split(seconds + usual, [], Bucket.NONFINITE)
             elif id(r) not in counted:  # computed again later (after a restart or resume): this attempt is lost
@@ -295,9 +303,9 @@ def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
                 else:
                     _step(ledger, r, excess, full, events.between(start, stop), members)
         if relaunched:
-            ledger.split(end - cursor, [], Bucket.RESTART)
+            ledger.split(end - cursor - productive(cursor, end), [], Bucket.RESTART)
         else:
-            _gap(ledger, timeline.between(cursor, end), end - cursor, members)
+            _gap(ledger, timeline.between(cursor, end), end - cursor - productive(cursor, end), members)
     return Goodput(wall, tokens, ideal_step, ideal_rate, ledger.buckets, cadence)
 
 
