@@ -2,7 +2,7 @@
 failure-free and faulted runs that several test files compare (the control-plane and launcher tests' reference,
 the recovery runs that the recovery and report tests read).
 
-``make test`` runs the suite in three pytest processes (pytest-xdist, a file per process at a time): each run
+``make test`` runs the suite in two pytest processes (pytest-xdist, a file per process at a time): each run
 below is made once for the whole session by whichever process needs it first, under a file lock, in a
 directory they all share. ``unbroken`` commands run through ``runner.run_command`` are forked by a launchpad
 per process (tests/launchpad.py), ended with the session."""
