@@ -1,13 +1,18 @@
-"""Failure schedules (parsing, validation, seeded random scenarios) and the recovery accounting property."""
+"""Failure schedules (parsing, validation, seeded random scenarios), the recovery accounting property, and how a
+worker at an injection point wakes the agent that delivers the signal."""
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unbroken.control.agent import Agent, wait_for_exit
 from unbroken.core.failures import (
     FailureKind,
     FailureSchedule,
@@ -141,3 +146,22 @@ def test_recovery_accounting_counts_every_id_exactly_once(m: int, n: int, seed: 
         held[w] += todo[w]
     final = sorted(j for w in members for j in held[w])
     assert final == list(range(m))
+
+
+def test_a_worker_at_an_injection_point_wakes_its_agent_which_otherwise_just_waits(tmp_path: Path) -> None:
+    """An agent with a failure schedule hands its workers a pipe (``INJECT_FD_ENV``): a worker that reached an
+    injection point writes to it (``ft.inject.wake_agent``) and the agent's wait for an exit ends at once (it
+    then looks at the store). Nothing else ends that wait early: both workers here stay alive, so a wait of
+    600 s (past this test's bound) returns only through the pipe; without a schedule there is no pipe."""
+    script = "import time; from unbroken.ft.inject import wake_agent; time.sleep(0.5); wake_agent(); time.sleep(600)"
+    agent = Agent([0], (sys.executable, "-c", script), dict(os.environ), tmp_path, injections=True)
+    assert Agent([0], (sys.executable, "-c", "pass"), dict(os.environ), tmp_path).wake_fds() == ()
+    agent.start_all()
+    try:
+        assert not agent._drain_wakes()
+        wait_for_exit(agent.processes(), 600.0, agent.wake_fds())
+        assert agent.workers[0].poll() is None  # the worker woke it, it did not exit
+        assert agent._drain_wakes() and not agent._drain_wakes()  # one wake, taken once
+    finally:
+        agent.workers[0].kill()
+        agent.workers[0].wait()

@@ -37,6 +37,7 @@ from unbroken.control import keys, zygote
 from unbroken.control.client import (
     COORDINATOR_ENV,
     DEVICE_INDEX_ENV,
+    INJECT_FD_ENV,
     LOCAL_WORKERS_ENV,
     SPARE_ENV,
     STARTED_AT_ENV,
@@ -55,9 +56,9 @@ from unbroken.ft.protocoldefs import EXIT_STOPPED
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.005  # with a failure schedule: injection points need a prompt answer
-IDLE_WAIT_S = 0.25  # otherwise; a process exit wakes the agent at once
-FULL_LOOK_EVERY = 50  # looks between reads of every worker's injection key, whether the bell rang or not
+POLL_S = 0.005  # the shortest wait: a restart or the end of a pause due sooner is waited for this long
+IDLE_WAIT_S = 0.25  # the longest; a process exit, or a worker at an injection point (INJECT_FD_ENV), wakes it at once
+FULL_LOOK_EVERY = 8  # looks (at most IDLE_WAIT_S apart) between reads of every worker's injection key, rung or not
 # A store call of the agent's that takes longer than this is cut (the coordinator's host unreachable): the agent
 # then looks for a coordinator again, the same one or an etcd standby.
 CALL_LIMIT_S = 10.0
@@ -102,6 +103,11 @@ class Agent:
         self.log_dir = log_dir
         self.restart_after_s = restart_after_s
         self.injections = injections
+        # A worker that reached an injection point writes to this pipe (INJECT_FD_ENV): the agent's wait ends then.
+        self.inject_read, self.inject_write = os.pipe() if injections else (-1, -1)
+        if injections:
+            os.set_blocking(self.inject_read, False)
+            os.set_blocking(self.inject_write, False)  # a full pipe already wakes the agent: never stall a worker
         # True: each worker in a session of its own (a terminal's Ctrl-C reaches only the launcher, which stops
         # them in order); False: the workers share the agent's process group, so the host's loss (``kill -9``
         # of the group) takes them all, as a machine that dies would.
@@ -183,6 +189,9 @@ class Agent:
     def _start(self, env: dict[str, str], log_name: str, fds: tuple[int, ...] = ()) -> WorkerProcess:
         """A process running the workers' command: forked by the zygote when it can, else started cold."""
         log_path = self.log_dir / log_name
+        if self.injections:
+            env = {**env, INJECT_FD_ENV: str(self.inject_write)}
+            fds = (*fds, self.inject_write)
         self.warm()
         forked = self.zygote.fork(list(self.command), env, log_path, self.own_sessions, fds) if self.zygote else None
         if forked is not None:
@@ -225,6 +234,11 @@ class Agent:
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
+
+    def wake_fds(self) -> tuple[int, ...]:
+        """Descriptors that end the wait for an exit (``wait_for_exit``) when readable: a worker at an injection
+        point."""
+        return (self.inject_read,) if self.injections else ()
 
     def start_all(self) -> None:
         for replica in self.layout.replicas(self.alive_ids()):
@@ -320,22 +334,36 @@ class Agent:
     def wait_s(self) -> float:
         """How long the next wait for an exit may last: short while scheduled faults are pending (a worker waits at
         its injection point), and no longer than until the next restart or the end of a pause falls due."""
-        wait = POLL_S if self.injections else IDLE_WAIT_S
+        wait = IDLE_WAIT_S
         dues = [info["at"] + info["rejoin"] for info in self.down.values() if info["rejoin"] is not None]
         dues += self.pauses.values()
         if dues:
             wait = min(wait, max(POLL_S, min(dues) - time.monotonic()))
         return wait
 
+    def _drain_wakes(self) -> bool:
+        """Empty the injection pipe; whether a worker wrote to it since the last look."""
+        woken = False
+        while True:
+            try:
+                chunk = os.read(self.inject_read, 4096)
+            except BlockingIOError:
+                return woken
+            if not chunk:
+                return woken
+            woken = True
+
     def deliver_injections(self) -> None:
         """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
         if not self.injections or self.store is None or self.finished:
             return
-        # One store call a look: the workers' keys are read when the bell rang since the last look, and every
-        # FULL_LOOK_EVERY looks anyway (a ring lost with a coordinator that died between a key and its ring).
+        woken = self._drain_wakes()
+        # One store call a look: the workers' keys are read when the bell rang since the last look, when a worker
+        # woke the agent, and every FULL_LOOK_EVERY looks anyway (a ring lost with a coordinator that died between
+        # a key and its ring).
         rung = self._call(lambda s: s.add(keys.INJECT_BELL, 0))
         self._looks += 1
-        if rung is None or (rung == self._rung and self._looks % FULL_LOOK_EVERY):
+        if rung is None or (rung == self._rung and not woken and self._looks % FULL_LOOK_EVERY):
             return
         self._rung = rung
         for wid, proc in self.workers.items():
@@ -667,7 +695,7 @@ def run_agent(args: argparse.Namespace) -> int:
                 agent.stop_latecomers(members)
         if agent.finished or agent.nobody_left():
             break
-        wait_for_exit(agent.processes(), agent.wait_s(), (console.read_fd,))
+        wait_for_exit(agent.processes(), agent.wait_s(), (console.read_fd, *agent.wake_fds()))
     agent.stop_workers()
     agent.close()
     for line in console.drain():

@@ -70,6 +70,9 @@ LOCAL_WORKERS_ENV = "UNBROKEN_LOCAL_WORKERS"  # workers on this host (to size ea
 SPARE_ENV = "UNBROKEN_SPARE"  # a warm spare's index: it waits, initialised, for the id of a dead worker to replace
 DEVICE_INDEX_ENV = "UNBROKEN_DEVICE_INDEX"  # a warm spare's device on its host (the workers' come from their ids)
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # where this worker writes checkpoints (default: the coordinator's run dir)
+# With a failure schedule: a pipe's write end (its descriptor number) on which the worker wakes its agent once it
+# has reached an injection point (ft.inject), so the agent waits instead of polling the store for it.
+INJECT_FD_ENV = "UNBROKEN_INJECT_FD"
 # Set by the agent that starts the process: when it asked for it (time.time()), and "1" if a zygote forked it
 # (control.zygote). The registration reports how long the start took, in wall time and in the process's CPU.
 STARTED_AT_ENV = "UNBROKEN_STARTED_AT"

@@ -312,7 +312,7 @@ class Launcher:
                         self.stop_all("every worker exited and none is due to restart")
                         break
                     procs = [*self.agent.processes(), self.coordinator]
-                    wait_for_exit(procs, self.agent.wait_s(), (self.console.read_fd,))
+                    wait_for_exit(procs, self.agent.wait_s(), (self.console.read_fd, *self.agent.wake_fds()))
                 for record in self._new_records():
                     progress.update(record)
                 for line in self.console.drain():

@@ -22,11 +22,23 @@ import torch
 from torch import nn
 
 from unbroken.control import keys
+from unbroken.control.client import INJECT_FD_ENV
 from unbroken.core.failures import FailureKind, FailureSchedule, Phase, cut_connections
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 5.0  # how long a worker waits at an injection point for the process that signals it
+
+
+def wake_agent() -> None:
+    """Wake the agent that started this worker (``INJECT_FD_ENV``), if one did: it then looks at once for the
+    injection point just reached (without it, at its next look)."""
+    fd = os.environ.get(INJECT_FD_ENV, "")
+    if fd.isdigit():
+        try:
+            os.write(int(fd), b"!")
+        except OSError:  # a full pipe already wakes it; a closed one: the agent looks anyway
+            pass
 
 
 class FaultInjector:
@@ -66,6 +78,7 @@ class FaultInjector:
         key = keys.inject(self.worker)
         store.set(key, json.dumps({"event": event.describe(), "time": time.time()}))
         store.add(keys.INJECT_BELL, 1)
+        wake_agent()
         deadline = time.monotonic() + HANDSHAKE_S
         while time.monotonic() < deadline and store.check([key]):
             time.sleep(0.005)  # the launcher takes the key, then signals
