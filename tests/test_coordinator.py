@@ -469,8 +469,11 @@ def test_the_agents_wait_ends_when_a_restart_or_the_end_of_a_pause_falls_due() -
     agent.pauses[1] = time.monotonic() + 0.05
     assert POLL_S <= agent.wait_s() <= 0.05
     agent.pauses.clear()
-    agent.injections = True
-    assert agent.wait_s() == POLL_S
+    # A failure schedule does not shorten it: a worker at an injection point wakes the wait (its pipe).
+    scheduled = Agent([0, 1], ("true",), {}, Path("."), injections=True)
+    assert scheduled.wait_s() == IDLE_WAIT_S and scheduled.wake_fds()
+    scheduled.close()
+    assert not scheduled.wake_fds()
 
 
 @pytest.mark.timeout(60)

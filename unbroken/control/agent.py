@@ -234,11 +234,15 @@ class Agent:
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
+        if self.injections and self.inject_read >= 0:
+            os.close(self.inject_read)  # a worker still running gets EPIPE on a wake: it ignores it
+            os.close(self.inject_write)
+            self.inject_read = self.inject_write = -1
 
     def wake_fds(self) -> tuple[int, ...]:
         """Descriptors that end the wait for an exit (``wait_for_exit``) when readable: a worker at an injection
         point."""
-        return (self.inject_read,) if self.injections else ()
+        return (self.inject_read,) if self.inject_read >= 0 else ()
 
     def start_all(self) -> None:
         for replica in self.layout.replicas(self.alive_ids()):
@@ -344,6 +348,8 @@ class Agent:
     def _drain_wakes(self) -> bool:
         """Empty the injection pipe; whether a worker wrote to it since the last look."""
         woken = False
+        if self.inject_read < 0:
+            return woken
         while True:
             try:
                 chunk = os.read(self.inject_read, 4096)

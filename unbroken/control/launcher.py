@@ -15,6 +15,7 @@ with it (``gateway``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -158,6 +159,10 @@ class Launcher:
         self.coordinator: WorkerProcess | None = None
         self.interrupted = False
         self.interrupt_reason = "interrupted by the user (Ctrl-C)"
+        # Written on an interrupt: the loop's wait for an exit (up to agent.IDLE_WAIT_S) ends at once. A later stop
+        # lets the workers commit more steps, whose records a stopping coordinator may no longer append.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
         self._metrics_offset = 0
         self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
         self._records: list[dict[str, Any]] = []  # this launch's
@@ -312,7 +317,8 @@ class Launcher:
                         self.stop_all("every worker exited and none is due to restart")
                         break
                     procs = [*self.agent.processes(), self.coordinator]
-                    wait_for_exit(procs, self.agent.wait_s(), (self.console.read_fd, *self.agent.wake_fds()))
+                    readable = (self.console.read_fd, self._wake_read, *self.agent.wake_fds())
+                    wait_for_exit(procs, self.agent.wait_s(), readable)
                 for record in self._new_records():
                     progress.update(record)
                 for line in self.console.drain():
@@ -320,6 +326,8 @@ class Launcher:
             return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
+            for fd in (self._wake_read, self._wake_write):
+                os.close(fd)
             self.agent.close()
             self.sock.close()
             self.console.close()
@@ -355,12 +363,18 @@ class Launcher:
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
+        self._wake()
 
     def interrupt(self, reason: str) -> None:
         """Stop the run at the launcher's next look, as Ctrl-C does (exit 130, the last checkpoint kept), for
         ``reason`` (a benchmark that has its figures); callable from another thread."""
         self.interrupt_reason = reason
         self.interrupted = True
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed (the run is over)
+            os.write(self._wake_write, b"!")
 
     def _finish(self) -> int:
         if self._final_seen:
