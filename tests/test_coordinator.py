@@ -276,6 +276,41 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
         assert [r["admitted"] for r in read_records(run, "gateway")] == [2, 3, 1, 4]
 
 
+def test_after_a_stop_the_members_records_are_taken_until_their_heartbeats_end(tmp_path: Path) -> None:
+    """A stop reaches the members while they work: one may commit a step after it and publish its record, and its
+    sender delivers what it queued before it ends. The coordinator takes records until every member's heartbeats
+    have stopped (r60: the records of a step committed and a checkpoint written after a Ctrl-C were lost, and the
+    run's records lacked a step). Here member 0 beats and publishes for a while after the stop; member 1 is quiet
+    from the start. The limit is far past this test's bound: only the heartbeats' end can end the wait."""
+    from unbroken.control import keys
+    from unbroken.control.store import connect_store, publish_record
+    from unbroken.core.records import RecordKind, make
+
+    token = new_token()
+    with in_process_coordinator(tmp_path, token) as coordinator:
+        coordinator.members = (0, 1)
+        for wid in coordinator.members:
+            coordinator.store.add(keys.heartbeat(wid), 0)  # as at admission
+        worker = connect_store(coordinator.address, token=token)
+        published: list[int] = []
+
+        def member_0() -> None:
+            for _ in range(10):  # 10 beats at 4 times the interval's pace, then its last records, then silence
+                worker.add(keys.heartbeat(0), 1)
+                time.sleep(coordinator.cfg.comm.heartbeat_interval_s / 4)
+            for n in range(3):
+                record = make(RecordKind.GATEWAY, time.time(), admitted=n, rejected=0, timed_out=0, dropped=0)
+                publish_record(worker, record)
+                published.append(n)
+
+        beating = threading.Thread(target=member_0)
+        beating.start()
+        coordinator.drain_until_members_quiet(limit_s=600.0)
+        beating.join()
+        assert published == [0, 1, 2]
+        assert [r["admitted"] for r in read_records(tmp_path / "run", "gateway")] == [0, 1, 2]
+
+
 def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
     """A ring of the workers' doorbell is two calls: the count, then its key. A ringer gone between them (a
     worker's close as it was excluded, when workers still rang it) left a count without a key, and a watcher

@@ -96,6 +96,11 @@ METRIC_HOLE_FORGET_S = 600.0  # ... and after this long it is not looked for any
 # hung in the user's code never does.
 MAX_SAVE_WAIT_S = 600.0
 SAVE_RETRY_S = 0.1  # between saves of an epoch while the state store is out of reach
+# After a stop the members go on until they see it (a step may commit meanwhile, a checkpoint be written), then
+# their senders deliver what they queued and end: the records are taken until every member's heartbeats have
+# been quiet this many intervals, for at most STOP_DRAIN_S (half the launcher's grace before it kills).
+STOP_QUIET_BEATS = 3
+STOP_DRAIN_S = 5.0
 
 
 class Deposed(Exception):
@@ -407,6 +412,24 @@ class Coordinator:
             extra = {"event": injected["event"], "detection_s": now - injected["time"]}
             self.store.delete_key(keys.injected(wid))
         self.metrics.write(make(RecordKind.FAILURE, now, worker=wid, why=why, epoch=self.epoch, **extra))
+
+    def drain_until_members_quiet(self, limit_s: float = STOP_DRAIN_S) -> None:
+        """Take the members' records until each one's heartbeats have stopped for ``STOP_QUIET_BEATS`` intervals
+        (its sender ends after delivering what it queued), or ``limit_s`` has passed (a member still in a long
+        step, or hung). Without it a stop lost the records of a step committed while the members learnt of it."""
+        quiet_s = STOP_QUIET_BEATS * self.cfg.comm.heartbeat_interval_s
+        deadline = time.monotonic() + limit_s
+        seen: dict[int, tuple[int, float]] = {}  # member -> (its last heartbeat count, when it was first seen)
+        while True:
+            counts, seq = self._read_counters()
+            self._drain_metrics(seq)
+            now = time.monotonic()
+            for wid, count in zip(self.members, counts, strict=True):
+                if seen.get(wid, (None, now))[0] != count:
+                    seen[wid] = (count, now)
+            if all(now - since >= quiet_s for _, since in seen.values()) or now >= deadline:
+                return
+            time.sleep(self.cfg.comm.heartbeat_interval_s / 2)
 
     def _drain_metrics(self, seq: int | None = None, final: bool = False) -> None:
         """Append the queued records in sequence order. A writer takes its number (``add``) and then writes
@@ -743,6 +766,7 @@ class Coordinator:
                         self.save_state(self.epoch, self.members, must=False)
                 if full and self.store.check([keys.STOP]):
                     self.announce()  # a stop written by the launcher or a worker: tell everyone now
+                    self.drain_until_members_quiet()
                     break
                 if full and self.store.check([keys.DONE]):
                     self._drain_metrics(final=True)
