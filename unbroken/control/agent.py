@@ -20,6 +20,7 @@ The agent knows the coordinator only through the store (``control.keys``); when 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -104,10 +105,7 @@ class Agent:
         self.restart_after_s = restart_after_s
         self.injections = injections
         # A worker that reached an injection point writes to this pipe (INJECT_FD_ENV): the agent's wait ends then.
-        self.inject_read, self.inject_write = os.pipe() if injections else (-1, -1)
-        if injections:
-            os.set_blocking(self.inject_read, False)
-            os.set_blocking(self.inject_write, False)  # a full pipe already wakes the agent: never stall a worker
+        self.injected = WakePipe() if injections else None
         # True: each worker in a session of its own (a terminal's Ctrl-C reaches only the launcher, which stops
         # them in order); False: the workers share the agent's process group, so the host's loss (``kill -9``
         # of the group) takes them all, as a machine that dies would.
@@ -189,9 +187,9 @@ class Agent:
     def _start(self, env: dict[str, str], log_name: str, fds: tuple[int, ...] = ()) -> WorkerProcess:
         """A process running the workers' command: forked by the zygote when it can, else started cold."""
         log_path = self.log_dir / log_name
-        if self.injections:
-            env = {**env, INJECT_FD_ENV: str(self.inject_write)}
-            fds = (*fds, self.inject_write)
+        if self.injected is not None:
+            env = {**env, INJECT_FD_ENV: str(self.injected.write_fd)}
+            fds = (*fds, self.injected.write_fd)
         self.warm()
         forked = self.zygote.fork(list(self.command), env, log_path, self.own_sessions, fds) if self.zygote else None
         if forked is not None:
@@ -234,15 +232,13 @@ class Agent:
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
-        if self.injections and self.inject_read >= 0:
-            os.close(self.inject_read)  # a worker still running gets EPIPE on a wake: it ignores it
-            os.close(self.inject_write)
-            self.inject_read = self.inject_write = -1
+        if self.injected is not None:
+            self.injected.close()  # a worker still running gets EPIPE on a wake: it ignores it
 
     def wake_fds(self) -> tuple[int, ...]:
         """Descriptors that end the wait for an exit (``wait_for_exit``) when readable: a worker at an injection
         point."""
-        return (self.inject_read,) if self.inject_read >= 0 else ()
+        return self.injected.fds() if self.injected is not None else ()
 
     def start_all(self) -> None:
         for replica in self.layout.replicas(self.alive_ids()):
@@ -336,8 +332,8 @@ class Agent:
         self.manage_down()
 
     def wait_s(self) -> float:
-        """How long the next wait for an exit may last: short while scheduled faults are pending (a worker waits at
-        its injection point), and no longer than until the next restart or the end of a pause falls due."""
+        """How long the next wait for an exit may last: ``IDLE_WAIT_S`` (an exit or a worker at an injection point
+        ends it sooner), and no longer than until the next restart or the end of a pause falls due."""
         wait = IDLE_WAIT_S
         dues = [info["at"] + info["rejoin"] for info in self.down.values() if info["rejoin"] is not None]
         dues += self.pauses.values()
@@ -346,18 +342,8 @@ class Agent:
         return wait
 
     def _drain_wakes(self) -> bool:
-        """Empty the injection pipe; whether a worker wrote to it since the last look."""
-        woken = False
-        if self.inject_read < 0:
-            return woken
-        while True:
-            try:
-                chunk = os.read(self.inject_read, 4096)
-            except BlockingIOError:
-                return woken
-            if not chunk:
-                return woken
-            woken = True
+        """Whether a worker reached an injection point since the last look (the pipe emptied)."""
+        return self.injected is not None and self.injected.drain()
 
     def deliver_injections(self) -> None:
         """A worker that reached a scheduled failure point waits there; deliver the real signal now."""
@@ -580,6 +566,42 @@ def worker_defaults(cfg: RunConfig) -> dict[str, str]:
     if deterministic_kernels(cfg):
         env.update(DETERMINISTIC_ENV)
     return env
+
+
+class WakePipe:
+    """A pipe that ends a ``wait_for_exit`` early: another thread, a signal handler or a child process (given
+    ``write_fd``) writes to it; the waiter empties it. Both ends are non-blocking: a full pipe already wakes it."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def fds(self) -> tuple[int, ...]:
+        """The descriptor to wait on (none once closed)."""
+        return (self.read_fd,) if self.read_fd >= 0 else ()
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed (the waiter is gone)
+            os.write(self.write_fd, b"!")
+
+    def drain(self) -> bool:
+        """Empty it; whether anything was written since the last drain."""
+        woken = False
+        while self.read_fd >= 0:
+            try:
+                if not os.read(self.read_fd, 4096):
+                    break
+            except BlockingIOError:
+                break
+            woken = True
+        return woken
+
+    def close(self) -> None:
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            os.close(self.write_fd)
+            self.read_fd = self.write_fd = -1
 
 
 def wait_for_exit(procs: list[WorkerProcess], timeout_s: float, readable: tuple[int, ...] = ()) -> None:

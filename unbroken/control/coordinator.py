@@ -419,7 +419,7 @@ class Coordinator:
         step, or hung). Without it a stop lost the records of a step committed while the members learnt of it."""
         quiet_s = STOP_QUIET_BEATS * self.cfg.comm.heartbeat_interval_s
         deadline = time.monotonic() + limit_s
-        seen: dict[int, tuple[int, float]] = {}  # member -> (its last heartbeat count, when it was first seen)
+        seen: dict[int, tuple[int, float]] = {}  # member -> (its heartbeat count, when that count was first read)
         while True:
             counts, seq = self._read_counters()
             self._drain_metrics(seq)

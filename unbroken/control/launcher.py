@@ -15,7 +15,6 @@ with it (``gateway``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from unbroken.control.agent import (
     POLL_S,
     STOP_GRACE_S,
     Agent,
+    WakePipe,
     WorkerProcess,
     check_spares,
     wait_for_exit,
@@ -161,8 +161,7 @@ class Launcher:
         self.interrupt_reason = "interrupted by the user (Ctrl-C)"
         # Written on an interrupt: the loop's wait for an exit (up to agent.IDLE_WAIT_S) ends at once. A later stop
         # lets the workers commit more steps, whose records a stopping coordinator may no longer append.
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_write, False)
+        self._interrupts = WakePipe()
         self._metrics_offset = 0
         self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
         self._records: list[dict[str, Any]] = []  # this launch's
@@ -317,7 +316,7 @@ class Launcher:
                         self.stop_all("every worker exited and none is due to restart")
                         break
                     procs = [*self.agent.processes(), self.coordinator]
-                    readable = (self.console.read_fd, self._wake_read, *self.agent.wake_fds())
+                    readable = (self.console.read_fd, *self._interrupts.fds(), *self.agent.wake_fds())
                     wait_for_exit(procs, self.agent.wait_s(), readable)
                 for record in self._new_records():
                     progress.update(record)
@@ -326,8 +325,7 @@ class Launcher:
             return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
-            for fd in (self._wake_read, self._wake_write):
-                os.close(fd)
+            self._interrupts.close()
             self.agent.close()
             self.sock.close()
             self.console.close()
@@ -363,18 +361,14 @@ class Launcher:
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
         self.interrupted = True
-        self._wake()
+        self._interrupts.wake()
 
     def interrupt(self, reason: str) -> None:
         """Stop the run at the launcher's next look, as Ctrl-C does (exit 130, the last checkpoint kept), for
         ``reason`` (a benchmark that has its figures); callable from another thread."""
         self.interrupt_reason = reason
         self.interrupted = True
-        self._wake()
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed (the run is over)
-            os.write(self._wake_write, b"!")
+        self._interrupts.wake()
 
     def _finish(self) -> int:
         if self._final_seen:
