@@ -33,8 +33,8 @@ demo: $(BASE)
 test: $(STAMP)
 	# Two pytest processes, a test file each at a time (its module fixtures made once), the longest files first
 	# (tests/conftest.py): the tests spend part of their time waiting (heartbeat timeouts, restarts, stopped
-	# processes, paced steps), which the other fills. Three were faster (16 minutes of pytest against 22 with two,
-	# r53-r56) but starved a worker's heartbeat past its 2 s bound in r57 (docs/benchmarks.md).
+	# processes, paced steps), which the other fills. Three were faster (15-16.5 minutes of pytest in r53-r56; two
+	# take 17.5-18, r59 and r62) but starved a worker's heartbeat past its 2 s bound in r57 (docs/benchmarks.md).
 	# Beside them, tests/test_invariants.py under python -O: the invariant checks must hold with asserts stripped.
 	# Both share one tokenized-corpus cache (the BPE is trained once; building it from several processes is safe).
 	@mkdir -p .cache
