@@ -77,7 +77,7 @@ def test_sigstopped_worker_is_excluded_and_a_slow_worker_gets_fewer(tmp_path: Pa
         "--checkpoint.every=0",
         "--comm.heartbeat_timeout_s=1.0",
         "--recovery.workload=throughput",
-        "--failures.schedule=slow:worker=1,factor=6,steps=1-13; hang:worker=2,step=8",
+        "--failures.schedule=slow:worker=1,seconds=0.2,steps=1-13; hang:worker=2,step=8",
         workers=3,
     )
     assert result.returncode == 0, result.stderr[-3000:]

