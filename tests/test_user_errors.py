@@ -224,6 +224,33 @@ def test_a_bug_in_code_that_rank_0_runs_stops_the_job_when_the_next_rank_0_reach
 
 
 @pytest.mark.timeout(600)
+def test_a_bug_that_every_rank_of_a_replica_raises_stops_the_job(tmp_path: Path) -> None:
+    """A replica of two FSDP ranks whose optimizer step raises on both (a bug in code every rank runs, as the fused
+    AdamW did when given DTensors and plain tensors together). An error inside a replica may be a replica-mate's
+    death: each rank waits for that news a heartbeat or two, not the replica's collective timeout (4 x
+    comm.op_timeout_s: 40 minutes here, past this run's bound, so the old wait fails the test). The job stops with
+    one line and the error on the console. Which line depends on whether the second rank's report reaches the
+    coordinator before the first one's removes the whole replica: the bug's (the same error on 2 workers) or
+    "every worker died"."""
+    out = tmp_path / "run"
+    result = launch(
+        out, "--parallel.shard=2", "--comm.op_timeout_s=600", str(SCRIPT), "--raise", "optimizer", workers=2
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line_number = _line_of('raise RuntimeError("the optimizer')
+    raised = read_records(out, "error")
+    assert raised and {e["worker"] for e in raised} <= {0, 1}
+    assert {(e["exception"], e["step"], e["phase"], e["line"], e["function"]) for e in raised} == {
+        ("RuntimeError", 5, "commit", line_number, "step")
+    }
+    assert f"raised RuntimeError at raising_loop.py:{line_number} in step, step 5, in its commit" in result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("unbroken: error: ")]
+    assert VERDICT in line or "every worker died" in line, line
+    assert "a replica-mate is gone" not in result.stderr  # the bug was not taken for a death
+    assert max(committed_steps(read_records(out))) == 4 and not read_records(out, "final")
+
+
+@pytest.mark.timeout(600)
 def test_under_per_host_agents_the_coordinator_judges_and_records_the_errors(tmp_path: Path, reference: Path) -> None:
     """Two hosts' agents of one worker each and a coordinator of its own (``unbroken coordinator``): the workers
     report to the coordinator, not to their agents, so it records both errors, shows them on its console,

@@ -5,6 +5,8 @@
     --raise worker       the loss of step 5 raises on worker 2 only (a bad host: the others compute it fine)
     --raise rank0        rank 0's logging after steps 3, 7, ... raises (a bug in code that one rank runs: the
                          next worker to be rank 0 reaches it later)
+    --raise optimizer    the optimizer's step of step 5 raises on every worker (a bug in code that every rank
+                         runs; under parallel.shard, the model is sharded with FSDP on ``ctx.mesh``)
     (nothing)            no error: the reference run
 
 The data of a microbatch is a pure function of (step, id), so any worker can compute any one.
@@ -14,6 +16,7 @@ import argparse
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import unbroken.ft as ft
 
@@ -46,6 +49,17 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, corrupt: bool) -
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+class BuggyAdamW(torch.optim.AdamW):
+    """AdamW whose step raises once ``step_index`` is ``STEP``."""
+
+    step_index = -1
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        if self.step_index == STEP:
+            raise RuntimeError("the optimizer's state is inconsistent")
+        return super().step(closure)
+
+
 def log_progress(step: int, outcome: ft.StepOutcome) -> None:
     logged = {"step": step, "loss": outcome.loss}
     print(f"step {step}: loss {logged['loss']:.4f}, validation {logged['val_loss']:.4f}", flush=True)
@@ -53,12 +67,14 @@ def log_progress(step: int, outcome: ft.StepOutcome) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--raise", dest="mode", choices=["microbatch", "worker", "rank0"])
+    parser.add_argument("--raise", dest="mode", choices=["microbatch", "worker", "rank0", "optimizer"])
     mode = parser.parse_args().mode
     ctx = ft.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(32, 32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if ctx.mesh is not None:
+        fully_shard(model, mesh=ctx.mesh)
+    optimizer = BuggyAdamW(model.parameters(), lr=1e-2)
     ctx.register_state(model, optimizer)
     for step in ctx.steps():
         for mb in step.microbatches():
@@ -67,6 +83,7 @@ def main() -> None:
             x, y = batch_for(step.index, mb)
             corrupt = mode == "microbatch" and step.index == STEP and mb == MICROBATCH
             step.backward(loss_of(model, x, y, corrupt), tokens=x.numel())
+        optimizer.step_index = step.index if mode == "optimizer" else -1
         outcome = step.commit(optimizer)
         if mode == "rank0" and ctx.rank == 0 and step.index % 4 == 3:
             log_progress(step.index, outcome)

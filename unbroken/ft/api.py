@@ -342,7 +342,9 @@ class Context:
         self._proto.peak_tflops = _peak_tflops(device, self.config)
         if self._replica is not None:
             client = self._client
-            self._replica.removed = client.wait_removed
+            # No news of a replica-mate's death within a heartbeat or two: the error was a bug, raised on every rank
+            # (waiting the replica's collective timeout instead, 4 minutes by default, only delayed the bug's stop).
+            self._replica.removed = lambda: client.wait_removed(self._news_s)
         self._proto.join(resume=job.resume(), late=self._client.late)
         return self._proto
 
@@ -485,7 +487,14 @@ class Context:
         client = self._client
         if client is None or not _raised_by_control_plane(e):
             return False
-        return client.wait_lost(2 * self.config.comm.heartbeat_timeout_s + 1.0) is not None
+        return client.wait_lost(self._news_s) is not None
+
+    @property
+    def _news_s(self) -> float:
+        """How long a failure takes at most to become news to the membership: a dead worker's agent reports its
+        exit at once, a lost host or coordinator is found by silence (the heartbeat timeout), and one more
+        heartbeat timeout and a second for the decision to reach this worker."""
+        return 2 * self.config.comm.heartbeat_timeout_s + 1.0
 
     def _leave(self, e: StopRun) -> None:
         """This worker stops: say why, tell the others if the job must stop, and end (``process.leave``)."""

@@ -43,9 +43,8 @@ class Replica:
     its ``mesh`` (the dimensions of ``ReplicaLayout.dims``: ``pp``, ``shard``, ``tensor``, those above 1), and
     bounded collectives over its ranks.
 
-    ``leave(reason)`` ends this process (it must not return); ``removed(timeout_s)`` says whether the
-    membership has removed this replica (waiting up to ``timeout_s`` for the news), set once the worker has
-    registered."""
+    ``leave(reason)`` ends this process (it must not return); ``removed()`` says whether the membership has
+    removed this replica (waiting, bounded, for the news), set once the worker has registered."""
 
     def __init__(
         self,
@@ -69,7 +68,7 @@ class Replica:
         self.timeout_s = timeout_s
         self.incarnation = incarnation
         self._leave = leave
-        self.removed: Callable[[float], bool] = lambda _timeout_s: False
+        self.removed: Callable[[], bool] = lambda: False
         self._leaving = threading.Lock()
         prefix = PrefixStore(keys.replica_prefix(self.index, incarnation), store)
         dist.init_process_group(
@@ -141,7 +140,7 @@ class Replica:
         False (the error is a bug, to be raised) if it does not."""
         if not isinstance(error, RuntimeError):
             return False
-        if self.removed(self.timeout_s):
+        if self.removed():
             self.down(f"a replica-mate is gone ({_first_line(error)})")
         return False
 
