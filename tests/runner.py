@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from unbroken.control.netif import free_port  # noqa: F401 - the tests take it from here
 from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
-from unbroken.lab.figures import free_port  # noqa: F401 - the tests take it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "tests" / "tiny.toml")  # configs/tiny.toml with a smaller vocabulary (read it)

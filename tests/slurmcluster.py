@@ -7,13 +7,13 @@ packages slurmctld, slurmd, slurm-client and munge (``scripts/install_os_deps.sh
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from unbroken.control.netif import free_port
 
 NODES = ("n1", "n2")
 # Attempts at starting the Slurm daemons, each on other ports: a port found free can be taken before the
@@ -33,21 +33,12 @@ def missing() -> str | None:
 
 
 def _quiet_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on every address now, chosen below the kernel's ephemeral range: no
-    outgoing connection and no ``bind(0)`` (how the other tests find ports) is given one of them, so only
-    another explicit choice can take one before a daemon binds it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    """``count`` distinct TCP ports free a moment ago (``free_port``: below the kernel's ephemeral range)."""
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randrange(10_000, low)
-        if port in ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        ports.append(port)
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     return ports
 
 

@@ -42,9 +42,11 @@ def _env(token: str) -> dict[str, str]:
     return {**os.environ, TOKEN_ENV: token, "PATH": path}
 
 
-def _kill_one_worker(token: str, run: Path, proc: subprocess.Popen[bytes], victim: int) -> None:
+def _kill_one_worker(token: str, run: Path, proc: subprocess.Popen[bytes], victim: int, logs: list[Path]) -> None:
     wait_for(lambda: committed(run) >= KILL_AT_STEP or proc.poll() is not None, 180, f"step {KILL_AT_STEP}")
-    assert proc.poll() is None, "the job ended before the kill"
+    if proc.poll() is not None:
+        tails = "\n".join(f"{log.name}: {log.read_text()[-2000:]}" for log in logs if log.exists())
+        raise AssertionError(f"the job ended (exit status {proc.returncode}) before the kill\n{tails}")
     pids = worker_pids(token)
     assert sorted(pids) == [0, 1], pids
     os.kill(pids[victim], signal.SIGKILL)
@@ -78,7 +80,7 @@ def test_slurm_sbatch_two_nodes_with_a_worker_killed(
         cmd += [TINY, *CONTROL_COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5"]
         proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
-            _kill_one_worker(token, run, proc, victim=1)
+            _kill_one_worker(token, run, proc, victim=1, logs=[tmp_path / "job.out"])
             output, _ = proc.communicate(timeout=240)
         finally:
             if proc.poll() is None:
@@ -121,7 +123,7 @@ def test_torchrun_two_nodes_each_running_an_agent(
         for log in logs[1:]
     ]
     try:
-        _kill_one_worker(token, run, nodes[0], victim=1)
+        _kill_one_worker(token, run, nodes[0], victim=1, logs=[tmp_path / n for n in ("coordinator.log", "node0.log")])
         codes = [p.wait(timeout=240) for p in (*nodes, coordinator)]
     finally:
         for p in (coordinator, *nodes):

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.utils import _decode, _encode
 
+from unbroken.control.netif import free_port
 from unbroken.control.statestore import CAMPAIGN_TIMEOUT, StaleWriteError, State, StateStore, StateUnavailableError
 
 REQUEST_TIMEOUT = timedelta(seconds=2)  # one HTTP request to one endpoint; then the next endpoint is tried
@@ -314,12 +314,6 @@ def find_etcd() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _die_with_parent() -> None:
     if sys.platform == "linux":  # PR_SET_PDEATHSIG: no member outlives the test process
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
@@ -351,8 +345,8 @@ class LocalEtcdCluster:
         if len(self.hosts) != size:
             raise ValueError(f"{len(self.hosts)} hosts for {size} etcd members; give one address per member")
         self.launch = launch or (lambda _i, argv: argv)
-        self.client_ports = [_free_port() for _ in range(size)]
-        self.peer_ports = [_free_port() for _ in range(size)]
+        self.client_ports = [free_port() for _ in range(size)]
+        self.peer_ports = [free_port() for _ in range(size)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
 
     @property

@@ -6,6 +6,9 @@ tells its peers where to reach it must name the one its job uses: not the addres
 wherever the coordinator is reached from, so the interface that carries the route to the coordinator is the
 job's. Workers point gloo's sockets at it (``GLOO_SOCKET_IFNAME``, torch's own setting) unless the user set
 one; a job whose coordinator is on loopback stays on loopback.
+
+Also here: a free port for a process to listen on (``free_port``), for the tests, benchmarks and local etcd
+clusters that start listeners of their own.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import random
 import socket
 import struct
 from collections.abc import MutableMapping
+from pathlib import Path
 
 GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
@@ -95,3 +100,31 @@ def use_job_interface(coordinator: str, env: MutableMapping[str, str] = os.envir
         return None
     env[GLOO_INTERFACE_ENV] = found[0]
     return found[0]
+
+
+# Where the ports ``free_port`` picks start: above the well-known and the commonly configured service ports.
+QUIET_PORTS_FROM = 10_000
+
+
+def free_port() -> int:
+    """A TCP port free on every address a moment ago, chosen at random below the kernel's ephemeral range where
+    there is one (Linux): no ``bind(0)`` and no outgoing connection (how gloo, the stores and the other processes
+    of a test or benchmark get theirs) is given one of them, so only another explicit choice like this one can
+    take it before the process it is meant for binds it. A port from ``bind(0)`` could be, and was (a
+    coordinator exited with "address already in use" in a full suite)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low > QUIET_PORTS_FROM + 1000:
+        for _ in range(1000):
+            port = random.randrange(QUIET_PORTS_FROM, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

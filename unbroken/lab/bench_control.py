@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.netif import free_port
 from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records
-from unbroken.lab.figures import free_port, stats
+from unbroken.lab.figures import stats
 from unbroken.lab.netns import Network, unavailable
 
 COMMON = [

@@ -22,7 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from unbroken.lab.figures import free_port, stats
+from unbroken.control.netif import free_port
+from unbroken.lab.figures import stats
 
 WARMUP = 5
 

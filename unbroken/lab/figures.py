@@ -1,6 +1,6 @@
 """What every ``unbroken bench`` shares: how a sample of times is summarised (median, quartiles, range, size),
-a free local port for the processes a benchmark starts, and how a baseline's ranks (plain DDP, FSDP2 HSDP) are
-started as processes of a module of ours and report their step times."""
+and how a baseline's ranks (plain DDP, FSDP2 HSDP) are started as processes of a module of ours and report
+their step times."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from unbroken.control.netif import free_port
 
 
 def stats(times: list[float]) -> dict[str, float]:
@@ -29,13 +30,6 @@ def stats(times: list[float]) -> dict[str, float]:
         "max": ordered[-1],
         "n": len(ordered),
     }
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
