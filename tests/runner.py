@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +228,24 @@ def worker_pids(token: str) -> dict[int, int]:
         if wanted in env and (worker := worker_of(int(entry.name))) is not None:
             found[worker] = int(entry.name)
     return found
+
+
+@contextlib.contextmanager
+def in_process_coordinator(tmp_path: Path, token: str) -> Iterator[Any]:
+    """A ``Coordinator`` object in this process (its store, gateway and metrics file; no loop running) for a run
+    of ``tests/tiny.toml`` in ``tmp_path / "run"``, closed at the end."""
+    from unbroken.control.coordinator import Coordinator
+    from unbroken.control.store import bind_listen_socket
+    from unbroken.core.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(load_config(TINY), run)
+    coordinator = Coordinator(bind_listen_socket("127.0.0.1", 0), load_config(TINY), run, 1, False, token=token)
+    try:
+        yield coordinator
+    finally:
+        coordinator.gateway.close()
+        coordinator.metrics.close()
+        if coordinator.status is not None:
+            coordinator.status.close()

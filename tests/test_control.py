@@ -55,12 +55,13 @@ def test_two_agents_survive_a_killed_worker_and_a_killed_host(
     """Two agents of 2 workers each stand for two hosts. A worker of agent 0 is killed (its agent reports the
     exit at once and restarts it); later agent 1 is killed with its workers, as a host that dies: the
     coordinator sees their heartbeats stop and goes on with agent 0's workers. The run ends bitwise the
-    failure-free one."""
+    failure-free one. The agents relay the coordinator's news to their workers (``coordinator.news_relay``)."""
     env = {**os.environ, TOKEN_ENV: new_token()}
     port, run = free_port(), tmp_path / "run"
     # 5 s of silence, not 2: the host's loss is still told by heartbeats, and a surviving worker starved for 2 s on a
     # loaded machine (while its agent restarts the killed worker cold) is not taken for dead (it was once).
     overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5", "--comm.heartbeat_timeout_s=5"]
+    overrides.append("--coordinator.news_relay=true")  # each agent relays the epochs to its workers (newsrelay)
     coordinator = unbroken("coordinator", TINY, "--workers", "4", "--port", str(port), "--run-dir", str(run),
                            *overrides, env=env, log=tmp_path / "coordinator.log")  # fmt: skip
     agents = [
@@ -90,6 +91,12 @@ def test_two_agents_survive_a_killed_worker_and_a_killed_host(
                 os.killpg(p.pid, signal.SIGKILL)
     failures = {f["worker"]: f["why"] for f in read_records(run, "failure")}
     assert failures[1].startswith("process") and "SIGKILL" in failures[1]  # reported by its agent
+    # Agent 0's workers, the restarted one too, took their news from its relay (the epochs they trained in are the
+    # ones above: the run is the failure-free one).
+    logs = tmp_path / "run" / "logs"
+    assert "following coordinator" in (tmp_path / "agent-0.log").read_text()
+    for wid in (0, 1):
+        assert (logs / f"worker-{wid}.log").read_text().count("epoch news from this host's relay") == 1 + (wid == 1)
     assert "no heartbeat" in failures[2] and "no heartbeat" in failures[3]  # the host's loss, by heartbeats
     memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
     assert memberships[0] == (0, 1, 2, 3) and memberships[-1] == (0, 1)

@@ -40,5 +40,7 @@ def test_deaths_a_hang_and_joins_against_the_real_coordinator_are_measured_from_
     assert 1 <= result["join_epochs"] <= len(joiners)
     assert 0 <= result["join_wait_median_s"] <= result["join_wait_max_s"]  # an epoch holds only the admitted
     assert result["members"] == VICTIMS + 3 and result["rest_cores"] >= 0 and result["metrics_bytes_per_hour"] > 0
+    # The crowd's 2 members (all but the leader and the victims) took their news from the crowd's relay.
+    assert result["news"] == "relay" and result["relayed"] == VICTIMS + 3 - 1 - VICTIMS
     table = format_control_scale([result])
     assert f"| {VICTIMS + 3} |" in table

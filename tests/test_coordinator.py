@@ -4,7 +4,6 @@ death (SIGKILL) followed by ``--resume``, which must reproduce the uninterrupted
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -14,13 +13,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from runner import ROOT, TINY, final_params, run_command, train
+from runner import ROOT, TINY, final_params, in_process_coordinator, run_command, train
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
@@ -222,28 +219,6 @@ def test_standalone_processes_need_the_token(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
     assert not run_dir.exists()
-
-
-@pytest.mark.timeout(60)
-@contextlib.contextmanager
-def in_process_coordinator(tmp_path: Path, token: str) -> Iterator[Any]:
-    """A ``Coordinator`` object in this process (its store, gateway and metrics file; no loop running) for a run
-    of ``tests/tiny.toml`` in ``tmp_path / "run"``, closed at the end."""
-    from unbroken.control.coordinator import Coordinator
-    from unbroken.control.store import bind_listen_socket
-    from unbroken.core.config import dump_config, load_config
-
-    run = tmp_path / "run"
-    run.mkdir()
-    dump_config(load_config(TINY), run)
-    coordinator = Coordinator(bind_listen_socket("127.0.0.1", 0), load_config(TINY), run, 1, False, token=token)
-    try:
-        yield coordinator
-    finally:
-        coordinator.gateway.close()
-        coordinator.metrics.close()
-        if coordinator.status is not None:
-            coordinator.status.close()
 
 
 def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(

@@ -281,6 +281,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         out=args.out,
         parts=args.parts,
         members=args.members,
+        news=args.news,
     )
 
 
@@ -478,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--members", default="", help="control-scale: comma-separated member counts (default 64,256,512,1024)"
+    )
+    bench.add_argument(
+        "--news",
+        default="",
+        help="control-scale: how the crowds' members take the coordinator's news: relay (one relay a crowd, as "
+        "an agent runs one a host), direct (each watches the coordinator), or both (default relay,direct)",
     )
     bench.set_defaults(func=cmd_bench)
 

@@ -46,6 +46,7 @@ from unbroken.control.client import (
 )
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
+from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
 from unbroken.control.store import CallGuard, open_store, publish_record, report_death, request_stop, ring
 from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
@@ -84,7 +85,11 @@ class Agent:
         layout: ReplicaLayout | None = None,
         spares: int = 0,
         fold_kernels: bool = False,
+        heartbeat_timeout_s: float = 2.0,
+        news_relay: bool = False,
     ) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.news_relay = news_relay  # run this host's relay of the coordinator's news (``control.newsrelay``)
         self.fold_kernels = fold_kernels  # the zygote loads the exact fold's kernels (exact mode)
         self.layout = layout or ReplicaLayout()
         check_spares(spares, self.layout)
@@ -130,6 +135,7 @@ class Agent:
         self.console: ConsoleRelay | None = None
         self.zygote: zygote.Zygote | None = None
         self._zygote_tried = False
+        self.relay: NewsRelay | None = None  # this host's relay of the coordinator's news, from the first connect
 
     # -- the coordinator ---------------------------------------------------------------------------
     def connect(self, address: str, token: str, reached: tuple[Any, Tunnel] | None = None) -> None:
@@ -138,6 +144,14 @@ class Agent:
         self.address = address
         self.store, self.tunnel = reached if reached is not None else open_store(address, token=token)
         self._rung = None  # a new coordinator's store counts from 0
+        if self.relay is None and self.news_relay:
+            try:
+                self.relay = NewsRelay(max(1.0, self.heartbeat_timeout_s))
+            except OSError as e:  # no Unix socket here: each worker watches the coordinator itself
+                log.warning("no news relay on this host (%s); each worker watches the coordinator", e)
+        if self.relay is not None:
+            self.env[RELAY_ENV] = self.relay.path
+            self.relay.follow(address, token)
         for event in self.fired:
             self._call(lambda s, e=event: s.set(keys.fired(e), "1"))
 
@@ -228,7 +242,11 @@ class Agent:
                 log.warning("workers start cold: %s", e)
 
     def close(self) -> None:
-        """End the zygote (the workers are this process's children and stay so)."""
+        """End the zygote and the news relay (the workers are this process's children and stay so; any still
+        running watch the coordinator themselves)."""
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
@@ -686,6 +704,8 @@ def run_agent(args: argparse.Namespace) -> int:
         layout=layout,
         spares=args.spares,
         fold_kernels=cfg.recovery.reduction is Reduction.EXACT,
+        heartbeat_timeout_s=cfg.comm.heartbeat_timeout_s,
+        news_relay=cfg.coordinator.news_relay,
     )
     agent.warm()
     agent.connect(address, token)

@@ -2,9 +2,9 @@
 holding on when the coordinator dies.
 
 The one way a worker reaches the control plane: ``CoordinatorClient`` registers, keeps a cached view of the
-membership epochs and of the stop flag (a watcher thread sleeping on the workers' doorbell), sends
-heartbeats and queued metrics records from its own thread, and tells a cut connection from a dead
-coordinator.
+membership epochs and of the stop flag (a watcher thread sleeping on the workers' doorbell, or reading its
+host's news relay: ``control.newsrelay``), sends heartbeats and queued metrics records from its own thread,
+and tells a cut connection from a dead coordinator.
 
 A dead coordinator does not stop the worker. Its gloo groups do not need the coordinator, so training goes
 on while the client looks for a coordinator again (the same address, restarted by its launcher, or a
@@ -37,6 +37,16 @@ from torch.distributed import TCPStore
 
 from unbroken.control import keys
 from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
+from unbroken.control.newsrelay import (
+    NEWS_WAIT_S,
+    RELAY_ENV,
+    FrameKind,
+    RelayedNews,
+    RelayGone,
+    RelayQuiet,
+    look,
+    wait_for_news,
+)
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
     connect_store,
@@ -48,19 +58,21 @@ from unbroken.control.store import (
     report_timeout,
     request_stop,
     ring,
-    wait_key,
 )
 from unbroken.core.records import WorkerError
 
 log = logging.getLogger(__name__)
 
-NEWS_WAIT_S = 60.0
 RECENT_RECORDS = 256  # records kept to send again to a coordinator that replaced a dead one
 RECONNECT_POLL_S = 0.1
 REFUSAL_CHECK_S = 0.1  # how often a worker waiting for its first epoch looks whether it was refused
 LEFT_CHECK_S = 0.05  # how often a member blocked in a superseded group's collective looks for members that left
 STALL_DUMP_SHARE = 0.75  # a heartbeat this late (share of the timeout) logs every thread's stack
 STALL_HEADER = "heartbeat late by {late:.2f} s; every thread's stack, most recent call first:"
+# A process logs every thread's stack at most this often, whatever the clients in it: the stacks are every
+# thread's already, and reading them holds the GIL (with 128 clients in one process, as a control-scale crowd
+# runs them, each late beat's dump of 600 threads made the next beats later still, until the crowd seized up).
+STALL_DUMP_EVERY_S = 10.0
 
 # The environment that tells a worker process where its job is (a launcher, the per-host agent, or a user
 # under torchrun/srun sets it; unbroken.ft reads it), besides the job's token (gateway.TOKEN_ENV).
@@ -106,6 +118,26 @@ class Epoch:
     reason: str
     reform: bool = False  # every member of the previous epoch must abandon its group (a collective stalled)
     workload: str = ""  # the workload policy from this epoch on, when not the config's (recovery.slow = rebalance)
+
+
+class _RateLimit:
+    """``due()`` is True at most once every ``every_s``, across the threads of the process."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last: float | None = None
+
+    def due(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None and now - self._last < self.every_s:
+                return False
+            self._last = now
+            return True
+
+
+_STALL_DUMPS = _RateLimit(STALL_DUMP_EVERY_S)
 
 
 def thread_stacks() -> str:
@@ -158,7 +190,8 @@ class CoordinatorClient:
     When the connection fails, the client finds out why (``lost``): ``"cut"`` if the coordinator that
     admitted this worker still answers (only this worker's connection was cut: it leaves, the job goes on);
     if it does not, the client holds on for ``hold_s`` while a coordinator comes back, and is ``lost =
-    "coordinator"`` only if none does.
+    "coordinator"`` only if none does. ``news_relay``: the socket of this host's news relay (default: from
+    ``UNBROKEN_NEWS_RELAY``, which the agent sets; none: the client watches the coordinator itself).
     """
 
     def __init__(
@@ -170,6 +203,7 @@ class CoordinatorClient:
         token: str | None = None,
         hold_s: float = 60.0,
         fingerprint: dict[str, str] | None = None,
+        news_relay: str | None = None,
     ) -> None:
         self.addresses = addresses_of(address)
         self.fingerprint = dict(fingerprint or {})  # what decides this worker's bits (core.numerics)
@@ -190,6 +224,8 @@ class CoordinatorClient:
         self._beat_done = time.monotonic()  # when the last heartbeat was answered (or the sender started)
         self._stall_logged = 0.0  # the ``_beat_done`` whose lateness was logged (once per late beat)
         self._news_wait_s = NEWS_WAIT_S
+        self._relay_path = news_relay if news_relay is not None else os.environ.get(RELAY_ENV) or None
+        self._relay: RelayedNews | None = None  # the news watcher's connection to its host's relay, while it has one
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
         self._diagnosis: threading.Thread | None = None
@@ -310,37 +346,74 @@ class CoordinatorClient:
     def _watch_news(self, generation: int) -> None:
         """A cached view of the epoch and the stop flag, so waits never touch the network.
 
-        Sleeps in a store wait on the next ``news/<n>``, rung by the coordinator right after it publishes an
-        epoch or a stop, so either is seen as soon as it is published; the wait also ends every
-        ``NEWS_WAIT_S`` for a look anyway (rarely: c10d logs a line for every store wait that times out, and a
-        dead coordinator ends the wait at once, a hung one is found by the heartbeat sender). The epoch and the
-        stop are read after the doorbell's count (or the ring) they follow, and the coordinator writes them
-        before ringing: nothing published is missed.
+        From this host's news relay where the agent runs one (``control.newsrelay``: one watcher of the
+        coordinator per host), else, or once the relay is gone, from the store: a store wait on the next
+        ``news/<n>``, rung by the coordinator right after it publishes an epoch or a stop, so either is seen as
+        soon as it is published; the wait also ends every ``NEWS_WAIT_S`` for a look anyway (rarely: c10d logs a
+        line for every store wait that times out, and a dead coordinator ends the wait at once, a hung one is
+        found by the heartbeat sender). The epoch and the stop are read after the doorbell's count (or the ring)
+        they follow, and the coordinator writes them before ringing: nothing published is missed.
         """
         store = self._news_store
         woken: int | None = None  # the ring that ended the last wait (None: the wait timed out, or none yet)
         try:
+            if self._relay_path is not None and self._watch_relay(store, self._relay_path):
+                return
             while not self._watch_stop.is_set():
-                # The rings so far, then what they announced: a ring after this count is waited for below. The
-                # count is read afresh each time, so a ring whose key never came (its ringer died between the
-                # two calls) holds this watcher for one wait at most. One call (each is a round trip through the
-                # gateway for every member at every epoch change): the count, the epoch number (both exist from
-                # the coordinator's start, before it admits anyone), and the ring that woke this watcher.
-                wanted = [keys.doorbell_seq(keys.NEWS), keys.EPOCH]
-                values = store.multi_get(wanted if woken is None else [*wanted, keys.doorbell(keys.NEWS, woken)])
-                rung, newest = int(values[0]), int(values[1])
-                # That ring the only one since the last look, and it holds the newest epoch's record: nothing else
-                # to read. A stop is announced by a ring of its own, which holds nothing.
-                rang = json.loads(values[2]) if woken is not None and rung == woken and values[2] else None
-                known = rang if rang is not None and rang["epoch"] == newest else None
-                if newest > self._seen_epoch:
-                    self._advance(store, newest, known)
-                if self.stopped is None and known is None and store.check([keys.STOP]):
+                news = look(store, woken)
+                if news.newest > self._seen_epoch:
+                    self._advance(store, news.newest, news.record)
+                if self.stopped is None and news.record is None and store.check([keys.STOP]):
                     self.stopped = store.get(keys.STOP).decode()
-                rung_next = keys.doorbell(keys.NEWS, rung + 1)
-                woken = rung + 1 if wait_key(store, rung_next, self._news_wait_s) else None
+                woken = wait_for_news(store, news, self._news_wait_s)
         except RuntimeError:
             self._connection_failed(generation)
+
+    def _watch_relay(self, store: TCPStore, path: str) -> bool:
+        """The news from this host's relay until it is gone: True if the watch is over (the client closes),
+        False to watch the store instead. Epochs the relay skipped are read from ``store`` (``_advance``)."""
+        try:
+            relay = RelayedNews(path, self.incarnation, self._news_wait_s)
+        except OSError as e:
+            log.info("no news relay at %s (%s); watching the coordinator", path, e)
+            return False
+        self._relay = relay
+        log.info("epoch news from this host's relay at %s", path)
+        try:
+            while not self._watch_stop.is_set():
+                try:
+                    frame = relay.next()
+                except RelayQuiet:
+                    if self._relay_missed_news(store):
+                        return False
+                    continue
+                if frame.kind is FrameKind.EPOCH and frame.epoch > self._seen_epoch:
+                    self._advance(store, frame.epoch, frame.record)
+                elif frame.kind is FrameKind.STOP and self.stopped is None:
+                    self.stopped = frame.reason
+        except RelayGone as e:
+            if not self._watch_stop.is_set():
+                log.log(logging.INFO if e.closed else logging.WARNING, "news relay: %s; watching the coordinator", e)
+        finally:
+            self._relay = None
+            relay.close()
+        return self._watch_stop.is_set()
+
+    def _relay_missed_news(self, store: TCPStore) -> bool:
+        """After ``NEWS_WAIT_S`` without news from the relay, the look a watcher of the store makes as often: True
+        (and the news taken from the store) if the store holds an epoch or a stop the relay did not pass on."""
+        news = look(store, None)
+        stop = store.get(keys.STOP).decode() if self.stopped is None and store.check([keys.STOP]) else None
+        if news.newest <= self._seen_epoch and stop is None:
+            return False
+        log.warning(
+            "news relay: it did not pass on the store's news in %.0f s; watching the coordinator", self._news_wait_s
+        )
+        if news.newest > self._seen_epoch:
+            self._advance(store, news.newest)
+        if stop is not None:
+            self.stopped = stop
+        return True
 
     def _advance(self, store: TCPStore, newest: int, known: dict[str, Any] | None = None) -> None:
         """Read the epochs after the last one seen up to ``newest`` (``known``: the newest one's record, from
@@ -428,6 +501,8 @@ class CoordinatorClient:
         # cut off answers nothing and resets nothing, and a call on it would wait for TCP to give up (minutes).
         for cut in (self._news_tunnel, self._sender_tunnel, self._store_tunnel):
             cut.cut()
+        if (relay := self._relay) is not None:
+            relay.close()  # the new watcher connects to it again, and takes only the new coordinator's news
         for thread in old[:2]:  # the sender and the news watcher (the stall watch ends at the new generation)
             thread.join(timeout=self._probe_timeout_s + 1.0)
         self._store, self._store_tunnel, self.address = store, tunnel, address
@@ -466,7 +541,10 @@ class CoordinatorClient:
             late = time.monotonic() - done
             if late > self._stall_dump_s and self._stall_logged != done:
                 self._stall_logged = done
-                log.warning("%s\n\n%s", STALL_HEADER.format(late=late), thread_stacks())
+                if _STALL_DUMPS.due():
+                    log.warning("%s\n\n%s", STALL_HEADER.format(late=late), thread_stacks())
+                else:
+                    log.warning("heartbeat late by %.2f s (this process logged every thread's stack lately)", late)
             since = self._beat_since
             if since is None or time.monotonic() - since < self._hb_timeout_s or len(self.addresses) < 2:
                 continue
@@ -709,6 +787,8 @@ class CoordinatorClient:
         # two store calls, and a worker that ends between them (excluded as its link came back, killed) leaves
         # a count with no key, on which every other worker's watcher would wait until NEWS_WAIT_S.
         self._news_tunnel.cut()
+        if (relay := self._relay) is not None:
+            relay.close()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)
         # The diagnosis of a lost connection makes store calls too (it ends at its next look, at ``_watch_stop``).
         for thread in [*self._watch_threads, *([self._diagnosis] if self._diagnosis is not None else [])]:

@@ -188,6 +188,8 @@ class Launcher:
             layout=ReplicaLayout.of(self.cfg.parallel),
             spares=plan.spares,
             fold_kernels=self.cfg.recovery.reduction is Reduction.EXACT,
+            heartbeat_timeout_s=self.cfg.comm.heartbeat_timeout_s,
+            news_relay=self.cfg.coordinator.news_relay,
         )
         self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
         self.agent.console = self.console

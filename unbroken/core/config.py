@@ -382,6 +382,11 @@ class CoordinatorConfig:
     lease_s: float = option(5.0, "etcd: the leader's lease; a standby takes over at most this long after it dies")
     status_port: int = option(0, "port of the live status page and JSON endpoint (0: any free port; -1: none)")
     status_host: str = option("127.0.0.1", "address the status page listens on (other hosts need the job's token)")
+    news_relay: bool = option(
+        False,
+        "experimental: each host's agent watches the coordinator's epochs and stop once and relays them to its "
+        "workers over a Unix socket (false: every worker watches the coordinator itself; docs/control.md)",
+    )
 
     def __post_init__(self) -> None:
         if self.state != "journal" and not self.state.startswith("etcd://"):

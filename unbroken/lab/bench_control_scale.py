@@ -8,10 +8,12 @@ member's speed and quota, as ``ft.commit`` writes it). There is no model, no dat
 members live in processes of their own as a cluster's do on hosts of their own: one leader member in the driver
 process, V victims of one member each (so that a death is a real ``kill -9`` and a hang a real ``SIGSTOP``),
 and the rest in "crowd" processes of at most ``CROWD`` members each (threads), whose own client side (one tunnel
-loop, one GIL per process) is then shared by ``CROWD`` members, not by all of them. The joiners are a crowd
-started with the others that opens its members only when told to. Each crowd tells the driver, on its stdout,
-its members' ids and, for each epoch, when each of its members read it. Every run of the driver is a child
-process (``bench_control_scale``), so its processes, threads and sockets end with it.
+loop, one GIL per process) is then shared by ``CROWD`` members, not by all of them. A crowd stands for a host:
+with ``--news relay`` its members take the coordinator's news from a relay in a process of its own, as a host's
+workers take it from their agent's (``control.newsrelay``); with ``direct`` each watches the coordinator. The
+joiners are a crowd started with the others that opens its members only when told to. Each crowd tells the
+driver, on its stdout, its members' ids and, for each epoch, when each of its members read it. Every run of the
+driver is a child process (``bench_control_scale``), so its processes, threads and sockets end with it.
 
 Measured at each N:
 
@@ -58,11 +60,15 @@ from unbroken.control import keys
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
 from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death
 from unbroken.core.config import dump_config, load_config, preset_path
 from unbroken.core.records import METRICS_FILE, RecordKind, make, read_records
 
 DEFAULT_MEMBERS = (64, 256, 512, 1024)
+# How the crowds' members take the coordinator's news: from a relay process per crowd (as an agent runs one per
+# host, ``control.newsrelay``), or each from the coordinator itself.
+NEWS_MODES = ("relay", "direct")
 VICTIMS = 4  # V: V - 1 deaths, then one silence
 JOINS = 64
 REST_S = 10.0  # the window of the at-rest figures
@@ -117,6 +123,7 @@ class _Crowd:
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
         self.ids: list[int] = []
+        self.relayed = 0  # members whose news came from a relay when they were admitted
         self.ready = threading.Event()
         self.connected = threading.Event()  # a held crowd: every member connected, waiting to register
         self.reads: dict[int, list[float]] = {}  # epoch -> when each member read it (once all of them had)
@@ -131,6 +138,7 @@ class _Crowd:
                 self.connected.set()
             elif "ids" in report:
                 self.ids = report["ids"]
+                self.relayed = report["relayed"]
                 self.ready.set()
             else:
                 with self.lock:
@@ -149,10 +157,14 @@ class _Crowd:
 class Driver:
     """One coordinator and ``members`` members; the figures of one N (``run``)."""
 
-    def __init__(self, members: int, work: Path, joins: int = JOINS, rest_s: float = REST_S) -> None:
+    def __init__(
+        self, members: int, work: Path, news: str = NEWS_MODES[0], joins: int = JOINS, rest_s: float = REST_S
+    ) -> None:
         if members < VICTIMS + 2:
             raise ValueError(f"--members {members}: each count must be at least {VICTIMS + 2}")
-        self.n, self.work, self.joins, self.rest_s = members, work, joins, rest_s
+        if news not in NEWS_MODES:
+            raise ValueError(f"--news {news}: allowed: {', '.join(NEWS_MODES)}")
+        self.n, self.work, self.news, self.joins, self.rest_s = members, work, news, joins, rest_s
         self.token = new_token()
         self.cfg = load_config(str(preset_path("tiny")), ["--comm.join_timeout_s=600"])
         self.run_dir = work / "run"
@@ -188,11 +200,24 @@ class Driver:
             self.victims[int(line)] = proc
 
     def _start_crowd(self, count: int, hold: bool) -> _Crowd:
+        """A crowd process of ``count`` members; with news by relay, its "host's" relay first, in a process of
+        its own as an agent's is."""
         comm = self.cfg.comm
+        env = self._env()
+        if self.news == "relay":
+            cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--relay", self.address]
+            cmd += ["--timeout", str(comm.heartbeat_timeout_s)]
+            relay = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            self.processes.append(relay)
+            assert relay.stdout is not None
+            path = relay.stdout.readline().strip()
+            if not path:
+                raise RuntimeError("bench control-scale: a relay process did not start")
+            env[RELAY_ENV] = path
         cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--crowd", self.address]
         cmd += ["--count", str(count), "--interval", str(comm.heartbeat_interval_s)]
         cmd += ["--timeout", str(comm.heartbeat_timeout_s), *(["--hold"] if hold else [])]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self._env())
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.processes.append(proc)
         return _Crowd(proc)
 
@@ -252,7 +277,7 @@ class Driver:
         """End the crowds, the victims and the coordinator; with ``members``, first close the leader member."""
         if members and self.leader is not None:
             self.leader.close()
-        for proc in self.processes:
+        for proc in reversed(self.processes):  # the coordinator last: its relays, which follow it, first
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
@@ -352,6 +377,8 @@ class Driver:
         churn_cores, churn_rss = churn.cores(), _rss_mib(self.coordinator.pid)
         return {
             "members": self.n,
+            "news": self.news,
+            "relayed": sum(c.relayed for c in self.crowds),
             "crowds": len(self.crowds),
             "started_s": started_s,
             "death_published_s": [d["published"] for d in deaths],
@@ -393,6 +420,20 @@ def _victim_main(address: str) -> None:
     print(client.worker_id, flush=True)
     while True:
         signal.pause()
+
+
+def _relay_main(address: str, timeout_s: float) -> None:
+    """A crowd's "host's" relay (``control.newsrelay``): prints its socket's path once it follows the
+    coordinator, then relays until its stdin closes (the driver ended). At the crowds' priority: it is the hosts'
+    side of the fan-out, as an agent is."""
+    os.nice(CROWD_NICE)
+    relay = NewsRelay(max(1.0, timeout_s))
+    relay.follow(address, os.environ[TOKEN_ENV])
+    _wait(lambda: relay.following, "the relay following the coordinator")
+    print(relay.path, flush=True)
+    sys.stdin.read()
+    relay.close()
+    os._exit(0)
 
 
 class _GatedClient(CoordinatorClient):
@@ -452,24 +493,30 @@ def _crowd_main(address: str, count: int, interval_s: float, timeout_s: float, h
         clients = [m.result() for m in made]
     # The first epoch can come before a member's watcher starts (it then reads it at its start, not as news).
     _wait(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch")
-    tell({"ids": [c.worker_id for c in clients]})
+    if os.environ.get(RELAY_ENV):  # every member reading its relay before the faults (it connects at its start)
+        _wait(lambda: all(c._relay is not None for c in clients), "every member on the relay")
+    tell({"ids": [c.worker_id for c in clients], "relayed": sum(c._relay is not None for c in clients)})
     sys.stdin.read()  # EOF: the driver is gone
     os._exit(0)  # members' threads in store calls: no interpreter shutdown under them
 
 
-def bench_control_scale(member_counts: list[int]) -> list[dict[str, Any]]:
-    """The driver once per N, each in a fresh process; their figures in order (a failed N: ``failed``)."""
+def bench_control_scale(member_counts: list[int], news_modes: tuple[str, ...] = NEWS_MODES) -> list[dict[str, Any]]:
+    """The driver once per N and way of taking the news, each in a fresh process; their figures in order (a failed
+    one: ``failed``)."""
     results = []
     for n in member_counts:
-        with tempfile.TemporaryDirectory(prefix="control-scale-") as tmp:
-            out = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--members", str(n), "--work", tmp]
-            env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-            done = subprocess.run([*cmd, "--out", str(out)], env=env, timeout=20 * 60, check=False)
-            if done.returncode != 0 or not out.exists():  # a row that says so; the other counts still run
-                results.append({"members": n, "failed": f"the driver exited {done.returncode} (its stderr above)"})
-                continue
-            results.append(json.loads(out.read_text()))
+        for news in news_modes:
+            with tempfile.TemporaryDirectory(prefix="control-scale-") as tmp:
+                out = Path(tmp) / "result.json"
+                cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--members", str(n), "--work", tmp]
+                env = {k: v for k, v in os.environ.items() if k != RELAY_ENV} | {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+                cmd += ["--news", news, "--out", str(out)]
+                done = subprocess.run(cmd, env=env, timeout=20 * 60, check=False)
+                if done.returncode != 0 or not out.exists():  # a row that says so; the others still run
+                    failed = f"the driver exited {done.returncode} (its stderr above)"
+                    results.append({"members": n, "news": news, "failed": failed})
+                    continue
+                results.append(json.loads(out.read_text()))
     return results
 
 
@@ -480,23 +527,28 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
     out = [
         f"the real coordinator (a child process) and N members: 1 in the driver, {VICTIMS} processes of one member "
         f"each, the rest in processes of at most {CROWD}; {VICTIMS - 1} deaths reported (kill -9), "
-        f"1 hang (SIGSTOP), {JOINS} joins (a process of their own)",
+        f"1 hang (SIGSTOP), {JOINS} joins (a process of their own); news: the crowds' members read the coordinator's "
+        "news from a relay per crowd (a process of its own, as a host's agent runs one) or each from the coordinator",
         "",
-        "| members | death -> epoch published (s) | death -> every member read it: p50 / p99 / last (s) "
+        "| members | news | death -> epoch published (s) | death -> every member read it: p50 / p99 / last (s) "
         "| coordinator CPU from a death's report to its last read, and at its rest rate over as long (s) "
         "| hang -> epoch (s) | joins: how many, in how many epoch changes, over the admissions' spread; "
         "admission -> epoch, median / max (s) | coordinator at rest: cores, RSS MiB | churn: cores, RSS MiB "
         "| metrics MB/h | start (s) | false deaths |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "failed" in r:
-            out.append(f"| {r['members']} | did not finish: {r['failed']} |" + " |" * 9)
+            out.append(f"| {r['members']} | {r['news']} | did not finish: {r['failed']} |" + " |" * 9)
             continue
         published = statistics.median(r["death_published_s"])
         last = max(r["death_last_read_s"])
+        news = r["news"]
+        if news == "relay":
+            relays = f"{r['crowds']} relay" + ("s" if r["crowds"] > 1 else "")
+            news = f"relay: {r['relayed']} members on {relays} (the joiners on 1 more)"
         out.append(
-            f"| {r['members']} | {s(published)} (max {s(max(r['death_published_s']))}) "
+            f"| {r['members']} | {news} | {s(published)} (max {s(max(r['death_published_s']))}) "
             f"| {s(r['read_p50_s'])} / {s(r['read_p99_s'])} / {s(last)} "
             f"| {s(statistics.median(r['death_coordinator_cpu_s']))} "
             f"({s(statistics.median(r['death_coordinator_cpu_at_rest_s']))} at rest) "
@@ -514,6 +566,8 @@ def _main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--victim", metavar="ADDRESS")
     parser.add_argument("--crowd", metavar="ADDRESS")
+    parser.add_argument("--relay", metavar="ADDRESS")
+    parser.add_argument("--news", default=NEWS_MODES[0])
     parser.add_argument("--count", type=int)
     parser.add_argument("--interval", type=float)
     parser.add_argument("--timeout", type=float)
@@ -529,7 +583,10 @@ def _main() -> None:
     if a.crowd:
         _crowd_main(a.crowd, a.count, a.interval, a.timeout, a.hold)
         return
-    driver = Driver(a.members, Path(a.work))
+    if a.relay:
+        _relay_main(a.relay, a.timeout)
+        return
+    driver = Driver(a.members, Path(a.work), a.news)
     try:
         result = driver.run()
     finally:

@@ -1,0 +1,193 @@
+"""A host's news relay (``control.newsrelay``): the frames' wire format, the relay against a real coordinator's
+store and gateway, and workers' clients that take their news from it and go back to the store when it is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from runner import TINY, in_process_coordinator
+
+from unbroken.control import keys
+from unbroken.control.client import CoordinatorClient
+from unbroken.control.gateway import new_token
+from unbroken.control.newsrelay import (
+    Frame,
+    FrameKind,
+    NewsRelay,
+    RelayedNews,
+    RelayGone,
+    decode_frame,
+    encode_frame,
+)
+from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death, request_stop
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.01)
+
+
+def test_every_frame_survives_its_round_trip_and_garbage_is_refused() -> None:
+    record = {"epoch": 7, "members": [0, 2, 3], "reason": "worker 1 died"}
+    for frame in (
+        Frame(FrameKind.EPOCH, "inc-a", 7, record),
+        Frame(FrameKind.STOP, "inc-a", reason="the run was interrupted"),
+        Frame(FrameKind.HELLO, "inc-b"),
+    ):
+        data = encode_frame(frame)
+        (length,) = struct.unpack(">I", data[:4])
+        assert length == len(data) - 4
+        assert decode_frame(data[4:]) == frame
+    for garbage in (b"not json", b'{"kind": "epoch"}', b'{"kind": "news", "incarnation": "a"}',
+                    b'{"kind": "epoch", "incarnation": "a", "epoch": 8, "record": {"epoch": 7}}'):  # fmt: skip
+        with pytest.raises(ValueError):
+            decode_frame(garbage)
+
+
+def test_the_relay_passes_on_each_epoch_and_the_stop_of_the_coordinator_it_follows(tmp_path: Path) -> None:
+    """Workers connected before and after an epoch get it (a late one gets the newest first), in order, with the
+    record the coordinator published; a worker of another coordinator is told the relay is not its own; the
+    relay's end tells every worker to watch the store."""
+    token = new_token()
+    with in_process_coordinator(tmp_path, token) as coordinator:
+        store = connect_store(coordinator.address, token=token)
+        relay = NewsRelay(op_timeout_s=2.0)
+        try:
+            relay.follow(coordinator.address, token)
+            early = _subscribe(relay, coordinator.incarnation)
+            coordinator.publish((0, 1), "start")
+            first = early.next()
+            assert (first.kind, first.epoch) == (FrameKind.EPOCH, coordinator.epoch)
+            assert first.record == read_json(store, keys.epoch(coordinator.epoch))
+            late = _subscribe(relay, coordinator.incarnation)
+            assert late.next() == first  # the newest epoch, at once
+            coordinator.publish((0,), "worker 1 died")
+            for worker in (early, late):
+                frame = worker.next()
+                assert (frame.epoch, frame.record["members"]) == (coordinator.epoch, [0])  # type: ignore[index]
+            coordinator.stop("enough")
+            assert [w.next() for w in (early, late)] == [
+                Frame(FrameKind.STOP, coordinator.incarnation, reason="enough")
+            ] * 2
+            stranger = _subscribe(relay, "another coordinator's")
+            with pytest.raises(RelayGone, match="follows coordinator"):
+                stranger.next()
+            relay.close()
+            for worker in (early, late):
+                with pytest.raises(RelayGone, match="closed"):
+                    worker.next()
+            assert not os.path.exists(relay.path)
+        finally:
+            relay.close()
+
+
+def test_a_relay_that_loses_its_coordinator_drops_its_workers(tmp_path: Path) -> None:
+    """A relay whose coordinator's store fails drops its workers (and turns new ones away) instead of leaving them
+    on news that no longer comes."""
+    token = new_token()
+    with in_process_coordinator(tmp_path, token) as coordinator:
+        relay = NewsRelay(op_timeout_s=1.0)
+        try:
+            relay.follow(coordinator.address, token)
+            worker = _subscribe(relay, coordinator.incarnation)
+            coordinator.publish((0,), "start")
+            assert worker.next().kind is FrameKind.EPOCH
+            coordinator.gateway.close()  # the coordinator's port answers no more
+            with pytest.raises(RelayGone):
+                worker.next()
+            _until(lambda: not relay.following, "the relay giving up its coordinator")
+            with pytest.raises(RelayGone, match="closed"):
+                RelayedNews(relay.path, coordinator.incarnation).next()
+        finally:
+            relay.close()
+
+
+def _subscribe(relay: NewsRelay, incarnation: str) -> RelayedNews:
+    """A worker's connection, once the relay follows its coordinator (until then it turns workers away)."""
+    _until(lambda: relay.following, "the relay following the coordinator")
+    return RelayedNews(relay.path, incarnation)
+
+
+@contextlib.contextmanager
+def _coordinator(tmp_path: Path, workers: int) -> Iterator[tuple[str, str]]:
+    """A real coordinator (a child process) for ``workers`` workers: its address and the job's token."""
+    from unbroken.control.coordinator import spawn_coordinator
+    from unbroken.core.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(load_config(TINY), run)
+    token = new_token()
+    sock = bind_listen_socket("127.0.0.1", 0)
+    proc, address = spawn_coordinator(sock, run, workers, False, {**os.environ, "UNBROKEN_TOKEN": token})
+    sock.close()
+    try:
+        yield address, token
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def test_workers_take_their_news_from_the_relay_and_from_the_store_once_it_is_gone(tmp_path: Path) -> None:
+    """Two workers' clients of a real coordinator with a relay: a death's epoch reaches the survivor through the
+    relay; with the relay closed, the survivor watches the store and still sees the stop."""
+    with _coordinator(tmp_path, 2) as (address, token):
+        relay = NewsRelay(op_timeout_s=2.0)
+        relay.follow(address, token)
+        clients: list[CoordinatorClient] = []
+        try:
+            clients = [CoordinatorClient(address, w, token=token, news_relay=relay.path) for w in (0, 1)]
+            _until(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch")
+            _until(lambda: all(c._relay is not None for c in clients), "both clients on the relay")
+            survivor = clients[0]
+            store = connect_store(address, token=token)
+            report_death(store, 1, "killed by SIGKILL")
+            _until(lambda: survivor._seen_members == frozenset({0}), "the epoch without worker 1")
+            assert survivor._relay is not None  # it came through the relay, which is still its watcher's
+            assert survivor.removed_since(1, (1,))
+            relay.close()
+            _until(lambda: survivor._relay is None, "the survivor leaving the closed relay")
+            request_stop(store, "enough")
+            _until(lambda: survivor.stopped == "enough", "the stop, from the store")
+        finally:
+            for client in clients:
+                client.close()
+            relay.close()
+
+
+def test_a_worker_whose_relay_is_silent_takes_the_news_from_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay that accepted its workers and then says nothing (its agent stopped with SIGSTOP: the kernel
+    still accepts connections for it) must not leave them without news: after ``NEWS_WAIT_S`` without a frame a
+    worker looks at the store, and finding news the relay did not pass on, watches the store from then on. Here
+    the first epoch, then a death's, reach both workers that way."""
+    from unbroken.control import client as client_module
+
+    monkeypatch.setattr(client_module, "NEWS_WAIT_S", 1.0)
+    path = str(tmp_path / "stopped-agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent, _coordinator(tmp_path, 2) as (address, token):
+        silent.bind(path)
+        silent.listen(16)  # never accepted, never answered
+        clients = [CoordinatorClient(address, w, token=token, news_relay=path) for w in (0, 1)]
+        try:
+            _until(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch, from the store")
+            report_death(connect_store(address, token=token), 1, "killed by SIGKILL")
+            _until(lambda: clients[0]._seen_members == frozenset({0}), "the epoch without worker 1")
+            assert clients[0]._relay is None
+        finally:
+            for client in clients:
+                client.close()
