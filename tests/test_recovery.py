@@ -86,9 +86,12 @@ def test_sigstopped_worker_is_excluded_and_a_slow_worker_gets_fewer(tmp_path: Pa
     assert sorted(read_records(out, "final")[0]["checksums"]) == ["0", "1"]
     steps = {r["step"]: r for r in read_records(out, "step")}
     assert sorted(steps) == list(range(14))
-    for s in range(4, 8):  # the slowed worker's measured speed steers the plan
-        quotas = steps[s]["quotas"]
-        assert quotas["1"] < min(quotas["0"], quotas["2"]), (s, quotas)
+    # The slowed worker's measured speed steers the plan: over steps 4-7 it is given fewer microbatches than each
+    # other worker. Summed over the four steps, not step by step: a survivor held off the CPU by the other pytest
+    # process for a microbatch's time measures as slow as the slowed one for that step (r64: {0: 1, 1: 1, 2: 6} at
+    # step 6; r69: {0: 6, 1: 1, 2: 1}), where the slowed one is slow at every step.
+    totals = {w: sum(steps[s]["quotas"][w] for s in range(4, 8)) for w in ("0", "1", "2")}
+    assert totals["1"] < min(totals["0"], totals["2"]), {s: steps[s]["quotas"] for s in range(4, 8)}
 
 
 def test_last_survivor_finishes_alone(tmp_path: Path, data_cache_dir: Path) -> None:
