@@ -8,12 +8,11 @@ import os
 import signal
 import socket
 import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runner import TINY, in_process_coordinator
+from runner import TINY, in_process_coordinator, wait_for
 
 from unbroken.control import keys
 from unbroken.control.client import CoordinatorClient
@@ -30,14 +29,6 @@ from unbroken.control.newsrelay import (
 from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death, request_stop
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(0.01)
 
 
 def test_every_frame_survives_its_round_trip_and_garbage_is_refused() -> None:
@@ -108,7 +99,7 @@ def test_a_relay_that_loses_its_coordinator_drops_its_workers(tmp_path: Path) ->
             coordinator.gateway.close()  # the coordinator's port answers no more
             with pytest.raises(RelayGone):
                 worker.next()
-            _until(lambda: not relay.following, "the relay giving up its coordinator")
+            wait_for(lambda: not relay.following, 60, "the relay giving up its coordinator")
             with pytest.raises(RelayGone, match="closed"):
                 RelayedNews(relay.path, coordinator.incarnation).next()
         finally:
@@ -117,7 +108,7 @@ def test_a_relay_that_loses_its_coordinator_drops_its_workers(tmp_path: Path) ->
 
 def _subscribe(relay: NewsRelay, incarnation: str) -> RelayedNews:
     """A worker's connection, once the relay follows its coordinator (until then it turns workers away)."""
-    _until(lambda: relay.following, "the relay following the coordinator")
+    wait_for(lambda: relay.following, 60, "the relay following the coordinator")
     return RelayedNews(relay.path, incarnation)
 
 
@@ -150,18 +141,18 @@ def test_workers_take_their_news_from_the_relay_and_from_the_store_once_it_is_go
         clients: list[CoordinatorClient] = []
         try:
             clients = [CoordinatorClient(address, w, token=token, news_relay=relay.path) for w in (0, 1)]
-            _until(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch")
-            _until(lambda: all(c._relay is not None for c in clients), "both clients on the relay")
+            wait_for(lambda: all(c.latest_epoch >= 1 for c in clients), 60, "the first epoch")
+            wait_for(lambda: all(c._relay is not None for c in clients), 60, "both clients on the relay")
             survivor = clients[0]
             store = connect_store(address, token=token)
             report_death(store, 1, "killed by SIGKILL")
-            _until(lambda: survivor._seen_members == frozenset({0}), "the epoch without worker 1")
+            wait_for(lambda: survivor._seen_members == frozenset({0}), 60, "the epoch without worker 1")
             assert survivor._relay is not None  # it came through the relay, which is still its watcher's
             assert survivor.removed_since(1, (1,))
             relay.close()
-            _until(lambda: survivor._relay is None, "the survivor leaving the closed relay")
+            wait_for(lambda: survivor._relay is None, 60, "the survivor leaving the closed relay")
             request_stop(store, "enough")
-            _until(lambda: survivor.stopped == "enough", "the stop, from the store")
+            wait_for(lambda: survivor.stopped == "enough", 60, "the stop, from the store")
         finally:
             for client in clients:
                 client.close()
@@ -184,9 +175,9 @@ def test_a_worker_whose_relay_is_silent_takes_the_news_from_the_store(
         silent.listen(16)  # never accepted, never answered
         clients = [CoordinatorClient(address, w, token=token, news_relay=path) for w in (0, 1)]
         try:
-            _until(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch, from the store")
+            wait_for(lambda: all(c.latest_epoch >= 1 for c in clients), 60, "the first epoch, from the store")
             report_death(connect_store(address, token=token), 1, "killed by SIGKILL")
-            _until(lambda: clients[0]._seen_members == frozenset({0}), "the epoch without worker 1")
+            wait_for(lambda: clients[0]._seen_members == frozenset({0}), 60, "the epoch without worker 1")
             assert clients[0]._relay is None
         finally:
             for client in clients:

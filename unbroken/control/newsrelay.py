@@ -211,12 +211,7 @@ class NewsRelay:
     def follow(self, address: str, token: str) -> None:
         """Relay the news of the coordinator at ``address`` from now on (the workers of the previous one are
         dropped: they watch the store until they connect again)."""
-        with self._lock:
-            self._generation += 1
-            self._drop_all()
-            if self._tunnel is not None:
-                self._tunnel.cut()  # the previous watcher's wait ends now
-            generation = self._generation
+        generation = self._let_go()
         threading.Thread(
             target=self._watch, args=(address, token, generation), name=f"news-relay-{generation}", daemon=True
         ).start()
@@ -229,11 +224,7 @@ class NewsRelay:
     def close(self) -> None:
         """Stop relaying: the workers go back to the store; the socket and its directory are removed."""
         self._closed.set()
-        with self._lock:
-            self._generation += 1
-            self._drop_all()
-            if self._tunnel is not None:
-                self._tunnel.cut()
+        self._let_go()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -290,10 +281,10 @@ class NewsRelay:
         with self._lock:
             if generation != self._generation:
                 return
-            data = b"".join(encode_frame(f) for f in frames)
-            for frame in frames:
-                self._latest[frame.kind] = encode_frame(frame)
-            self._send_all(data)
+            encoded = [encode_frame(f) for f in frames]
+            for frame, data in zip(frames, encoded, strict=True):
+                self._latest[frame.kind] = data
+            self._send_all(b"".join(encoded))
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -326,6 +317,16 @@ class NewsRelay:
             pass
         conn.close()
         return False
+
+    def _let_go(self) -> int:
+        """Stop relaying the coordinator followed (its workers dropped, its watcher's wait cut); the new
+        generation."""
+        with self._lock:
+            self._generation += 1
+            self._drop_all()
+            if self._tunnel is not None:
+                self._tunnel.cut()
+            return self._generation
 
     def _drop_all(self) -> None:
         for conn in self._subscribers:
