@@ -332,11 +332,54 @@ def evaluation_after_a_recovery(run_dir: Path) -> dict[int, list[float | None]]:
         job.close()
 
 
-def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(tmp_path: Path) -> None:
-    """The members recovered at different points after step 1 (worker 1 in the step's reduction, worker 0 in
-    the evaluation that follows it): both skip that evaluation, so their next collectives (the next step's) match.
-    Worker 1 evaluating there put its evaluation's allreduce against worker 0's gradient buckets on the new group
-    (gloo aborts the process: a size mismatch on its loop thread), hence a process of its own."""
+def evaluation_after_a_recovery_that_received_the_state(run_dir: Path) -> dict[int, list[float | None]]:
+    """Three workers, steps 0..3, an evaluation after steps 2 and 3 only. In step 1 worker 1's reduction completes,
+    but it looks at it only once worker 2's death is published (worker 2 committed step 1 and died before its first
+    microbatch of step 2): it takes the reduction for interrupted, and on the new group receives step 2's state from
+    worker 0, which committed step 1 and recovered in step 2's reduction. Worker 1 then computes its share of step 2
+    in its next loop iteration, having met no failure in it: it must still skip the evaluation after step 2 as worker
+    0 does (the group recovered in step 2). Returns each survivor's evaluations."""
+    job = ThreadJob(run_dir, config(train={"steps": 4}), 3)
+
+    def loop(ctx: Context, worker: int) -> list[float | None]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx.register_state(model, opt)
+        values = []
+        for step in ctx.steps():
+            if worker == 1 and step.index == 1:
+                look_at_the_reduction_after_a_death(ctx)
+            for mb in step.microbatches():
+                if worker == 2 and step.index == 2:
+                    raise Died
+                step.backward(loss_of(model, step.index, mb))
+            step.commit(opt)
+            if step.index >= 2:
+                values.append(ctx.evaluate(6, float))
+        return values
+
+    try:
+        return job.run(loop)
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize(
+    ("scenario", "expected", "committed"),
+    [
+        ("evaluation_after_a_recovery", [2.5, None, 2.5], [0, 1, 2]),
+        ("evaluation_after_a_recovery_that_received_the_state", [None, 2.5], [0, 1, 2, 3]),
+    ],
+)
+def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(
+    tmp_path: Path, scenario: str, expected: list[float | None], committed: list[int]
+) -> None:
+    """The members recovered at different points (``evaluation_after_a_recovery``: worker 1 in step 1's reduction,
+    worker 0 in the evaluation that follows it; ``..._that_received_the_state``: worker 1 in step 1's reduction,
+    worker 0 in step 2's): both skip the evaluation after the step the group recovered in, so their next
+    collectives (the next step's) match. One evaluating there put its evaluation's allreduce against the other's
+    gradient buckets on the new group (gloo aborts the process: a size mismatch on its loop thread), hence a process
+    of its own."""
     import json
     import os
     import subprocess
@@ -344,7 +387,7 @@ def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(tmp_pa
 
     code = (
         "import json, sys; from pathlib import Path; import test_protocol as t; "
-        "print(json.dumps(t.evaluation_after_a_recovery(Path(sys.argv[1]))))"
+        f"print(json.dumps(t.{scenario}(Path(sys.argv[1]))))"
     )
     tests = Path(__file__).parent
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # c10d's warnings would bury gloo's one line
@@ -352,6 +395,6 @@ def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(tmp_pa
                           capture_output=True, text=True, timeout=100, cwd=tests, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     values = {int(w): v for w, v in json.loads(done.stdout.splitlines()[-1]).items()}
-    assert values == {0: [2.5, None, 2.5], 1: [2.5, None, 2.5]}, values
-    steps = [r for r in read_records(tmp_path / "run", "step") if r["committed"]]
-    assert sorted(r["step"] for r in steps) == [0, 1, 2]
+    assert values == {0: expected, 1: expected}, values
+    steps = [r for r in read_records(tmp_path / "run", "step") if r["committed"] and not r.get("republished")]
+    assert sorted(r["step"] for r in steps) == committed

@@ -359,7 +359,7 @@ class Context:
             raise ValueError("ctx.evaluate() runs between steps, once steps() has started")
         if self.layout.pipeline > 1:
             raise ValueError("under parallel.pipeline > 1, evaluate with evaluate_pipeline()")
-        if proto.failure_in_step:
+        if proto.skips_evaluation:
             return None
         total = torch.zeros(2, dtype=torch.float64)
         # The items are split over every rank computing a forward of its own: the members, and under FSDP each
@@ -390,7 +390,7 @@ class Context:
         proto = self._proto
         if proto is None or proto.group is None:
             raise ValueError("ctx.evaluate_pipeline() runs between steps, once steps() has started")
-        if proto.failure_in_step:
+        if proto.skips_evaluation:
             return None  # as ``evaluate`` says
         ids = list(range(proto.group.rank, num_items, proto.group.size))
         total = torch.zeros(2, dtype=torch.float64)

@@ -115,11 +115,15 @@ class StepProtocol:
         client.on_epoch = self.membership.epoch_published
         self.resume_pending = False  # --resume: the leader loads the newest checkpoint in its first recovery
         self.pending_todo: list[int] | None = None  # this worker's share of a step, planned while it recovered
-        # A failure made this worker recover during the current step (at its start or in its reduction; a join
-        # agreed beforehand does not count). The evaluation after the step is then skipped: the members may have
-        # recovered at different points (one in the step's reduction, another already in the evaluation, whose
-        # interrupted collective it gave up), and only skipping it on every one keeps their collectives matched.
+        # The evaluation after a step that the group recovered in from a failure is skipped on every member: they
+        # may have recovered at different points (one in the step's reduction, another in the evaluation before it,
+        # or one in a step's reduction and the other, which committed that step, in the next one's), and only
+        # skipping it on every one keeps their collectives matched (``skips_evaluation``). ``failure_in_step``: this
+        # worker recovered from a failure in the current loop iteration (at the step's start or in its reduction);
+        # ``failed_step``: the step that the group last agreed one of its members recovered in from a failure (the
+        # same on every member of the group; a worker that received the state recovered in the step before).
         self.failure_in_step = False
+        self.failed_step = -1
 
     # -- the parts, as the user's loop (api) and the process reach them -----------------------------
     @property
@@ -238,7 +242,7 @@ class StepProtocol:
                 # The others may have started this step with the group's plan: under drop only the dead members'
                 # share is lost, so this worker still owes its own.
                 self.plan.note_owners(self.plan.make(self.membership.units()))
-            return self.recover()
+            return self.recover(in_step=removed)
         self.injector.inject(Phase.START)
         plan = self.plan.make(self.membership.units())
         self.plan.adopt(plan, group.epoch)
@@ -262,7 +266,7 @@ class StepProtocol:
         else:
             reduction.accept(reduced, nonfinite)
             return None
-        todo = self.recover()
+        todo = self.recover(in_step=True)
         self.plan.recoveries += 1
         self.failure_in_step = True
         return todo
@@ -285,21 +289,31 @@ class StepProtocol:
         return outcome
 
     # -- recovery -----------------------------------------------------------------------------------
-    def recover(self) -> list[int]:
+    def recover(self, in_step: bool) -> list[int]:
         """Join the next membership epoch: form its group, agree on the step and state (whoever is behind
         receives it), find the current step's microbatches that no member holds, and return this worker's
         share of them (none under ``drop`` when a member died). Every member runs exactly this sequence of
         collectives after every membership change (start, failure, join), wherever it was, so the collectives
-        always match."""
+        always match. ``in_step``: a failure in the current step brought this worker here (a death seen at its
+        start, its reduction interrupted), not a join or one between steps; the group agrees whether one of its
+        members came from inside the step it recovers in (``failed_step``)."""
         old_members = self.group.members if self.group is not None else ()
         self.membership.recovering = True
         try:
-            return self._recover(old_members)
+            return self._recover(old_members, in_step)
         finally:
             self.membership.recovering = False
 
-    def _recover(self, old_members: tuple[int, ...]) -> list[int]:
+    @property
+    def skips_evaluation(self) -> bool:
+        """Whether the evaluation after the last committed step is skipped, on every member alike: this worker
+        recovered from a failure while running the step's loop iteration, or its group agreed that it recovered
+        from one in that step."""
+        return self.failure_in_step or self.failed_step == self.state.step - 1
+
+    def _recover(self, old_members: tuple[int, ...], in_step: bool) -> list[int]:
         membership = self.membership
+        entered_at = self.state.step
         while True:
             t0 = time.monotonic()
             old_epoch = self.group.epoch if self.group is not None else 0
@@ -320,8 +334,11 @@ class StepProtocol:
                 was_behind = membership.sync_state()
                 if was_behind:
                     self.begin_step()
-                held = torch.zeros(self.M, dtype=torch.float64)
+                # Each id this worker holds for the current step, and whether a failure in this step brought it here
+                # (one in a step the others have committed since, whose state it received, was in an earlier step).
+                held = torch.zeros(self.M + 1, dtype=torch.float64)
                 held[self.plan.done] = 1.0
+                held[self.M] = 1.0 if in_step and self.state.step == entered_at else 0.0
                 membership.wait([allreduce_async(self.group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
@@ -330,7 +347,9 @@ class StepProtocol:
             if was_behind or (old_members and old_members[0] not in group.members):
                 self.committer.republish_last_step()
             self.checkpoints.ensure()
-            counts = [int(c) for c in held.tolist()]
+            counts = [int(c) for c in held[: self.M].tolist()]
+            if held[self.M] > 0:
+                self.failed_step = self.state.step
             if any(c > 1 for c in counts):
                 raise InvariantViolation(
                     f"step {self.state.step}: after re-forming epoch {group.epoch}, microbatch ids "
@@ -373,7 +392,7 @@ class StepProtocol:
         if late:
             self.state.step = -1  # behind everyone: it receives the state from a live peer
         self.begin_step()
-        self.pending_todo = self.recover()
+        self.pending_todo = self.recover(in_step=False)
         assert self.group is not None
         log.info(
             "member of epoch %d as rank %d of %d at step %d",
@@ -392,7 +411,7 @@ class StepProtocol:
             return True
         except Interrupted:
             pass
-        self.pending_todo = self.recover()
+        self.pending_todo = self.recover(in_step=False)
         return False
 
     def finish(self) -> None:
