@@ -5,15 +5,18 @@ invariant (see unbroken/chaos.py; the long campaign's figures are in docs/reliab
 from __future__ import annotations
 
 import random
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 from runner import TINY, run_command
 
+from unbroken.control.store import exit_reason
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.records import RecordKind, append_records, make
-from unbroken.lab.chaos import KINDS, churn_schedule, make_trial
+from unbroken.ft.protocoldefs import EXIT_STOPPED
+from unbroken.lab.chaos import KINDS, Outcome, Reference, check_run, churn_schedule, make_trial
 from unbroken.lab.faultdriver import MAY_BE_EVICTED_S, Victims, choose_victims, plan_faults, state_holders
 
 
@@ -89,6 +92,29 @@ def test_a_joiner_holds_the_state_only_once_a_step_commits_with_it(tmp_path: Pat
     assert state_holders(tmp_path) == [2, 3]
     append_records(tmp_path, [membership(5, [3], "died: 2")])
     assert state_holders(tmp_path) == [3]
+
+
+def test_a_worker_that_ended_by_itself_is_a_violation(tmp_path: Path) -> None:
+    """A trial's failures may be kills, lost heartbeats and workers leaving when cut off; a worker aborted (gloo's
+    end on a collective mismatch), ended by another signal or raising is a crash the campaign reports."""
+    append_records(
+        tmp_path,
+        [
+            make(RecordKind.FAILURE, 1.0, worker=0, why="process " + exit_reason(-signal.SIGKILL), epoch=2),
+            make(RecordKind.FAILURE, 2.0, worker=1, why="no heartbeat for 2.10 s", epoch=3),
+            make(RecordKind.FAILURE, 3.0, worker=1, why="process " + exit_reason(EXIT_STOPPED), epoch=4),
+            make(RecordKind.FAILURE, 4.0, worker=2, why="process " + exit_reason(-signal.SIGABRT), epoch=5),
+            make(RecordKind.FAILURE, 5.0, worker=0, why="raised RuntimeError: a bug", epoch=6),
+            make(RecordKind.FAILURE, 6.0, worker=1, why="process " + exit_reason(1), epoch=7),
+        ],
+    )
+    outcome = Outcome(make_trial(0, 4, 12), 0, 1.0)
+    check_run(tmp_path, outcome, Reference({}, {}, 1.0, tmp_path), steps=0, microbatches=4)
+    assert [v for v in outcome.violations if "crashed" in v] == [
+        f"worker 2 crashed: process exited with status {-signal.SIGABRT}",
+        "worker 0 crashed: raised RuntimeError: a bug",
+        "worker 1 crashed: process exited with status 1",
+    ], outcome.violations
 
 
 @pytest.mark.timeout(400)

@@ -21,6 +21,7 @@ from runner import ROOT, TINY, final_params, in_process_coordinator, run_command
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
+from unbroken.control.store import exit_code_in, exit_reason
 from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
@@ -551,3 +552,14 @@ def test_a_late_heartbeat_s_stacks_show_each_thread_innermost_call_first() -> No
     assert any(line.endswith(" in parked_in_a_known_function") for line in lines), block
     assert lines[-1].endswith(" in _bootstrap"), block
     assert "Thread MainThread (most recent call first):" in text
+
+
+def test_a_process_s_exit_reason_reads_back_as_its_code() -> None:
+    """``keys.dead``'s text for a process's end (and the failure record's, "process " + it) gives back its exit
+    code; a failure that was not a process's end names none."""
+    for code in (-signal.SIGKILL, -signal.SIGABRT, -signal.SIGSEGV, 1, 3, 7, 255):
+        assert exit_code_in(exit_reason(code)) == code
+        assert exit_code_in("process " + exit_reason(code)) == code
+    assert exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
+    for why in ("no heartbeat for 2.10 s", "raised ValueError: exited with status 1 in the data", "excluded"):
+        assert exit_code_in(why) is None, why

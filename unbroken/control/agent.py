@@ -47,7 +47,15 @@ from unbroken.control.client import (
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
 from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
-from unbroken.control.store import CallGuard, open_store, publish_record, report_death, request_stop, ring
+from unbroken.control.store import (
+    CallGuard,
+    exit_reason,
+    open_store,
+    publish_record,
+    report_death,
+    request_stop,
+    ring,
+)
 from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
@@ -508,7 +516,7 @@ class Agent:
             code = proc.poll()
             if code is not None and code != 0 and wid not in self.reported:  # 0: finished the run
                 self.reported.add(wid)
-                self._call(report_death, wid, "killed by SIGKILL" if code == -9 else f"exited with status {code}")
+                self._call(report_death, wid, exit_reason(code))
 
     def nobody_left(self) -> bool:
         """No worker process runs and none is due to restart (e.g. every one failed before joining)."""

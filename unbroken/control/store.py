@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
+import signal
 import socket
 import threading
 import time
@@ -165,6 +167,24 @@ def request_stop(store: TCPStore, reason: str) -> bool:
     first = store.compare_set(keys.STOP, "", reason) == reason.encode()
     ring(store)
     return first
+
+
+def exit_reason(code: int) -> str:
+    """What ``keys.dead`` says of a worker process that ended with ``code`` (``Popen.returncode``: -N for signal N);
+    the coordinator's failure record says it as "process " + this."""
+    return "killed by SIGKILL" if code == -signal.SIGKILL else f"exited with status {code}"
+
+
+_EXIT_REASON = re.compile(r"(?:^|process )(?:killed by (SIGKILL)|exited with status (-?\d+))$")
+
+
+def exit_code_in(why: str) -> int | None:
+    """The exit code a failure record's ``why`` (or a ``keys.dead`` value) names, as ``exit_reason`` wrote it;
+    None when the failure was not a process's end (a lost heartbeat, an exception raised, an exclusion)."""
+    found = _EXIT_REASON.search(why)
+    if found is None:
+        return None
+    return -signal.SIGKILL if found.group(1) else int(found.group(2))
 
 
 def report_death(store: TCPStore, worker: int, why: str) -> None:

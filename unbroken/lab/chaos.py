@@ -15,6 +15,9 @@ with one failure-free reference run of the same configuration in exact-reduction
 Invariants checked after every run (a violation names the trial's seed):
   finished      the run exited 0 and published its final record, within the trial timeout (no hang)
   detection     every failure was detected within ``comm.heartbeat_timeout_s`` + ``DETECTION_SLACK_S``
+  no crash      every failure was one the campaign caused (a SIGKILL, a lost heartbeat, a worker that left when
+                it was cut off or excluded), never a worker ending by itself: an abort (gloo's on a collective
+                mismatch), another signal, an exception raised
   progress      no gap between consecutive committed steps longer than the heartbeat timeout + ``STALL_SLACK_S``
   counted once  every step 0..N-1 was committed, and each committed step counted each of its M microbatches
                 exactly once (the reduced count vector, recorded in the step's metrics)
@@ -47,12 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.control.store import exit_code_in
 from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.protocoldefs import EXIT_STOPPED
 
 KINDS = (
     "kill",
@@ -69,6 +74,9 @@ DETECTION_SLACK_S = 1.5  # the coordinator's tick, the launcher's poll and a loa
 STALL_SLACK_S = 10.0  # a step of 4 workers on 2 shared cores takes up to ~1-2 s under load
 CHECKPOINT_EVERY = 5
 HEARTBEAT_TIMEOUT_S = 2.0
+# How a worker's process may end in a trial: killed (by the schedule, the fault driver, or the launcher after its
+# hang), or leaving by itself when it was cut off or excluded (a paused worker declared dead).
+CAUSED_EXITS = frozenset({-signal.SIGKILL, EXIT_STOPPED})
 
 
 @dataclass
@@ -247,6 +255,10 @@ def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, micro
             v.append("final parameters differ from the failure-free reference")
     bound = HEARTBEAT_TIMEOUT_S + DETECTION_SLACK_S
     for f in by_type.get("failure", []):
+        why = str(f["why"])
+        code = exit_code_in(why)
+        if why.startswith("raised ") or (code is not None and code not in CAUSED_EXITS):
+            v.append(f"worker {f['worker']} crashed: {why}")
         if "detection_s" in f:
             outcome.max_detection_s = max(outcome.max_detection_s, f["detection_s"])
             if f["detection_s"] > bound:
