@@ -299,12 +299,19 @@ def look_at_the_reduction_after_a_death(ctx: Context) -> None:
     reducer.wait = late_wait  # type: ignore[method-assign]
 
 
-def evaluation_after_a_recovery(run_dir: Path) -> dict[int, list[float | None]]:
-    """Three workers, steps 0..2, an evaluation after each step. In step 1 worker 1's reduction completes, but it
-    looks at it only once worker 2's death is published (worker 2 committed step 1 and died in the evaluation):
-    it takes the reduction for interrupted and recovers in the step, while worker 0, which committed the step,
-    is interrupted in the evaluation and recovers there. Returns each survivor's evaluations."""
-    job = ThreadJob(run_dir, config(train={"steps": 3}), 3)
+def evaluations_after_a_recovery(run_dir: Path, received_the_state: bool) -> dict[int, list[float | None]]:
+    """Three workers. In step 1 worker 1's reduction completes, but it looks at it only once worker 2's death is
+    published: it takes the reduction for interrupted and recovers in the step. Worker 2 committed step 1, then died
+
+    - in the evaluation after it (not ``received_the_state``; steps 0..2, an evaluation after each): worker 0, which
+      committed step 1, is interrupted in that evaluation and recovers there;
+    - before its first microbatch of step 2 (``received_the_state``; steps 0..3, evaluations after steps 2 and 3
+      only): worker 0 recovers in step 2's reduction, and worker 1 receives step 2's state from it and computes its
+      share of step 2 in its next loop iteration, having met no failure in that iteration: it must still skip the
+      evaluation after step 2 as worker 0 does (the group recovered in step 2).
+
+    Returns each survivor's evaluations."""
+    job = ThreadJob(run_dir, config(train={"steps": 4 if received_the_state else 3}), 3)
 
     def loop(ctx: Context, worker: int) -> list[float | None]:
         model = mlp()
@@ -315,8 +322,12 @@ def evaluation_after_a_recovery(run_dir: Path) -> dict[int, list[float | None]]:
             if worker == 1 and step.index == 1:
                 look_at_the_reduction_after_a_death(ctx)  # the wait ends microbatches()
             for mb in step.microbatches():
+                if received_the_state and worker == 2 and step.index == 2:
+                    raise Died
                 step.backward(loss_of(model, step.index, mb))
             step.commit(opt)
+            if received_the_state and step.index < 2:
+                continue
 
             def val(k: int, s: int = step.index) -> float:
                 if worker == 2 and s == 1:
@@ -332,54 +343,18 @@ def evaluation_after_a_recovery(run_dir: Path) -> dict[int, list[float | None]]:
         job.close()
 
 
-def evaluation_after_a_recovery_that_received_the_state(run_dir: Path) -> dict[int, list[float | None]]:
-    """Three workers, steps 0..3, an evaluation after steps 2 and 3 only. In step 1 worker 1's reduction completes,
-    but it looks at it only once worker 2's death is published (worker 2 committed step 1 and died before its first
-    microbatch of step 2): it takes the reduction for interrupted, and on the new group receives step 2's state from
-    worker 0, which committed step 1 and recovered in step 2's reduction. Worker 1 then computes its share of step 2
-    in its next loop iteration, having met no failure in it: it must still skip the evaluation after step 2 as worker
-    0 does (the group recovered in step 2). Returns each survivor's evaluations."""
-    job = ThreadJob(run_dir, config(train={"steps": 4}), 3)
-
-    def loop(ctx: Context, worker: int) -> list[float | None]:
-        model = mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ctx.register_state(model, opt)
-        values = []
-        for step in ctx.steps():
-            if worker == 1 and step.index == 1:
-                look_at_the_reduction_after_a_death(ctx)
-            for mb in step.microbatches():
-                if worker == 2 and step.index == 2:
-                    raise Died
-                step.backward(loss_of(model, step.index, mb))
-            step.commit(opt)
-            if step.index >= 2:
-                values.append(ctx.evaluate(6, float))
-        return values
-
-    try:
-        return job.run(loop)
-    finally:
-        job.close()
-
-
 @pytest.mark.parametrize(
-    ("scenario", "expected", "committed"),
-    [
-        ("evaluation_after_a_recovery", [2.5, None, 2.5], [0, 1, 2]),
-        ("evaluation_after_a_recovery_that_received_the_state", [None, 2.5], [0, 1, 2, 3]),
-    ],
+    ("received_the_state", "expected", "committed"),
+    [(False, [2.5, None, 2.5], [0, 1, 2]), (True, [None, 2.5], [0, 1, 2, 3])],
 )
 def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(
-    tmp_path: Path, scenario: str, expected: list[float | None], committed: list[int]
+    tmp_path: Path, received_the_state: bool, expected: list[float | None], committed: list[int]
 ) -> None:
-    """The members recovered at different points (``evaluation_after_a_recovery``: worker 1 in step 1's reduction,
-    worker 0 in the evaluation that follows it; ``..._that_received_the_state``: worker 1 in step 1's reduction,
-    worker 0 in step 2's): both skip the evaluation after the step the group recovered in, so their next
-    collectives (the next step's) match. One evaluating there put its evaluation's allreduce against the other's
-    gradient buckets on the new group (gloo aborts the process: a size mismatch on its loop thread), hence a process
-    of its own."""
+    """The members recovered at different points (``evaluations_after_a_recovery``: worker 1 in step 1's
+    reduction, worker 0 in the evaluation that follows it, or in step 2's reduction while worker 1 receives the
+    state): both skip the evaluation after the step the group recovered in, so their next collectives (the next
+    step's) match. One evaluating there put its evaluation's allreduce against the other's gradient buckets on the
+    new group (gloo aborts the process: a size mismatch on its loop thread), hence a process of its own."""
     import json
     import os
     import subprocess
@@ -387,7 +362,7 @@ def test_every_member_skips_the_evaluation_after_a_step_some_recovered_in(
 
     code = (
         "import json, sys; from pathlib import Path; import test_protocol as t; "
-        f"print(json.dumps(t.{scenario}(Path(sys.argv[1]))))"
+        f"print(json.dumps(t.evaluations_after_a_recovery(Path(sys.argv[1]), {received_the_state})))"
     )
     tests = Path(__file__).parent
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}  # c10d's warnings would bury gloo's one line
