@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from runner import TINY, run_command
 
-from unbroken.control.store import exit_reason
+from unbroken.control.store import exit_reason, process_failure, raised_failure
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.records import RecordKind, append_records, make
 from unbroken.ft.protocoldefs import EXIT_STOPPED
@@ -100,12 +100,12 @@ def test_a_worker_that_ended_by_itself_is_a_violation(tmp_path: Path) -> None:
     append_records(
         tmp_path,
         [
-            make(RecordKind.FAILURE, 1.0, worker=0, why="process " + exit_reason(-signal.SIGKILL), epoch=2),
+            make(RecordKind.FAILURE, 1.0, worker=0, why=process_failure(exit_reason(-signal.SIGKILL)), epoch=2),
             make(RecordKind.FAILURE, 2.0, worker=1, why="no heartbeat for 2.10 s", epoch=3),
-            make(RecordKind.FAILURE, 3.0, worker=1, why="process " + exit_reason(EXIT_STOPPED), epoch=4),
-            make(RecordKind.FAILURE, 4.0, worker=2, why="process " + exit_reason(-signal.SIGABRT), epoch=5),
-            make(RecordKind.FAILURE, 5.0, worker=0, why="raised RuntimeError: a bug", epoch=6),
-            make(RecordKind.FAILURE, 6.0, worker=1, why="process " + exit_reason(1), epoch=7),
+            make(RecordKind.FAILURE, 3.0, worker=1, why=process_failure(exit_reason(EXIT_STOPPED)), epoch=4),
+            make(RecordKind.FAILURE, 4.0, worker=2, why=process_failure(exit_reason(-signal.SIGABRT)), epoch=5),
+            make(RecordKind.FAILURE, 5.0, worker=0, why=raised_failure("RuntimeError: a bug"), epoch=6),
+            make(RecordKind.FAILURE, 6.0, worker=1, why=process_failure(exit_reason(1)), epoch=7),
         ],
     )
     outcome = Outcome(make_trial(0, 4, 12), 0, 1.0)

@@ -21,7 +21,7 @@ from runner import ROOT, TINY, final_params, in_process_coordinator, run_command
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
-from unbroken.control.store import exit_code_in, exit_reason
+from unbroken.control.store import exit_code_in, exit_reason, process_failure, raised_failure, raised_headline
 from unbroken.core.records import read_records, step_losses
 from unbroken.ft import checkpoint as ckpt
 
@@ -554,12 +554,18 @@ def test_a_late_heartbeat_s_stacks_show_each_thread_innermost_call_first() -> No
     assert "Thread MainThread (most recent call first):" in text
 
 
-def test_a_process_s_exit_reason_reads_back_as_its_code() -> None:
-    """``keys.dead``'s text for a process's end (and the failure record's, "process " + it) gives back its exit
-    code; a failure that was not a process's end names none."""
+def test_a_failure_s_why_reads_back_as_its_exit_code_or_its_exception() -> None:
+    """``keys.dead``'s text for a process's end (and the failure record's, ``process_failure`` of it) gives back
+    its exit code; a reported exception's failure text gives back its headline; neither reads as the other, and a
+    lost heartbeat or an exclusion reads as neither."""
     for code in (-signal.SIGKILL, -signal.SIGABRT, -signal.SIGSEGV, 1, 3, 7, 255):
         assert exit_code_in(exit_reason(code)) == code
-        assert exit_code_in("process " + exit_reason(code)) == code
+        assert exit_code_in(process_failure(exit_reason(code))) == code
+        assert raised_headline(process_failure(exit_reason(code))) is None
     assert exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
-    for why in ("no heartbeat for 2.10 s", "raised ValueError: exited with status 1 in the data", "excluded"):
+    for headline in ("ValueError: exited with status 1 in the data", "RuntimeError at loop.py:12 in step"):
+        why = raised_failure(headline)
+        assert raised_headline(why) == headline
         assert exit_code_in(why) is None, why
+    for why in ("no heartbeat for 2.10 s", "excluded"):
+        assert exit_code_in(why) is None and raised_headline(why) is None, why

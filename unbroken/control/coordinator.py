@@ -59,7 +59,15 @@ from unbroken.control.progress import describe_error
 from unbroken.control.runview import GoodputRecorder, MetricsTee, RunView, SlowRecorder
 from unbroken.control.statestore import StaleWriteError, State, StateStore, StateUnavailableError, Worker
 from unbroken.control.status import StatusServer
-from unbroken.control.store import get_int, read_json, request_stop, serve_store, wait_key
+from unbroken.control.store import (
+    get_int,
+    process_failure,
+    raised_failure,
+    read_json,
+    request_stop,
+    serve_store,
+    wait_key,
+)
 from unbroken.core import bugs, ckptfiles
 from unbroken.core.config import Reduction, RunConfig, SlowPolicy, Workload, to_toml
 from unbroken.core.failslow import SlowRule
@@ -391,10 +399,10 @@ class Coordinator:
                 dead[wid] = self.slow_exclusions.pop(wid)
                 continue
             if wid in self.raised:  # its process is ending (its exit, reported next, is not news)
-                dead[wid] = "raised " + self.raised.pop(wid).headline()
+                dead[wid] = raised_failure(self.raised.pop(wid).headline())
                 continue
             if reported and self.store.check([keys.dead(wid)]):
-                dead[wid] = "process " + self.store.get(keys.dead(wid)).decode()
+                dead[wid] = process_failure(self.store.get(keys.dead(wid)).decode())
                 continue
             last_count, last_time = self.heartbeats.get(wid, (count, now))
             if count != last_count or blind:

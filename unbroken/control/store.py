@@ -175,6 +175,26 @@ def exit_reason(code: int) -> str:
     return "killed by SIGKILL" if code == -signal.SIGKILL else f"exited with status {code}"
 
 
+def process_failure(dead: str) -> str:
+    """The coordinator's failure record's ``why`` for a worker whose process ended, ``dead`` being its
+    ``keys.dead`` value (``exit_reason``'s text)."""
+    return "process " + dead
+
+
+_RAISED = "raised "
+
+
+def raised_failure(headline: str) -> str:
+    """The coordinator's failure record's ``why`` for a worker that reported an exception (its headline)."""
+    return _RAISED + headline
+
+
+def raised_headline(why: str) -> str | None:
+    """The exception headline a failure record's ``why`` names, as ``raised_failure`` wrote it; None when the
+    failure was not an exception raised."""
+    return why[len(_RAISED) :] if why.startswith(_RAISED) else None
+
+
 _EXIT_REASON = re.compile(r"(?:^|process )(?:killed by (SIGKILL)|exited with status (-?\d+))$")
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.store import exit_code_in
+from unbroken.control.store import exit_code_in, raised_headline
 from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
@@ -257,7 +257,7 @@ def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, micro
     for f in by_type.get("failure", []):
         why = str(f["why"])
         code = exit_code_in(why)
-        if why.startswith("raised ") or (code is not None and code not in CAUSED_EXITS):
+        if raised_headline(why) is not None or (code is not None and code not in CAUSED_EXITS):
             v.append(f"worker {f['worker']} crashed: {why}")
         if "detection_s" in f:
             outcome.max_detection_s = max(outcome.max_detection_s, f["detection_s"])
