@@ -175,10 +175,13 @@ def exit_reason(code: int) -> str:
     return "killed by SIGKILL" if code == -signal.SIGKILL else f"exited with status {code}"
 
 
+_PROCESS = "process "
+
+
 def process_failure(dead: str) -> str:
     """The coordinator's failure record's ``why`` for a worker whose process ended, ``dead`` being its
     ``keys.dead`` value (``exit_reason``'s text)."""
-    return "process " + dead
+    return _PROCESS + dead
 
 
 _RAISED = "raised "
@@ -195,7 +198,7 @@ def raised_headline(why: str) -> str | None:
     return why[len(_RAISED) :] if why.startswith(_RAISED) else None
 
 
-_EXIT_REASON = re.compile(r"(?:^|process )(?:killed by (SIGKILL)|exited with status (-?\d+))$")
+_EXIT_REASON = re.compile(rf"(?:^|{re.escape(_PROCESS)})(?:killed by (SIGKILL)|exited with status (-?\d+))$")
 
 
 def exit_code_in(why: str) -> int | None:
