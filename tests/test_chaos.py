@@ -16,7 +16,16 @@ from unbroken.control.store import exit_reason, process_failure, raised_failure
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.records import RecordKind, append_records, make
 from unbroken.ft.protocoldefs import EXIT_STOPPED
-from unbroken.lab.chaos import KINDS, Outcome, Reference, check_run, churn_schedule, make_trial
+from unbroken.lab.chaos import (
+    KINDS,
+    Outcome,
+    Reference,
+    check_run,
+    churn_schedule,
+    make_trial,
+    pace_event,
+    run_campaign,
+)
 from unbroken.lab.faultdriver import MAY_BE_EVICTED_S, Victims, choose_victims, plan_faults, state_holders
 
 
@@ -117,16 +126,32 @@ def test_a_worker_that_ended_by_itself_is_a_violation(tmp_path: Path) -> None:
     ], outcome.violations
 
 
+def test_a_pace_slows_only_the_worker_no_fault_touches_over_every_step_and_a_bad_one_is_one_line() -> None:
+    event = FailureSchedule.parse(pace_event(3, 30, 0.03)).events
+    assert [(e.kind, e.worker, e.step, e.last_step, e.seconds) for e in event] == [(FailureKind.SLOW, 2, 0, 29, 0.03)]
+    assert all(
+        e.worker != 2 for s in range(100, 140) for e in FailureSchedule.parse(make_trial(s, 3, 30).schedule).events
+    )
+    assert pace_event(3, 30, 0.0) == ""
+    with pytest.raises(ValueError, match="--pace -1") as info:
+        run_campaign(TINY, 1, 0, 3, 30, None, False, [], pace_s=-1.0)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="without --failures.schedule"):
+        run_campaign(TINY, 1, 0, 3, 30, None, False, ["--failures.schedule=nan:step=2"], pace_s=0.03)
+
+
 @pytest.mark.timeout(400)
 def test_small_campaign_keeps_every_invariant(tmp_path: Path, data_cache_dir: Path) -> None:
     # Seed 105 with 3 workers: a kill in the optimizer step, then another while that worker receives the
     # state to rejoin, the leader's connections cut, and two workers (the leader one of them) killed at once.
     # (Kills while the leader writes a checkpoint or in the optimizer step alone: tests/test_faults.py and
-    # tests/test_recovery.py; every kind at length: docs/reliability.md.) 8 microbatches a step: after the cut
-    # one worker trains alone, and with 4 it could finish the run before a restarted worker (seconds to start)
-    # is back for the kill while receiving.
+    # tests/test_recovery.py; every kind at length: docs/reliability.md.) The kill while receiving and the double
+    # kill need the killed and the cut worker back first: a restart takes the rejoin delay (up to 2 s) and a
+    # process start, about 3 s, whatever the machine, and unpaced an idle machine trained the 30 steps in 2.7 s
+    # (all but the kill and the cut then never fired). Paced: worker 2, never faulted and alone after the cut,
+    # computes its 8 microbatches 0.03 s slower each, so steps 5 to 15 take at least 11 x 0.24 = 2.6 s more.
     cmd = [sys.executable, "-m", "unbroken", "chaos", TINY, "--trials", "1", "--seed", "105", "--steps", "30"]
-    cmd += ["--workers", "3", "--train.microbatches=8"]
+    cmd += ["--workers", "3", "--train.microbatches=8", "--pace", "0.03"]
     cmd += ["--out", str(tmp_path / "chaos"), f"--data.cache_dir={data_cache_dir}"]
     result = run_command(cmd, capture_output=True, text=True, timeout=380)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

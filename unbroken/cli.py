@@ -304,7 +304,7 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     if args.churn:
         return run_churn(config, args.churn, args.workers, args.steps or 100000, out, overrides)
     return run_campaign(
-        config, args.trials, args.seed, args.workers, args.steps or 40, out, args.keep, overrides, args.mode
+        config, args.trials, args.seed, args.workers, args.steps or 40, out, args.keep, overrides, args.mode, args.pace
     )
 
 
@@ -508,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="named",
         help="faults at the code's named points (default), or from outside at random instants",
     )
+    pace_help = "seconds added to each microbatch of the last worker (never faulted), in every run: faults planned "
+    pace_help += "after a killed worker's return then fire on a fast machine too (default 0)"
+    chaos.add_argument("--pace", type=float, default=0.0, metavar="SECONDS", help=pace_help)
     churn_help = "instead: one run with this many membership changes, sampling memory, threads and descriptors"
     chaos.add_argument("--churn", type=int, metavar="CHANGES", help=churn_help)
     chaos.set_defaults(func=cmd_chaos)

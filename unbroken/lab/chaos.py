@@ -115,7 +115,8 @@ def make_trial(seed: int, workers: int, steps: int, layout: ReplicaLayout | None
         labels[text] = label
         busy.setdefault(worker, []).append(step)
 
-    # Early enough that a killed worker (about 3-5 s to restart here) can rejoin before the run ends.
+    # Early enough that a killed worker (about 3-5 s to restart here) can rejoin before the run ends (on a fast
+    # machine with a pace: ``pace_event``).
     last = max(3, int(steps * 0.5))
     for kind in kinds:
         for _attempt in range(20):
@@ -167,6 +168,7 @@ class Reference:
     wall_s: float
     run_dir: Path
     layout: ReplicaLayout = field(default_factory=ReplicaLayout)
+    pace_s: float = 0.0  # the pace of the reference and of every trial compared with it (``pace_event``)
 
 
 @dataclass
@@ -181,7 +183,19 @@ class Outcome:
     leftovers: int = 0
 
 
-def _train_cmd(config: str, out: Path, workers: int, steps: int, overrides: list[str], schedule: str) -> list[str]:
+def pace_event(workers: int, steps: int, seconds: float) -> str:
+    """The schedule event that paces a run (empty for 0): the last worker, which no fault touches, computes
+    each microbatch ``seconds`` slower at every step, and in exact mode every step waits for it. A restart
+    takes seconds whatever the machine (the rejoin delay, then a process start), while steps take less the faster
+    the machine: unpaced, an idle machine can finish the run before a killed worker is back, and the faults
+    planned after its return never fire."""
+    return f"slow:worker={workers - 1},seconds={seconds:g},steps=0-{steps - 1}" if seconds > 0 else ""
+
+
+def _train_cmd(
+    config: str, out: Path, workers: int, steps: int, overrides: list[str], schedule: str, pace_s: float
+) -> list[str]:
+    schedule = "; ".join(e for e in (schedule, pace_event(workers, steps, pace_s)) if e)
     cmd = [sys.executable, "-m", "unbroken", "train", config, "--workers", str(workers), "--out", str(out)]
     cmd += [
         "--quiet",
@@ -213,16 +227,18 @@ def _run(cmd: list[str], timeout_s: float) -> tuple[int | None, float]:
         return None, time.monotonic() - t0
 
 
-def reference_run(config: str, out: Path, workers: int, steps: int, overrides: list[str]) -> Reference:
-    """The failure-free run every trial is compared with."""
-    code, wall = _run(_train_cmd(config, out, workers, steps, overrides, ""), 600)
+def reference_run(
+    config: str, out: Path, workers: int, steps: int, overrides: list[str], pace_s: float = 0.0
+) -> Reference:
+    """The failure-free run every trial is compared with, paced as its trials are (``pace_event``)."""
+    code, wall = _run(_train_cmd(config, out, workers, steps, overrides, "", pace_s), 600)
     final = read_records(out, "final")
     if code != 0 or not final:
         raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
     losses = {r["step"]: r["loss"] for r in read_records(out, "step")}
     layout = _layout(config, overrides)
     checksums = {layout.rank_of(int(w)): digest for w, digest in final[-1]["checksums"].items()}
-    return Reference(losses, checksums, wall, out, layout)
+    return Reference(losses, checksums, wall, out, layout, pace_s)
 
 
 def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, microbatches: int) -> None:
@@ -328,7 +344,7 @@ def run_trial(
     trial = make_trial(seed, workers, steps, ref.layout)
     run_dir = out / f"trial-{seed}"
     timeout = 3 * ref.wall_s + 90
-    code, wall = _run(_train_cmd(config, run_dir, workers, steps, overrides, trial.schedule), timeout)
+    code, wall = _run(_train_cmd(config, run_dir, workers, steps, overrides, trial.schedule, ref.pace_s), timeout)
     outcome = Outcome(trial, code, wall)
     check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
     return outcome
@@ -348,7 +364,9 @@ def run_random_trial(
     run_dir = out / f"random-{seed}"
     log_path = out / f"random-{seed}.faults.jsonl"
     log_path.unlink(missing_ok=True)
-    cmd = _train_cmd(config, run_dir, workers, steps, [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"], "")
+    cmd = _train_cmd(
+        config, run_dir, workers, steps, [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"], "", ref.pace_s
+    )
     t0 = time.monotonic()
     launcher_log = open(out / f"random-{seed}.launcher.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=launcher_log, text=True)
@@ -472,12 +490,17 @@ def run_campaign(
     keep: bool,
     overrides: list[str],
     mode: str = "named",
+    pace_s: float = 0.0,
 ) -> int:
     """Run ``trials`` trials (seeds ``seed`` .. ``seed + trials - 1``); 0 if no invariant was broken. ``mode``:
     ``named`` faults at the code's named points (the failure schedule), or ``random-time`` faults from outside
-    at random instants (``lab.faultdriver``)."""
+    at random instants (``lab.faultdriver``). ``pace_s``: ``pace_event``."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
+    if not pace_s >= 0:
+        raise ValueError(f"--pace {pace_s} is not allowed; expected seconds >= 0 (added to each microbatch)")
+    if pace_s > 0 and any(o.startswith("--failures.schedule=") for o in overrides):
+        raise ValueError("--pace adds to every run's failure schedule: give it without --failures.schedule")
     if trials < 1 or workers < 3 or steps < 12:
         raise ValueError(
             f"chaos needs --trials >= 1, --workers >= 3 and --steps >= 12 (got {trials}, {workers}, {steps})"
@@ -488,7 +511,7 @@ def run_campaign(
     base = Path(tempfile.mkdtemp(prefix="unbroken-chaos-")) if out is None else out
     base.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    ref = reference_run(config, base / "reference", workers, steps, overrides)
+    ref = reference_run(config, base / "reference", workers, steps, overrides, pace_s)
     print(f"reference run: {steps} steps in {ref.wall_s:.1f} s", flush=True)
     outcomes = []
     for s in range(seed, seed + trials):
@@ -585,7 +608,7 @@ def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | N
     base = Path(tempfile.mkdtemp(prefix="unbroken-churn-")) if out is None else out
     run_dir = base / "churn"
     schedule = churn_schedule(changes, workers)
-    cmd = _train_cmd(config, run_dir, workers, steps, overrides, schedule)
+    cmd = _train_cmd(config, run_dir, workers, steps, overrides, schedule, 0.0)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: dict[str, list[tuple[float, int, dict[str, int]]]] = {"coordinator": [], "worker 0": []}
     t0 = time.monotonic()
