@@ -167,7 +167,9 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     assert redone[2] >= 1 and redone[0] == redone[1] == 0
 
     run = tmp_path / "interrupted"
-    schedule = f"{scale}; kill:worker=1,step=4,phase=backward,rejoin=0.5"
+    # Steps 9 to 11 paced (worker 0 computes each of its microbatches 0.5 s slower): the Ctrl-C after the
+    # checkpoint of step 8 then lands before the last step on any machine (r81, idle: the run had finished).
+    schedule = f"{scale}; kill:worker=1,step=4,phase=backward,rejoin=0.5; slow:worker=0,seconds=0.5,steps=9-11"
     proc = subprocess.Popen(
         train_cmd(data_cache_dir, TINY, "--out", str(run), *common, f"--failures.schedule={schedule}", workers=WORKERS),
         stdout=subprocess.PIPE,
