@@ -508,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="named",
         help="faults at the code's named points (default), or from outside at random instants",
     )
-    pace_help = "seconds added to each microbatch of the last worker (never faulted), in every run: faults planned "
-    pace_help += "after a killed worker's return then fire on a fast machine too (default 0)"
+    pace_help = "seconds added to each microbatch of the last worker (never a named fault's victim), in every run: "
+    pace_help += "faults planned after a killed worker's return then fire on a fast machine too (default 0)"
     chaos.add_argument("--pace", type=float, default=0.0, metavar="SECONDS", help=pace_help)
     churn_help = "instead: one run with this many membership changes, sampling memory, threads and descriptors"
     chaos.add_argument("--churn", type=int, metavar="CHANGES", help=churn_help)

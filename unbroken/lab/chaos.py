@@ -184,8 +184,9 @@ class Outcome:
 
 
 def pace_event(workers: int, steps: int, seconds: float) -> str:
-    """The schedule event that paces a run (empty for 0): the last worker, which no fault touches, computes
-    each microbatch ``seconds`` slower at every step, and in exact mode every step waits for it. A restart
+    """The schedule event that paces a run (empty for 0): the last worker computes each microbatch ``seconds``
+    slower at every step, and in exact mode every step waits for it. A named campaign never faults that worker;
+    a random-time one may (its outside driver picks any worker), and a restarted last worker is paced again. A restart
     takes seconds whatever the machine (the rejoin delay, then a process start), while steps take less the faster
     the machine: unpaced, an idle machine can finish the run before a killed worker is back, and the faults
     planned after its return never fire."""
