@@ -31,7 +31,7 @@ from unbroken.control.gateway import (
     _Loop,
     new_token,
 )
-from unbroken.control.store import serve_store
+from unbroken.control.store import end_wait, serve_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,6 +89,54 @@ def test_token_holder_reaches_the_store(served: Served) -> None:
     c.set("hb/0", "1")
     assert served.store.get("hb/0") == b"1"
     assert served.gateway.admitted == 1
+
+
+def blocked_in_a_wait(served: Served) -> tuple[Tunnel, TCPStore, threading.Thread, list[str]]:
+    """A client through a tunnel, blocked (on a thread) in a 30 s store wait for a key that never comes; the list
+    gets "returned" or "raised ..." when the wait ends."""
+    tunnel = Tunnel(served.address, served.token, 5.0)
+    store = TCPStore(
+        tunnel.host, tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
+    assert store.get("epoch") == b"1"
+    outcome: list[str] = []
+
+    def wait() -> None:
+        try:
+            store.wait(["never"], datetime.timedelta(seconds=30))
+            outcome.append("returned")
+        except Exception as e:  # noqa: BLE001 - the test reports whatever it was
+            outcome.append(f"raised {e!r}")
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # blocked in the wait
+    return tunnel, store, waiter, outcome
+
+
+def test_a_wait_through_a_tunnel_ended_by_end_wait_returns_and_c10d_logs_nothing(
+    served: Served, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A client blocked in a store wait (a worker's news watcher as it closes): ``end_wait`` makes the wait
+    return as if the key had come, long before its timeout, where cutting the connection fails the wait and c10d
+    writes a C++ stack to stderr (the end of a user's script, once). The connection is gone after it."""
+    tunnel, store, waiter, outcome = blocked_in_a_wait(served)
+    end_wait(tunnel)
+    waiter.join(20)  # well within the wait's own 30 s
+    assert outcome == ["returned"]
+    assert "recvValueWithTimeout" not in capfd.readouterr().err
+    with pytest.raises(RuntimeError):
+        store.get("epoch")
+    assert "recvValueWithTimeout" in capfd.readouterr().err  # what a failed call writes: the check above can fail
+
+
+def test_cutting_a_tunnel_fails_the_wait_blocked_on_it(served: Served) -> None:
+    """The other way to end a wait (failure injection, a lost coordinator): the call fails at once."""
+    tunnel, _store, waiter, outcome = blocked_in_a_wait(served)
+    tunnel.cut()
+    waiter.join(20)
+    assert len(outcome) == 1 and outcome[0].startswith("raised"), outcome
 
 
 # Seeded random bytes: every pytest process (make test runs two) must collect the same parameters.

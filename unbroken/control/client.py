@@ -50,6 +50,7 @@ from unbroken.control.newsrelay import (
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
     connect_store,
+    end_wait,
     open_store,
     publish_record,
     reach,
@@ -783,10 +784,11 @@ class CoordinatorClient:
         so that no thread is inside a store call while the interpreter shuts down."""
         self._outbox.put(None)
         self._watch_stop.set()
-        # The watcher's wait ends when its own connection is cut. Not by ringing the workers' doorbell: a ring is
-        # two store calls, and a worker that ends between them (excluded as its link came back, killed) leaves
-        # a count with no key, on which every other worker's watcher would wait until NEWS_WAIT_S.
-        self._news_tunnel.cut()
+        # The watcher's wait ends when its own connection is ended, as if its key had come (``end_wait``). Not by
+        # ringing the workers' doorbell: a ring is two store calls, and a worker that ends between them (excluded
+        # as its link came back, killed) leaves a count with no key, on which every other worker's watcher would
+        # wait until NEWS_WAIT_S.
+        end_wait(self._news_tunnel)
         if (relay := self._relay) is not None:
             relay.close()
         self._spare_pool.shutdown(wait=False, cancel_futures=True)

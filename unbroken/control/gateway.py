@@ -151,9 +151,9 @@ class _Loop:
         self.thread.join(timeout=2.0)
 
     # -- pipes --------------------------------------------------------------------------------------
-    def pipe(self, a: socket.socket, b: socket.socket, initial_to_b: bytes = b"") -> None:
+    def pipe(self, a: socket.socket, b: socket.socket, initial_to_b: bytes = b"") -> _Pipe:
         """Forward bytes both ways between ``a`` and ``b`` until either side closes (loop thread only)."""
-        _Pipe(self, a, b, initial_to_b)
+        return _Pipe(self, a, b, initial_to_b)
 
 
 def _register(sel: selectors.BaseSelector, sock: socket.socket, events: int, data: Any) -> None:
@@ -254,6 +254,18 @@ class _Pipe:
             else:
                 self.loop.sel.modify(side.sock, events, callback)
             side.events = events
+
+    def finish(self, last_to_a: bytes) -> None:
+        """Close both sides, ``a`` having been given what was queued for it and then ``last_to_a`` (loop thread
+        only). Nothing more is read from ``b``."""
+        if self.closed:
+            return
+        try:
+            self.a.sock.settimeout(1.0)  # a few bytes to a loopback peer: the kernel takes them at once
+            self.a.sock.sendall(bytes(self.a.out) + last_to_a)
+        except OSError:
+            pass
+        self.close()
 
     def close(self) -> None:
         if self.closed:
@@ -520,6 +532,7 @@ class Tunnel:
         self.host, self.port = self.listener.getsockname()[:2]
         self.connected = False
         self.closed = False
+        self.pipe: _Pipe | None = None
         self.loop = _loop()
         self.loop.call(lambda: self.loop.sel.register(self.listener, selectors.EVENT_READ, self._accept))
 
@@ -547,22 +560,34 @@ class Tunnel:
         self.loop.sel.unregister(self.listener)
         _close(self.listener)
         self.connected = True
-        self.loop.pipe(local, self.upstream)
+        self.pipe = self.loop.pipe(local, self.upstream)
 
     def close(self) -> None:
         """Forget the tunnel if no client connected (the pipe closes itself when either end does)."""
+        self.loop.call(self._forget)
 
-        def close_now() -> None:
-            if not self.connected and not self.closed:
-                self.closed = True
-                try:
-                    self.loop.sel.unregister(self.listener)
-                except (KeyError, ValueError):
-                    pass
-                _close(self.listener)
-                _close(self.upstream)
+    def _forget(self) -> None:
+        if not self.connected and not self.closed:
+            self.closed = True
+            try:
+                self.loop.sel.unregister(self.listener)
+            except (KeyError, ValueError):
+                pass
+            _close(self.listener)
+            _close(self.upstream)
 
-        self.loop.call(close_now)
+    def finish(self, last: bytes) -> None:
+        """Close the tunnel, its client reading ``last`` before the end of the connection: bytes that end the call
+        it is blocked in, where the caller knows which (``control.store.end_wait``), so that the call returns
+        instead of failing on a lost connection. Without a connected client it is ``close``."""
+
+        def finish_now() -> None:
+            if self.pipe is not None:
+                self.pipe.finish(last)
+            else:
+                self._forget()
+
+        self.loop.call(finish_now)
 
     def cut(self) -> None:
         """Sever the connection to the coordinator (failure injection: a cut network link)."""

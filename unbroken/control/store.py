@@ -148,6 +148,19 @@ def open_store(address: str, timeout_s: float = STORE_TIMEOUT_S, token: str | No
     return store, tunnel
 
 
+# The byte with which torch's store answers a client's wait once its keys exist (c10d's
+# ``WaitResponseType::STOP_WAITING``): the last byte a tunnel ended by ``end_wait`` gives its client.
+STOP_WAITING = b"\x00"
+
+
+def end_wait(tunnel: Tunnel) -> None:
+    """Close ``tunnel``, a wait its client is blocked in returning as if its keys had come, instead of failing on
+    the lost connection (which c10d reports with a C++ stack on stderr: a user's script would end with one). The
+    client must make no store call after it (it would fail) and must not be inside another call (that call
+    would read a wrong answer and fail): a watcher that only waits between looks, and checks why it woke."""
+    tunnel.finish(STOP_WAITING)
+
+
 def ring(store: TCPStore, bell: str = keys.BELL) -> None:
     """Ring a doorbell: ``keys.BELL`` wakes the coordinator (after writing something it must act on),
     ``keys.NEWS`` wakes every worker's watcher (after publishing an epoch or a stop)."""
