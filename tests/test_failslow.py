@@ -261,11 +261,20 @@ def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_
     before = [r for r in steps_ if r["epoch"] < switch["epoch"] and r["alive"] == 3]
     after = [r for r in steps_ if r["epoch"] >= switch["epoch"]]
     assert before and all(sorted(r["quotas"].values()) == [2, 3, 3] and r["quotas"]["2"] == 2 for r in before)
-    for previous, record in zip(steps_, steps_[1:], strict=False):
-        if record["epoch"] >= switch["epoch"]:
-            speeds = {int(w): s for w, s in previous["speeds"].items()}
-            plan = plan_step(record["step"], [0, 1, 2], 8, Workload.THROUGHPUT, speeds)
-            assert record["quotas"] == {str(w): len(plan.ids_for(w)) for w in (0, 1, 2)}, (previous, record)
+    # Each step's plan from the speeds of the step before, where its record carries them: a step known only from
+    # its republished record (the epoch's leader took the new epoch mid-step and received the state of the step
+    # the others committed: r89) has none, and the plan after it is not recomputed from the records.
+    by_step = {r["step"]: r for r in steps_}
+    checked = 0
+    for record in after:
+        previous = by_step.get(record["step"] - 1)
+        if previous is None:
+            continue
+        speeds = {int(w): s for w, s in previous["speeds"].items()}
+        plan = plan_step(record["step"], [0, 1, 2], 8, Workload.THROUGHPUT, speeds)
+        assert record["quotas"] == {str(w): len(plan.ids_for(w)) for w in (0, 1, 2)}, (previous, record)
+        checked += 1
+    assert checked >= len(after) - (CONTROL_STEPS - len(steps_)), (checked, len(after), len(steps_))
     assert after and sum(r["quotas"]["2"] for r in after) < 2 * len(after), [r["quotas"] for r in after]
     assert not read_records(run, "failure")
     assert step_losses(run) == step_losses(control_reference)
