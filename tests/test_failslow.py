@@ -172,14 +172,15 @@ def test_a_bad_rule_is_refused(rule: dict) -> None:
 
 
 # Worker 2 computes 4x slower from step 4 to the end; worker 1 is 20x slower in step 12 alone (a pause).
-SLOWDOWNS = "slow:worker=2,factor=4,steps=4-39; slow:worker=1,factor=20,steps=12-12"
+SLOWDOWN = "slow:worker=2,factor=4,steps=4-39"
+SLOWDOWNS = f"{SLOWDOWN}; slow:worker=1,factor=20,steps=12-12"
 
 
-def slowed_run(tmp_path: Path, data_cache_dir: Path, policy: str, *extra: str) -> Path:
-    """3 workers under ``SLOWDOWNS`` in exact mode, the rule in windows of 4 steps, 2 of them; the run directory."""
+def slowed_run(tmp_path: Path, data_cache_dir: Path, policy: str, *extra: str, schedule: str = SLOWDOWNS) -> Path:
+    """3 workers under ``schedule`` in exact mode, the rule in windows of 4 steps, 2 of them; the run directory."""
     run = tmp_path / "run"
     rule = [f"--recovery.slow={policy}", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
-    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, *extra, f"--failures.schedule={SLOWDOWNS}", workers=3)
+    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, *extra, f"--failures.schedule={schedule}", workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
@@ -244,13 +245,18 @@ def test_under_exclude_a_persistently_slow_worker_is_removed_and_the_run_is_the_
 def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_is_unchanged(
     tmp_path: Path, data_cache_dir: Path, control_reference: Path
 ) -> None:
-    """The same slowdowns under ``rebalance``: at worker 2's verdict the coordinator publishes an epoch of the
+    """Worker 2's slowdown alone under ``rebalance``: at its verdict the coordinator publishes an epoch of the
     same members with the throughput workload; from it on every step is planned by that workload from the speeds
     the step before agreed (so worker 2, 4x slower, gets fewer than the 2 of the 8 microbatches the even workload
-    gives it, 3, 3, 2 before, over those steps; not in every one: worker 1's pause in step 12 makes it look slow
-    too for a few steps). It stays slow to the end, so the workload is never switched back. In exact mode the run
-    is bitwise the failure-free one."""
-    run = slowed_run(tmp_path, data_cache_dir, "rebalance")
+    gives it, 3, 3, 2 before, over those steps). It stays slow to the end, so the workload is never switched back.
+    In exact mode the run is bitwise the failure-free one.
+
+    Without worker 1's one-step pause of the other tests: under the throughput workload a worker that paused gets
+    one microbatch a step, so its smoothed speed (halved towards the new time per microbatch) takes some five steps
+    to come back, over two windows of 4; the other members' yardstick is wide all that time, and in one run (with
+    another test file beside it on the 2 cores) worker 2's 2.2x did not clear it in two windows running: judged
+    recovered at step 19, the workload switched back, slow again at 27 (docs/goodput.md)."""
+    run = slowed_run(tmp_path, data_cache_dir, "rebalance", schedule=SLOWDOWN)
     (slow,) = read_records(run, "slow")
     assert (slow["worker"], slow["state"], slow["decision"]) == (2, "slow", "rebalance"), slow
     memberships = read_records(run, "membership")

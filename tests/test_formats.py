@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from unbroken.control import keys
 from unbroken.core.records import (
     FIELDS,
+    QUOTAS_AT,
     ErrorPhase,
     MetricsFile,
     RecordKind,
@@ -88,6 +89,47 @@ def test_every_record_kind_round_trips_and_a_missing_field_is_a_bug(tmp_path: Pa
     assert read_records(tmp_path) == samples
     append_records(tmp_path, [samples[0], make(RecordKind.USER, 2.0, note="after")])
     assert read_records(tmp_path) == [*samples, make(RecordKind.USER, 2.0, note="after")]  # no duplicate
+
+
+def _step(step: int, quotas: dict[str, int]) -> dict:
+    fields = {f: 0 for f in FIELDS[RecordKind.STEP] if f != "step"}
+    return make(RecordKind.STEP, 10.0 + step, step=step, **fields, quotas=quotas, speeds={"0": 0.1 * step})
+
+
+def test_unchanged_quotas_are_written_once_and_read_back_in_full(tmp_path: Path) -> None:
+    """The file names a step's quotas where they changed and refers to that record after; every reader gets
+    them back in full, a reference whose record is missing gives none (never another step's), and a record
+    sent again in either form is recognised as written."""
+    even, uneven = {"0": 2, "1": 2}, {"0": 3, "1": 1}
+    plan = [even, even, even, uneven, even, even]
+    records = [_step(s, q) for s, q in enumerate(plan)]
+    writer = MetricsFile(tmp_path)
+    writer.write(records[0])
+    writer.write(make(RecordKind.EVAL, 10.5, step=0, val_loss=1.0, val_ppl=2.7))
+    writer.write_line(encode(records[1]))  # as a worker publishes it
+    for record in records[2:]:
+        writer.write(record)
+    writer.close()
+    written = [decode(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    in_full = [r["step"] for r in written if r["type"] == "step" and "quotas" in r]
+    assert in_full == [0, 3, 4]
+    assert [r.get(QUOTAS_AT) for r in written if r["type"] == "step"] == [None, 0, 0, None, None, 4]
+    assert read_records(tmp_path, "step") == records
+    # a coordinator started again on the file writes its first step record in full
+    again = MetricsFile(tmp_path)
+    again.write(_step(6, even))
+    again.close()
+    assert "quotas" in decode((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    # the records a worker still holds, full, after its coordinator died: already there, not appended again
+    size = (tmp_path / "metrics.jsonl").stat().st_size
+    append_records(tmp_path, records[1:])
+    assert (tmp_path / "metrics.jsonl").stat().st_size == size
+    # a file that lost its first lines: the steps that referred to them have no quotas
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    steps = read_records(tmp_path, "step")
+    assert [r["step"] for r in steps if "quotas" not in r] == [1, 2]
+    assert [r["quotas"] for r in steps if "quotas" in r] == [uneven, even, even, even]
 
 
 def test_a_worker_error_round_trips_through_the_store_and_metrics() -> None:

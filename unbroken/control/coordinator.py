@@ -80,6 +80,7 @@ from unbroken.core.records import (
     RecordKind,
     WorkerError,
     decode,
+    line_identity,
     make,
     read_records,
 )
@@ -89,7 +90,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECENT_LINES = 4096  # metrics lines remembered, to drop a record a worker sends again after a restart
+RECENT_LINES = 4096  # metrics lines remembered (their ``line_identity``), to drop one a worker sends again
 CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat timeout; events wake it at once
 MAX_TICK_S = 0.25
 # Joiners are taken in at a "last call": once registrations have been quiet this long, or the first of them has
@@ -209,7 +210,7 @@ class Coordinator:
         self.recent_lines: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
         self.recent_set: set[str] = set()
         for line in _tail_lines(run_dir / METRICS_FILE):
-            self._remember(line)
+            self._remember(line_identity(line))
         self.view = RunView(cfg.train.steps, expected_workers, run_dir)
         records = read_records(run_dir)
         self.view.extend(records)  # a restarted coordinator's view starts where the run is
@@ -470,9 +471,10 @@ class Coordinator:
 
     def _append_metric(self, key: str) -> None:
         line = self.store.get(key).decode()
-        if line not in self.recent_set:  # a worker sends its recent records again to a new coordinator
+        identity = line_identity(line)
+        if identity not in self.recent_set:  # a worker sends its recent records again to a new coordinator
             self.metrics.write_line(line)
-            self._remember(line)
+            self._remember(identity)
             if '"type": "step"' in line:
                 record = decode(line)
                 if record is not None and not record.get("skipped"):

@@ -45,7 +45,7 @@ from unbroken.core.config import RecoveryPolicy, Reduction, RunConfig, dump_conf
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import plan_step
-from unbroken.core.records import METRICS_FILE, RecordKind, append_records, decode, make, wall_s
+from unbroken.core.records import METRICS_FILE, Quotas, RecordKind, append_records, decode, make, wall_s
 
 MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
 TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
@@ -164,6 +164,7 @@ class Launcher:
         self._interrupts = WakePipe()
         self._metrics_offset = 0
         self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
+        self._quotas = Quotas()  # the file's step records with their quotas in full, read in file order
         self._records: list[dict[str, Any]] = []  # this launch's
         self._failures_seen = 0  # failure records among _records (counted as they arrive)
         self._final_seen = False
@@ -254,7 +255,7 @@ class Launcher:
             chunk = f.read()
         complete = chunk[: chunk.rfind("\n") + 1]
         self._metrics_offset += len(complete.encode())
-        records = [r for r in map(decode, complete.splitlines()) if r is not None]  # torn lines are skipped
+        records = [self._quotas.expand(r) for r in map(decode, complete.splitlines()) if r is not None]  # torn: skipped
         for record in records:
             if record.get("type") == RecordKind.ERROR:  # shown at once, --quiet or not, whatever happens next
                 print(describe_error(record, self.run_dir / "logs"), file=sys.stderr, flush=True)
@@ -275,7 +276,8 @@ class Launcher:
         data = path.read_bytes()
         complete = data[: data.rfind(b"\n") + 1]
         self._metrics_offset = len(complete)
-        self._earlier = [r for r in map(decode, complete.decode(errors="replace").splitlines()) if r is not None]
+        lines = complete.decode(errors="replace").splitlines()
+        self._earlier = [self._quotas.expand(r) for r in map(decode, lines) if r is not None]
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)

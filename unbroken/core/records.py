@@ -4,7 +4,8 @@ A record is a JSON object on one line with a ``type`` (``RecordKind``) and that 
 more may be present). Workers publish records through the coordinator, which appends them with
 ``MetricsFile``; a worker that outlives its coordinator appends what was not drained with
 ``append_records``. The launcher, the report, the benchmarks, chaos and the tests read them with
-``read_records``. ``WorkerError`` is the typed report of a worker's exception: a worker writes it to the
+``read_records`` (a reader of its own lines expands them with ``Quotas``: the file names a step's ``quotas``
+only where they changed). ``WorkerError`` is the typed report of a worker's exception: a worker writes it to the
 coordinator's store, which records it here (kind ``error``). Pure Python.
 
 Step numbers: a record's ``step`` is the step's index, from 0 (step 0 is the first step), as in the failure
@@ -255,19 +256,75 @@ def decode(line: str) -> dict[str, Any] | None:
     return record
 
 
+# A step record names every member's microbatches (``quotas``): 11 bytes a member, most of the file at scale,
+# and the same from one step to the next until the membership or the workload's speeds change them. The file
+# holds them in full where they changed, else ``quotas_at``: the step whose record, written before it by the same
+# writer, lists them. ``read_records`` and ``Quotas`` put them back; a reference whose record is not there (a
+# file cut short at its start) is left without quotas, never given another step's.
+QUOTAS_AT = "quotas_at"
+REMEMBERED_QUOTAS = 64  # full quota lists a reader keeps, by step (a writer refers to its last one)
+
+
+class Quotas:
+    """A reader's side of ``quotas_at``: feed it the file's records in order; ``expand`` returns each with its
+    ``quotas`` in full where its file form referred to an earlier record's."""
+
+    def __init__(self) -> None:
+        self._by_step: dict[int, Any] = {}
+
+    def expand(self, record: dict[str, Any]) -> dict[str, Any]:
+        if record.get("type") != RecordKind.STEP:
+            return record
+        if "quotas" in record:
+            self._by_step.pop(record["step"], None)
+            self._by_step[record["step"]] = record["quotas"]
+            if len(self._by_step) > REMEMBERED_QUOTAS:
+                del self._by_step[next(iter(self._by_step))]
+            return record
+        at = record.get(QUOTAS_AT)
+        if at not in self._by_step:
+            return record
+        out = {k: v for k, v in record.items() if k != QUOTAS_AT}
+        out["quotas"] = self._by_step[at]
+        return out
+
+
+def line_identity(line: str) -> str:
+    """What tells one record's line from another's whatever form its quotas take (a worker's full line, the
+    file's short one): the line itself, or for a step record the line without them."""
+    if '"quotas' not in line:
+        return line
+    record = decode(line)
+    if record is None:
+        return line
+    return json.dumps({k: v for k, v in record.items() if k not in ("quotas", QUOTAS_AT)}, sort_keys=True)
+
+
 class MetricsFile:
-    """The writer: appends records to ``RUN_DIR/metrics.jsonl``, one line each, flushed per line."""
+    """The writer: appends records to ``RUN_DIR/metrics.jsonl``, one line each, flushed per line; a step record's
+    quotas in full only where they differ from the last written (``QUOTAS_AT``)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._quotas: tuple[int, Any] | None = None  # (step, quotas) of the last step record written in full
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(encode(record) + "\n")
+        self._f.write(encode(self._file_form(record)) + "\n")
 
     def write_line(self, line: str) -> None:
         """A line published by a worker (already ``encode``d there)."""
+        if '"quotas": {' in line and (record := decode(line)) is not None:
+            line = encode(self._file_form(record))
         self._f.write(line.rstrip("\n") + "\n")
+
+    def _file_form(self, record: dict[str, Any]) -> dict[str, Any]:
+        if record.get("type") != RecordKind.STEP or "quotas" not in record:
+            return record
+        if self._quotas is not None and self._quotas[1] == record["quotas"]:
+            return {**{k: v for k, v in record.items() if k != "quotas"}, QUOTAS_AT: self._quotas[0]}
+        self._quotas = (record["step"], record["quotas"])
+        return record
 
     def close(self) -> None:
         self._f.close()
@@ -281,11 +338,11 @@ def append_records(run_dir: Path, records: Iterable[dict[str, Any]]) -> None:
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - 2**18))
         tail = f.read().decode(errors="replace")
-        lines = set(tail.splitlines())
+        written = {line_identity(line) for line in tail.splitlines()}
         out = "" if not tail or tail.endswith("\n") else "\n"
         for record in records:
             line = encode(record)
-            if line not in lines:
+            if line_identity(line) not in written:
                 out += line + "\n"
         f.write(out.encode())
 
@@ -297,10 +354,11 @@ def read_records(run_dir: Path, kind: RecordKind | str | None = None) -> list[di
         return []
     wanted = None if kind is None else str(RecordKind(kind))
     records = []
+    quotas = Quotas()
     for line in path.read_text().splitlines():
         record = decode(line)
         if record is not None and (wanted is None or record["type"] == wanted):
-            records.append(record)
+            records.append(quotas.expand(record))
     return records
 
 

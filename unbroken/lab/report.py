@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.goodput import account
-from unbroken.core.records import committed_steps, is_join, sessions, wall_s
+from unbroken.core.records import Quotas, committed_steps, is_join, sessions, wall_s
 
 PLOTS = ("loss.png", "throughput.png", "membership.png", "goodput.png")
 # The fields the report reads unconditionally, per record type (metrics.py lists the types).
@@ -86,6 +86,7 @@ def load_run(run_dir: Path, role: str = "run") -> Run:
     text = path.read_text()
     lines = text.splitlines()
     records: list[dict[str, Any]] = []
+    quotas = Quotas()
     torn = False
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -108,7 +109,7 @@ def load_run(run_dir: Path, role: str = "run") -> Run:
             raise ValueError(f"{path}:{n}: a step record needs an integer 'step' and a numeric 'loss'")
         if "time" in record and not isinstance(record["time"], int | float):
             raise ValueError(f"{path}:{n}: 'time' must be a number")
-        records.append(record)
+        records.append(quotas.expand(record))
     if not any(r["type"] == "step" for r in records):
         raise ValueError(f"{role} {run_dir}: metrics.jsonl records no training step; nothing to report")
     config: dict[str, Any] = {}
