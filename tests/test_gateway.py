@@ -99,6 +99,7 @@ def blocked_in_a_wait(served: Served) -> tuple[Tunnel, TCPStore, threading.Threa
         tunnel.host, tunnel.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
     )
     assert store.get("epoch") == b"1"
+    asked = tunnel.bytes_from_client()
     outcome: list[str] = []
 
     def wait() -> None:
@@ -110,8 +111,10 @@ def blocked_in_a_wait(served: Served) -> tuple[Tunnel, TCPStore, threading.Threa
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    waiter.join(0.5)
-    assert waiter.is_alive()  # blocked in the wait
+    deadline = time.monotonic() + 20
+    while tunnel.bytes_from_client() == asked and waiter.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the tunnel has read the wait's request
+    assert tunnel.bytes_from_client() > asked and waiter.is_alive() and not outcome  # blocked in the wait
     return tunnel, store, waiter, outcome
 
 

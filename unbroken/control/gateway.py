@@ -181,6 +181,7 @@ class _Side:
         self.sock = sock
         self.out = bytearray()  # bytes waiting to be written to this side
         self.events = 0
+        self.received = 0  # bytes read from this side so far
 
 
 class _Pipe:
@@ -217,6 +218,7 @@ class _Pipe:
                 self.close()
                 return
             if data:
+                side.received += len(data)
                 other = self._other(side)
                 other.out += data
                 self._flush(other)
@@ -561,6 +563,10 @@ class Tunnel:
         _close(self.listener)
         self.connected = True
         self.pipe = self.loop.pipe(local, self.upstream)
+
+    def bytes_from_client(self) -> int:
+        """The bytes the tunnel has read from its client so far (its requests, on their way to the coordinator)."""
+        return self.pipe.a.received if self.pipe is not None else 0
 
     def close(self) -> None:
         """Forget the tunnel if no client connected (the pipe closes itself when either end does)."""
