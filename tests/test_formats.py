@@ -107,7 +107,8 @@ def test_unchanged_quotas_are_written_once_and_read_back_in_full(tmp_path: Path)
     writer.write(records[0])
     writer.write(make(RecordKind.EVAL, 10.5, step=0, val_loss=1.0, val_ppl=2.7))
     writer.write_line(encode(records[1]))  # as a worker publishes it
-    for record in records[2:]:
+    writer.write_line(encode(records[2]), records[2])  # with its decoding, as the coordinator hands it on
+    for record in records[3:]:
         writer.write(record)
     writer.close()
     written = [decode(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

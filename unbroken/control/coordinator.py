@@ -471,14 +471,13 @@ class Coordinator:
 
     def _append_metric(self, key: str) -> None:
         line = self.store.get(key).decode()
-        identity = line_identity(line)
+        record = decode(line)  # once: the dedup, the file, the live views and the committed step all take it
+        identity = line_identity(line, record)
         if identity not in self.recent_set:  # a worker sends its recent records again to a new coordinator
-            self.metrics.write_line(line)
+            self.metrics.write_line(line, record)
             self._remember(identity)
-            if '"type": "step"' in line:
-                record = decode(line)
-                if record is not None and not record.get("skipped"):
-                    self.committed_step = max(self.committed_step, int(record["step"]))
+            if record is not None and record["type"] == RecordKind.STEP and not record.get("skipped"):
+                self.committed_step = max(self.committed_step, int(record["step"]))
         self.store.delete_key(key)
 
     def _remember(self, line: str) -> None:

@@ -577,7 +577,7 @@ class MetricsTee:
     is also handed to each sink (``RunView``, ``LiveTensorBoard``). A sink that raises is logged and
     dropped: the page or TensorBoard failing must never take the coordinator down.
 
-    ``metrics`` is ``records.MetricsFile`` (``write(record)``, ``write_line(line)``, ``close()``).
+    ``metrics`` is ``records.MetricsFile`` (``write(record)``, ``write_line(line, record)``, ``close()``).
     """
 
     def __init__(self, metrics: Any, *sinks: RecordSink) -> None:
@@ -588,10 +588,12 @@ class MetricsTee:
         self.metrics.write(record)
         self._tee(record)
 
-    def write_line(self, line: str) -> None:
-        """A line a worker published (already encoded); a torn or unknown one reaches the file only."""
-        self.metrics.write_line(line)
-        record = decode(line)
+    def write_line(self, line: str, record: dict[str, Any] | None = None) -> None:
+        """A line a worker published (already encoded), with ``record`` its decoding where the caller has it; a
+        torn or unknown one reaches the file only."""
+        if record is None:
+            record = decode(line)
+        self.metrics.write_line(line, record)
         if record is not None:
             self._tee(record)
 

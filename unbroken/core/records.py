@@ -289,12 +289,14 @@ class Quotas:
         return out
 
 
-def line_identity(line: str) -> str:
+def line_identity(line: str, record: dict[str, Any] | None = None) -> str:
     """What tells one record's line from another's whatever form its quotas take (a worker's full line, the
-    file's short one): the line itself, or for a step record the line without them."""
+    file's short one): the line itself, or for a step record the line without them. ``record`` is the line
+    decoded, where the caller has it."""
     if '"quotas' not in line:
         return line
-    record = decode(line)
+    if record is None:
+        record = decode(line)
     if record is None:
         return line
     return json.dumps({k: v for k, v in record.items() if k not in ("quotas", QUOTAS_AT)}, sort_keys=True)
@@ -312,9 +314,10 @@ class MetricsFile:
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(encode(self._file_form(record)) + "\n")
 
-    def write_line(self, line: str) -> None:
-        """A line published by a worker (already ``encode``d there)."""
-        if '"quotas": {' in line and (record := decode(line)) is not None:
+    def write_line(self, line: str, record: dict[str, Any] | None = None) -> None:
+        """A line published by a worker (already ``encode``d there); ``record`` is the line decoded, where the
+        caller has it."""
+        if '"quotas": {' in line and (record is not None or (record := decode(line)) is not None):
             line = encode(self._file_form(record))
         self._f.write(line.rstrip("\n") + "\n")
 
