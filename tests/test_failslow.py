@@ -22,7 +22,7 @@ from unbroken.core.failslow import (
     exclusion,
     relative_times,
 )
-from unbroken.core.plan import plan_step
+from unbroken.core.plan import agreed_speed, plan_step
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(30)
@@ -281,6 +281,8 @@ def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_
         assert record["quotas"] == {str(w): len(plan.ids_for(w)) for w in (0, 1, 2)}, (previous, record)
         checked += 1
     assert checked >= len(after) - (CONTROL_STEPS - len(steps_)), (checked, len(after), len(steps_))
+    # the speeds as the group agreed them, to SPEED_DIGITS significant digits: what the planner read
+    assert all(s == agreed_speed(s) for r in steps_ for s in r.get("speeds", {}).values()), steps_
     assert after and sum(r["quotas"]["2"] for r in after) < 2 * len(after), [r["quotas"] for r in after]
     assert not read_records(run, "failure")
     assert step_losses(run) == step_losses(control_reference)

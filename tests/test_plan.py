@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unbroken.core.config import Workload
-from unbroken.core.plan import even_quotas, mecefo_plan, next_alive, plan_step, throughput_quotas
+from unbroken.core.plan import (
+    SPEED_DIGITS,
+    agreed_speed,
+    even_quotas,
+    mecefo_plan,
+    next_alive,
+    plan_step,
+    throughput_quotas,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,6 +38,17 @@ def test_every_id_exactly_once(members: set[int], m: int, step: int, policy: Wor
     assert set(plan.ids) == members
     # the same inputs in any order give the same plan (every worker computes it independently)
     assert plan_step(step, sorted(members), m, policy, times) == plan
+
+
+@settings(max_examples=300, deadline=None)
+@given(seconds=st.floats(1e-6, 1e4))
+def test_an_agreed_speed_keeps_its_digits_and_is_short(seconds: float) -> None:
+    """A speed as the group agrees it: within half a unit of its last significant digit, agreed again unchanged
+    (a member that receives the agreed speeds in the state plans what the others plan), and written short."""
+    agreed = agreed_speed(seconds)
+    assert abs(agreed - seconds) <= 0.5 * 10.0 ** (1 - SPEED_DIGITS) * seconds
+    assert agreed_speed(agreed) == agreed
+    assert len(json.dumps(agreed)) <= SPEED_DIGITS + 7  # "0.0009531", "1.234e-05", "1234.0"
 
 
 def test_even_quotas() -> None:

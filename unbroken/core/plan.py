@@ -31,6 +31,16 @@ class Assignment:
         return {j: w for w, js in self.ids.items() for j in js}
 
 
+SPEED_DIGITS = 4  # significant digits of an agreed speed
+
+
+def agreed_speed(seconds: float) -> float:
+    """A member's seconds per microbatch as the group agrees it (``ft.commit``): ``SPEED_DIGITS`` significant
+    digits. The planner reads these and the step record carries them, so a record replays its plan exactly; and
+    a record's speeds are 6 or 7 characters each, not a measured float's 18 to 20 (most of a step record at scale)."""
+    return float(f"{seconds:.{SPEED_DIGITS}g}")
+
+
 def even_quotas(num_items: int, num_workers: int) -> list[int]:
     """``num_items`` split over ``num_workers`` as evenly as possible, larger quotas first."""
     assert num_workers >= 1 and num_items >= 0

@@ -20,6 +20,7 @@ import torch
 from unbroken.core import ckptfiles
 from unbroken.core.config import NonfinitePolicy, Reduction
 from unbroken.core.failures import Phase
+from unbroken.core.plan import agreed_speed
 from unbroken.core.records import RecordKind
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft.comm import local_tensor
@@ -87,7 +88,7 @@ class StepCommit:
             "efficient": sum(reduced.efficient),
             "overflow_redos": self.plan.redos,
         }
-        self.state.speeds = {w: s for w, s in reduced.seconds.items() if w in self.membership.units()}
+        self.state.speeds = {w: agreed_speed(s) for w, s in reduced.seconds.items() if w in self.membership.units()}
         self.switch_epoch = reduced.newest_epoch
         if reduction.nonfinite:
             outcome = self.skip(step, reduction.culprits(), loss, lr, common)

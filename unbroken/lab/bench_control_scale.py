@@ -64,6 +64,7 @@ from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
 from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death
 from unbroken.core.config import dump_config, load_config, preset_path
+from unbroken.core.plan import agreed_speed
 from unbroken.core.records import METRICS_FILE, RecordKind, make, read_records
 from unbroken.ft.sidevec import WORKER_SLOTS
 
@@ -408,10 +409,10 @@ class Driver:
 
 def _step_record(step: int, members: list[int]) -> dict[str, Any]:
     """A step record as the leader publishes one (``ft.commit``): every member's quota, and the speed of each
-    member with a slot in the side vector, a measured time's full float as there."""
+    member with a slot in the side vector, as the group agrees it (``plan.agreed_speed``)."""
     quotas = {str(w): 1 for w in members}
     jitter = random.Random(step)
-    speeds = {str(w): 0.1 + jitter.uniform(-0.01, 0.01) for w in members if w < WORKER_SLOTS}
+    speeds = {str(w): agreed_speed(0.1 + jitter.uniform(-0.01, 0.01)) for w in members if w < WORKER_SLOTS}
     fields = {"loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 1.0, "tokens": 512 * len(members)}
     fields |= {"alive": len(members), "epoch": 1, "microbatches": len(members), "committed": True}
     fields |= {"recomputed": 0, "dropped": 0, "recoveries": 0, "efficient": 0}
