@@ -9,6 +9,7 @@ tests/conftest.py), bit for bit, and record the same loss at every step.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,8 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, RECOVERY_STEPS, TINY, run_command, train, train_cmd
+from runner import (
+    EXACT,
+    ONE_THREAD,
+    RECOVERY_STEPS,
+    TINY,
+    committed,
+    run_command,
+    train,
+    train_cmd,
+    wait_for,
+    worker_pids,
+)
 
+from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
 
@@ -114,6 +127,64 @@ def test_kills_in_sharded_replicas_leave_the_run_bitwise_the_failure_free_one(
     assert sum(r["recomputed"] for r in read_records(run, "step")) > 0
     # Each rank of a rejoining replica received its shard of the state, about half of what a rejoining worker of
     # an unsharded run receives (recovery_runs' failure run: worker 2 rejoins), never the whole.
+    sharded = [r["state_bytes"] for r in read_records(run, "recovery") if r["state_bytes"]]
+    whole = [r["state_bytes"] for r in read_records(recovery_runs["exact_failures"], "recovery") if r["state_bytes"]]
+    assert sharded and whole and max(sharded) < 0.6 * min(whole)
+    assert_like_the_unsharded_run(run, recovery_runs["exact_ref"])
+
+
+@pytest.mark.timeout(900)
+def test_whole_spare_replicas_take_the_places_of_killed_replicas_and_the_run_stays_bitwise(
+    recovery_runs: dict[str, Path], tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """2 replicas x 2 shards with ``--spares 2``: one spare replica, whose two ranks form their group, build their
+    shards and wait. Rank 1 is killed mid-backward at step 5 (the schedule): replica 0 is removed whole, spares 0
+    and 1 take the places of workers 0 and 1 (each the worker of its own rank) and a new spare replica (spares 2
+    and 3) is started; once they joined, an outside ``kill -9`` of worker 2: spares 2 and 3 take replica 1's
+    place. Each rank of a joining spare replica receives its shard of the state, not the whole; the run ends as
+    the failure-free one."""
+    run, token = tmp_path / "spares", new_token()
+    # Each microbatch of replica 0 takes 0.25 s more (2 to 4 a step): whatever the machine's speed, the run lasts
+    # long enough for both spare replicas to join before its end. Timing only: no bit changes in exact mode.
+    pace = f"slow:worker=0,seconds=0.25,steps=0-{RECOVERY_STEPS - 1}"
+    schedule = f"--failures.schedule=kill:worker=1,step=5,phase=backward; {pace}"
+    args = ["--out", str(run), *COMMON, "--parallel.shard=2", "--spares", "2", schedule]
+    proc = subprocess.Popen(train_cmd(data_cache_dir, TINY, *args, workers=4), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})  # fmt: skip
+
+    def joined(workers: set[int]) -> int | None:
+        """The epoch that took ``workers`` in, if one did."""
+        epochs = read_records(run, "membership")
+        return next((m["epoch"] for m in epochs if m["reason"].startswith("joined") and workers <= set(m["members"])),
+                    None)  # fmt: skip
+
+    def computed_with_both_replicas() -> bool:  # spares 0 and 1 hold the state: replica 1 may die now
+        epoch = joined({0, 1})
+        return epoch is not None and any(r["epoch"] >= epoch and r["alive"] == 2 for r in read_records(run, "step"))
+
+    try:
+        wait_for(computed_with_both_replicas, 300, "a step computed by spares 0 and 1 and replica 1")
+        wait_for(lambda: 2 in worker_pids(token), 60, "worker 2")
+        killed_after = committed(run)
+        os.kill(worker_pids(token)[2], signal.SIGKILL)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    spares = read_records(run, "spare")
+    promoted = {r["worker"]: r["spare"] for r in spares if r["state"] == "promoted"}
+    assert promoted == {0: 0, 1: 1, 2: 2, 3: 3}, spares
+    assert sorted(r["spare"] for r in spares if r["state"] == "started") == [0, 1, 2, 3, 4, 5]
+    assert {r["spare"] for r in spares if r["state"] == "ready"} >= {0, 1, 2, 3}  # each built before promoted
+    epochs = [(set(r["members"]), r["reason"]) for r in read_records(run, "membership")]
+    removed = [before - after for (before, _), (after, _) in zip(epochs, epochs[1:], strict=False)]
+    assert {0, 1} in removed and {2, 3} in removed, epochs  # whole replicas, each in one epoch
+    assert joined({2, 3}) is not None, f"spares 2 and 3 never joined (worker 2 killed after step {killed_after})"
+    assert all(f"spare {k} took worker {k}'s place" in out for k in range(4)), out[-3000:]
+    # Each rank of a spare replica received its shard of the state (about half of what a worker of an unsharded
+    # run receives: recovery_runs' failure run, where worker 2 rejoins), never the whole.
     sharded = [r["state_bytes"] for r in read_records(run, "recovery") if r["state_bytes"]]
     whole = [r["state_bytes"] for r in read_records(recovery_runs["exact_failures"], "recovery") if r["state_bytes"]]
     assert sharded and whole and max(sharded) < 0.6 * min(whole)
@@ -275,7 +346,10 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
         (["--workers", "6", "--parallel.tensor=2", "--parallel.shard=2"], "replicas of 4 ranks (parallel.shard = 2"),
         (["--workers", "6", "--parallel.pipeline=3"], "parallel.pipeline = 3 exceeds the model's 2 blocks"),
         (["--workers", "2", "--parallel.shard=0"], "parallel.shard = 0 must be >= 1"),
-        (["--workers", "4", "--parallel.shard=2", "--spares", "1"], "--spares = 1 with replicas of 2 ranks"),
+        (
+            ["--workers", "4", "--parallel.shard=2", "--spares", "1"],
+            "spares come as whole replicas, use a multiple of 2",
+        ),
         (["--spares", "-1"], "--spares = -1 must be >= 0"),
     ],
 )

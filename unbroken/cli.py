@@ -53,6 +53,8 @@ DRY_RUN_HELP = (
     "devices, the port), print what would run, and stop: nothing started, nothing written"
 )
 
+SPARES_HELP = "warm spares to take a dead worker's place (default 0; whole replicas if a replica has several ranks)"
+
 
 def _split_overrides(extra: list[str]) -> list[str]:
     overrides = []
@@ -358,7 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="TOML config or a packaged one (tiny, default); default: defaults")
     train.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     train.add_argument(
-        "--spares", type=int, default=0, help="warm spares, ready to take a dead worker's place (default 0)"
+        "--spares",
+        type=int,
+        default=0,
+        help=SPARES_HELP,
     )
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--out", help="run directory (default: train.out_dir or runs/<config>-<time>)")
@@ -377,7 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     launch.add_argument(
-        "--spares", type=int, default=0, help="warm spares, ready to take a dead worker's place (default 0)"
+        "--spares",
+        type=int,
+        default=0,
+        help=SPARES_HELP,
     )
     launch.add_argument("--config", help="TOML config for the run (default: the defaults)")
     launch.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
@@ -422,7 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT]", help="the leader first")
     agent.add_argument("--workers", type=int, required=True, help="workers on this host")
     agent.add_argument(
-        "--spares", type=int, default=0, help="warm spares, ready to take a dead worker's place (default 0)"
+        "--spares",
+        type=int,
+        default=0,
+        help=SPARES_HELP,
     )
     agent.add_argument(
         "--node-rank", type=int, help="this host's rank: its workers are R*K..R*K+K-1 (default: SLURM_NODEID, ...)"

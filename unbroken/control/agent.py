@@ -102,7 +102,11 @@ class Agent:
         self.layout = layout or ReplicaLayout()
         check_spares(spares, self.layout)
         self.num_spares = spares
-        self.spares: dict[int, WorkerProcess] = {}  # warm spares by index, not yet promoted
+        # Warm spares by index, not yet promoted. With replicas of several ranks they come as whole replicas: the
+        # spares k0 .. k0 + size - 1 (k0 a multiple of the replica's size) form one, of incarnation
+        # ``spare_incarnations[k0 // size]``, rank k - k0 each.
+        self.spares: dict[int, WorkerProcess] = {}
+        self.spare_incarnations: dict[int, str] = {}
         self.next_spare = 0
         self.spare_deaths = 0  # spares that died while they waited
         # The host's device index of each spare (the workers' come from their ids): the first spares take the
@@ -228,14 +232,24 @@ class Agent:
 
     def start_spare(self) -> None:
         """Start warm spare ``next_spare``: a worker process without an id, which builds everything a worker
-        builds and then waits outside the group for the id of a dead worker (``promote``)."""
-        k, self.next_spare = self.next_spare, self.next_spare + 1
-        self.spare_devices[k] = device = self.free_devices.pop(0)
-        env = {**self.env, COORDINATOR_ENV: self.address, SPARE_ENV: str(k), LOCAL_WORKERS_ENV: str(len(self.ids))}
-        env[DEVICE_INDEX_ENV] = str(device)
-        env.pop(WORKER_ID_ENV, None)
-        self.spares[k] = proc = self._start(env, f"spare-{k}.log")
-        self._record(make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.STARTED, worker=-1, pid=proc.pid))
+        builds and then waits outside the group for the id of a dead worker (``promote``). With replicas of
+        several ranks, a whole spare replica: ``layout.size`` spares that form their replica's process group and
+        build their parts of the model together."""
+        size = self.layout.size
+        first = self.next_spare
+        self.next_spare += size
+        if size > 1:
+            self.spare_incarnations[first // size] = secrets.token_hex(4)
+        for k in range(first, first + size):
+            self.spare_devices[k] = device = self.free_devices.pop(0)
+            env = {**self.env, COORDINATOR_ENV: self.address, SPARE_ENV: str(k)}
+            env |= {LOCAL_WORKERS_ENV: str(len(self.ids)), DEVICE_INDEX_ENV: str(device)}
+            if size > 1:
+                env[INCARNATION_ENV] = self.spare_incarnations[first // size]
+            env.pop(WORKER_ID_ENV, None)
+            self.spares[k] = proc = self._start(env, f"spare-{k}.log")
+            record = make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.STARTED, worker=-1, pid=proc.pid)
+            self._record(record)
 
     def warm(self) -> None:
         """Start the zygote that forks this host's workers (``control.zygote``), once, if they can be forked: its
@@ -271,7 +285,7 @@ class Agent:
             self.incarnations[replica] = secrets.token_hex(4)
         for wid in self.alive_ids():
             self.start_worker(wid)
-        for _ in range(self.num_spares):
+        for _ in range(self.num_spares // self.layout.size):
             self.start_spare()
 
     def _record(self, record: dict[str, Any]) -> None:
@@ -279,15 +293,24 @@ class Agent:
 
     def replace_dead_spares(self) -> None:
         """A spare that died while it waited (not one that left because the run is over) is started again, on
-        its device; after ``MAX_SPARE_DEATHS`` x the spares' count of such deaths (a host that cannot start
-        one) no more are started."""
-        for k in sorted(self.spares):
-            code = self.spares[k].poll()
-            if code is None or code == 0:
+        its device (a spare replica whole: its other ranks are ended first, their group has lost a rank); after
+        ``MAX_SPARE_DEATHS`` x the spares' count of such deaths (a host that cannot start one) no more are
+        started."""
+        size = self.layout.size
+        for first in sorted({k - k % size for k in self.spares}):
+            ranks = [k for k in range(first, first + size) if k in self.spares]
+            died = {k: code for k in ranks if (code := self.spares[k].poll()) not in (None, 0)}
+            if not died:
                 continue
-            del self.spares[k]
-            self.free_devices.append(self.spare_devices.pop(k))
-            self.spare_deaths += 1
+            for k in ranks:
+                proc = self.spares.pop(k)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                self.free_devices.append(self.spare_devices.pop(k))
+            self.spare_incarnations.pop(first // size, None)
+            self.spare_deaths += len(died)
+            k, code = next(iter(died.items()))
             if self.spare_deaths > MAX_SPARE_DEATHS * self.num_spares:
                 log.warning("spare %d exited with status %s; too many spares died: starting no more", k, code)
                 continue
@@ -296,24 +319,38 @@ class Agent:
 
     def promote(self, wid: int) -> bool:
         """Dead worker ``wid`` (no longer a member) is replaced by the oldest live spare, which joins under its id
-        in the next epoch and receives the state; a new spare is started in its stead. False: no spare left."""
+        in the next epoch and receives the state; a new spare is started in its stead. With replicas of several
+        ranks, once every rank of ``wid``'s replica has ended, the oldest whole spare replica takes the replica's
+        place, each spare the worker of its rank. False: no spare to take it (yet)."""
         self.replace_dead_spares()
         if not self.spares or self.store is None:
             return False
-        k = min(self.spares)
-        proc = self.spares.pop(k)
-        self.free_devices.append(self.worker_devices[wid])
-        self.worker_devices[wid] = self.spare_devices.pop(k)
-        self._tell(keys.spare(k), str(wid))
-        self.workers[wid] = proc
-        self.reported.discard(wid)
-        self.down.pop(wid, None)
-        self.last_event.pop(wid, None)
-        note = f"[agent] {time.strftime('%Y-%m-%d %H:%M:%S')} worker {wid} continues as spare {k} (logs/spare-{k}.log)"
-        with open(self.log_dir / f"worker-{wid}.log", "a") as log_file:
-            log_file.write(note + "\n")
-        self._record(make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.PROMOTED, worker=wid, pid=proc.pid))
-        log.info("spare %d takes the place of worker %d", k, wid)
+        size = self.layout.size
+        first = min(self.spares)
+        if size > 1:
+            if not self._replica_ended(wid):
+                return False  # a rank of the replica still runs: it leaves (or is ended) first
+            replica = self.layout.replica_of(wid)
+            self.incarnations[replica] = self.spare_incarnations.pop(first // size)
+        places = {first + self.layout.rank_of(w): w for w in self.layout.workers_of(self.layout.replica_of(wid))}
+        for k, worker in places.items():
+            proc = self.spares.pop(k)
+            self.free_devices.append(self.worker_devices[worker])
+            self.worker_devices[worker] = self.spare_devices.pop(k)
+            self._tell(keys.spare(k), str(worker))
+            self.workers[worker] = proc
+            self.reported.discard(worker)
+            self.down.pop(worker, None)
+            self.last_event.pop(worker, None)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            note = f"[agent] {stamp} worker {worker} continues as spare {k} (logs/spare-{k}.log)"
+            with open(self.log_dir / f"worker-{worker}.log", "a") as log_file:
+                log_file.write(note + "\n")
+            promoted = make(
+                RecordKind.SPARE, time.time(), spare=k, state=SpareState.PROMOTED, worker=worker, pid=proc.pid
+            )
+            self._record(promoted)
+            log.info("spare %d takes the place of worker %d", k, worker)
         self.start_spare()
         return True
 
@@ -472,6 +509,8 @@ class Agent:
             dead = [w for w, p in self.workers.items() if p.poll() not in (None, 0) and w not in self.pauses]
             members = self.newest_members() if dead else None
             for wid in dead:
+                if self.workers[wid].poll() is None:
+                    continue  # a rank of a replica a spare replica has just taken the place of
                 # Once the coordinator has removed it: a registration under the id of a member gets another id.
                 if members is not None and wid not in members and not self.promote(wid):
                     break
@@ -574,13 +613,14 @@ class Agent:
 
 
 def check_spares(spares: int, layout: ReplicaLayout) -> None:
-    """ValueError (one line) unless ``spares`` warm spares can serve workers of ``layout``."""
+    """ValueError (one line) unless ``spares`` warm spares can serve workers of ``layout`` (whole replicas)."""
     if spares < 0:
         raise ValueError(f"--spares = {spares} must be >= 0")
-    if spares and layout.size > 1:
+    if spares % layout.size:
         raise ValueError(
-            f"--spares = {spares} with replicas of {layout.size} ranks is not supported (a spare takes one worker's "
-            "place); use --spares 0, or parallel.shard = parallel.pipeline = parallel.tensor = 1"
+            f"--spares = {spares} with replicas of {layout.size} ranks (parallel.shard = {layout.shard} x "
+            f"parallel.pipeline = {layout.pipeline} x parallel.tensor = {layout.tensor}): spares come as whole "
+            f"replicas, use a multiple of {layout.size}"
         )
 
 

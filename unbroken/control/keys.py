@@ -46,6 +46,9 @@
                                                            rendezvous of the replica's own process group
     spare/<k>                 launcher / agent             warm spare k: the id of the dead worker whose place
                                                            it takes (it waits for this key, initialised)
+    spare-replica/<j>/<inc>/  torch.distributed            the ranks of spare replica j (spares j x size to
+    ...                                                    j x size + size - 1): their process group's
+                                                           rendezvous, formed before they take a replica's place
 
 docs/library.md lists the same table for users.
 """
@@ -160,3 +163,8 @@ def group_prefix(e: int, coordinate: int | None = None) -> str:
 def replica_prefix(replica: int, incarnation: str) -> str:
     """The rendezvous of one incarnation of a replica's own process group (its ranks' FSDP and pipeline)."""
     return f"replica/{replica}/{incarnation}"
+
+
+def spare_replica_prefix(spare_replica: int, incarnation: str) -> str:
+    """The rendezvous of a whole spare replica's own process group (it keeps it when it takes a replica's place)."""
+    return f"spare-replica/{spare_replica}/{incarnation}"

@@ -129,7 +129,8 @@ class Context:
         from unbroken.ft.replica import Replica
 
         job = self._job
-        if job.worker_id is None or job.local is not None:
+        spare = job.worker_id is None and job.spare is not None  # a rank of a whole spare replica (control.agent)
+        if (job.worker_id is None and not spare) or job.local is not None:
             raise ValueError(
                 f"parallel.shard = {self.layout.shard}, parallel.pipeline = {self.layout.pipeline}, parallel.tensor "
                 f"= {self.layout.tensor}: a replica of several ranks needs a job of several workers with known ids "
@@ -138,13 +139,14 @@ class Context:
         try:
             return Replica(
                 self.layout,
-                job.worker_id,
+                job.spare if spare else job.worker_id,
                 job.connect(),
                 os.environ.get(INCARNATION_ENV, DEFAULT_INCARNATION),
                 4 * self.config.comm.op_timeout_s,
                 job.device,
                 job.backend,
                 self._replica_down,
+                spare=spare,
             )
         except (RuntimeError, TunnelError) as e:
             self._replica_down(f"its ranks did not meet ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
@@ -324,6 +326,11 @@ class Context:
         except Refused as e:  # exact mode: another fingerprint than the group's (core.numerics)
             raise StopRun(str(e), fatal=False) from None
         process.name_logs(f"worker {self._client.worker_id}")
+        if self._replica is not None and self._replica.worker_id != self._client.worker_id:
+            try:  # a rank of a spare replica, promoted
+                self._replica.take_place(self._client.worker_id)
+            except RuntimeError as e:
+                self._replica_down(str(e))
         injector = FaultInjector(FailureSchedule.parse(self.config.failures.schedule))
         injector.attach(self._client.store, self._client.worker_id)
         self._proto = StepProtocol(

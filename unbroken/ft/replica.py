@@ -56,6 +56,7 @@ class Replica:
         device: torch.device,
         backend: str,
         leave: Callable[[str], NoReturn],
+        spare: bool = False,
     ) -> None:
         self.layout = layout
         self.worker_id = worker_id
@@ -70,7 +71,10 @@ class Replica:
         self._leave = leave
         self.removed: Callable[[], bool] = lambda: False
         self._leaving = threading.Lock()
-        prefix = PrefixStore(keys.replica_prefix(self.index, incarnation), store)
+        # A warm spare's ``worker_id`` is its spare index (spare replica ``index``, rank ``rank``) until it takes
+        # a replica's place (``take_place``); its group is formed under the spare replica's rendezvous.
+        rendezvous = keys.spare_replica_prefix if spare else keys.replica_prefix
+        prefix = PrefixStore(rendezvous(self.index, incarnation), store)
         dist.init_process_group(
             backend,
             store=prefix,
@@ -86,14 +90,23 @@ class Replica:
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         log.info(
-            "rank %d of replica %d (incarnation %s): stage %d, shard %d, tensor %d",
+            "rank %d of %s %d (incarnation %s): stage %d, shard %d, tensor %d",
             self.rank,
+            "spare replica" if spare else "replica",
             self.index,
             incarnation,
             self.stage,
             self.shard,
             self.tensor,
         )
+
+    def take_place(self, worker_id: int) -> None:
+        """This rank of a whole spare replica takes the place of worker ``worker_id`` (of the rank it has: its
+        part of the model, its process group and mesh stay as built)."""
+        if self.layout.rank_of(worker_id) != self.rank:
+            raise RuntimeError(f"rank {self.rank} of a spare replica was given worker {worker_id}, of another rank")
+        self.worker_id, self.index = worker_id, self.layout.replica_of(worker_id)
+        log.info("rank %d now of replica %d (worker %d)", self.rank, self.index, worker_id)
 
     # -- bounded collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:

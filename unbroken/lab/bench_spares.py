@@ -8,6 +8,9 @@ workers, both with worker 1 killed in its backward at step ``KILL_STEP``:
   model, optimizer and data, registers, joins and receives the state;
 - **warm**: ``--spares 1``: spare 0, started with the job and waiting initialised, is given worker 1's id.
 
+With replicas of several ranks (``--parallel.shard=2``, say), 2 replicas: worker 1's kill takes its replica down,
+the cold run restarts the replica's ranks, and the warm one has one whole spare replica (``--spares`` = its size).
+
 From the run's records, in seconds from the kill (the ``injected`` record): the replacement's join (the
 membership epoch that admits it again), the state received (the join's ``recovery`` record: ``time_recovered``),
 and the replacement's first committed step (the step record of the join's step), at which the run is stopped (a
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path
+from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import read_records
 
 KILL_STEP = 4
@@ -73,7 +77,9 @@ def run_once(cfg: RunConfig, warm: bool, steps: int) -> dict[str, float]:
     failures = replace(cfg.failures, schedule=f"kill:worker=1,step={KILL_STEP},phase=backward{rejoin}")
     cfg = replace(cfg, train=replace(cfg.train, steps=steps), failures=failures)
     run_dir = Path(tempfile.mkdtemp(prefix="unbroken-bench-spares-")) / "run"
-    plan = plan_launch(cfg, run_dir, WORKERS, False, "127.0.0.1", 0, TRAINER, validate_launch, 1 if warm else 0)
+    size = ReplicaLayout.of(cfg.parallel).size  # a spare replica is whole
+    workers, spares = WORKERS * size, size if warm else 0
+    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch, spares)
     launcher = Launcher(plan, show_progress=False, show_summary=False)
     ended = threading.Event()
 
