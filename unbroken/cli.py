@@ -359,12 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", nargs="?", help="TOML config or a packaged one (tiny, default); default: defaults")
     train.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    train.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        help=SPARES_HELP,
-    )
+    train.add_argument("--spares", type=int, default=0, help=SPARES_HELP)
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--out", help="run directory (default: train.out_dir or runs/<config>-<time>)")
     train.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
@@ -381,12 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage="unbroken launch [--workers N] [--out DIR] [--dry-run] [--section.key=value ...] SCRIPT.py [ARGS ...]",
     )
     launch.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    launch.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        help=SPARES_HELP,
-    )
+    launch.add_argument("--spares", type=int, default=0, help=SPARES_HELP)
     launch.add_argument("--config", help="TOML config for the run (default: the defaults)")
     launch.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     launch.add_argument("--out", help="run directory (default: train.out_dir or runs/<script>-<time>)")
@@ -429,12 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--coordinator", required=True, metavar="HOST:PORT[,HOST:PORT]", help="the leader first")
     agent.add_argument("--workers", type=int, required=True, help="workers on this host")
-    agent.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        help=SPARES_HELP,
-    )
+    agent.add_argument("--spares", type=int, default=0, help=SPARES_HELP)
     agent.add_argument(
         "--node-rank", type=int, help="this host's rank: its workers are R*K..R*K+K-1 (default: SLURM_NODEID, ...)"
     )
