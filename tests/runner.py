@@ -195,6 +195,39 @@ def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[byt
     )
 
 
+def two_hosts(
+    tmp_path: Path, run: Path, port: int, overrides: list[str], env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], list[subprocess.Popen[bytes]]]:
+    """A coordinator of 4 workers on ``port`` and two agents of 2 workers each, as two hosts (logs in ``tmp_path``:
+    ``coordinator.log``, ``agent-<r>.log``)."""
+    coordinator = unbroken("coordinator", TINY, "--workers", "4", "--port", str(port), "--run-dir", str(run),
+                           *overrides, env=env, log=tmp_path / "coordinator.log")  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    agents = [
+        unbroken(
+            "agent",
+            "--coordinator",
+            address,
+            "--workers",
+            "2",
+            "--node-rank",
+            str(r),
+            env=env,
+            log=tmp_path / f"agent-{r}.log",
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    return coordinator, agents
+
+
+def agent_worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
+    """The pid of ``agent``'s child that runs ``worker``."""
+    for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
+        if worker_of(int(pid)) == worker:
+            return int(pid)
+    raise AssertionError(f"worker {worker} is not a child of agent {agent.pid}")
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

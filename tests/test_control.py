@@ -18,30 +18,24 @@ from runner import (
     CONTROL_COMMON,
     CONTROL_STEPS,
     TINY,
+    agent_worker_pid,
     committed,
     free_port,
     same_final,
     train,
+    two_hosts,
     unbroken,
     wait_for,
 )
 
 from unbroken.control.client import STALL_HEADER, CoordinatorClient
 from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.control.zygote import worker_of
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)
 
 STEPS = CONTROL_STEPS
 COMMON = CONTROL_COMMON
-
-
-def worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
-    for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
-        if worker_of(int(pid)) == worker:
-            return int(pid)
-    raise AssertionError(f"worker {worker} is not a child of agent {agent.pid}")
 
 
 @pytest.fixture
@@ -62,25 +56,10 @@ def test_two_agents_survive_a_killed_worker_and_a_killed_host(
     # loaded machine (while its agent restarts the killed worker cold) is not taken for dead (it was once).
     overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5", "--comm.heartbeat_timeout_s=5"]
     overrides.append("--coordinator.news_relay=true")  # each agent relays the epochs to its workers (newsrelay)
-    coordinator = unbroken("coordinator", TINY, "--workers", "4", "--port", str(port), "--run-dir", str(run),
-                           *overrides, env=env, log=tmp_path / "coordinator.log")  # fmt: skip
-    agents = [
-        unbroken(
-            "agent",
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--workers",
-            "2",
-            "--node-rank",
-            str(r),
-            env=env,
-            log=tmp_path / f"agent-{r}.log",
-        )  # fmt: skip
-        for r in (0, 1)
-    ]
+    coordinator, agents = two_hosts(tmp_path, run, port, overrides, env)
     try:
         wait_for(lambda: committed(run) >= 4, 120, "step 4")
-        os.kill(worker_pid(agents[0], 1), signal.SIGKILL)
+        os.kill(agent_worker_pid(agents[0], 1), signal.SIGKILL)
         wait_for(lambda: committed(run) >= 12, 120, "step 12")
         os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its workers: a host that dies
         assert coordinator.wait(timeout=200) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]

@@ -284,6 +284,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         parts=args.parts,
         members=args.members,
         news=args.news,
+        beats=args.beats,
     )
 
 
@@ -481,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="control-scale: how the crowds' members take the coordinator's news: relay (one relay a crowd, as "
         "an agent runs one a host), direct (each watches the coordinator), or both (default relay,direct)",
+    )
+    bench.add_argument(
+        "--beats",
+        default="",
+        help="control-scale: who sends the crowds' heartbeats: worker (each member), host (one process a crowd, "
+        "as an agent under comm.heartbeats = host), or both (default worker)",
     )
     bench.set_defaults(func=cmd_bench)
 

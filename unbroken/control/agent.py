@@ -46,6 +46,7 @@ from unbroken.control.client import (
 )
 from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
 from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
+from unbroken.control.hostbeat import HOST_BEAT_ENV, HostBeats
 from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
 from unbroken.control.store import (
     CallGuard,
@@ -56,7 +57,13 @@ from unbroken.control.store import (
     request_stop,
     ring,
 )
-from unbroken.core.config import Reduction, RunConfig, config_from_toml_text, deterministic_kernels
+from unbroken.core.config import (
+    HeartbeatMode,
+    Reduction,
+    RunConfig,
+    config_from_toml_text,
+    deterministic_kernels,
+)
 from unbroken.core.failures import FATAL_KINDS, FailureKind, parse_event
 from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
@@ -95,8 +102,15 @@ class Agent:
         fold_kernels: bool = False,
         heartbeat_timeout_s: float = 2.0,
         news_relay: bool = False,
+        heartbeats: HeartbeatMode = HeartbeatMode.WORKER,
+        heartbeat_interval_s: float = 0.25,
     ) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # Under ``comm.heartbeats = "host"``: this host's beat board and the thread that passes its workers' beats
+        # on to the coordinator (``control.hostbeat``).
+        self.beats = (
+            HostBeats(heartbeat_interval_s, max(1.0, heartbeat_timeout_s)) if heartbeats is HeartbeatMode.HOST else None
+        )
         self.news_relay = news_relay  # run this host's relay of the coordinator's news (``control.newsrelay``)
         self.fold_kernels = fold_kernels  # the zygote loads the exact fold's kernels (exact mode)
         self.layout = layout or ReplicaLayout()
@@ -164,6 +178,8 @@ class Agent:
         if self.relay is not None:
             self.env[RELAY_ENV] = self.relay.path
             self.relay.follow(address, token)
+        if self.beats is not None:
+            self.beats.follow(address, token)
         for event in self.fired:
             self._call(lambda s, e=event: s.set(keys.fired(e), "1"))
 
@@ -216,19 +232,23 @@ class Agent:
         if self.injected is not None:
             env = {**env, INJECT_FD_ENV: str(self.injected.write_fd)}
             fds = (*fds, self.injected.write_fd)
+        if self.beats is not None:
+            env = {**env, HOST_BEAT_ENV: self.beats.env_for_new_process()}
         self.warm()
-        forked = self.zygote.fork(list(self.command), env, log_path, self.own_sessions, fds) if self.zygote else None
-        if forked is not None:
-            return forked
-        with open(log_path, "ab") as out:
-            return subprocess.Popen(
-                list(self.command),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=self.own_sessions,
-                env=env,
-                pass_fds=fds,
-            )
+        process = self.zygote.fork(list(self.command), env, log_path, self.own_sessions, fds) if self.zygote else None
+        if process is None:
+            with open(log_path, "ab") as out:
+                process = subprocess.Popen(
+                    list(self.command),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=self.own_sessions,
+                    env=env,
+                    pass_fds=fds,
+                )
+        if self.beats is not None:
+            self.beats.bind(env[HOST_BEAT_ENV], process)
+        return process
 
     def start_spare(self) -> None:
         """Start warm spare ``next_spare``: a worker process without an id, which builds everything a worker
@@ -264,11 +284,13 @@ class Agent:
                 log.warning("workers start cold: %s", e)
 
     def close(self) -> None:
-        """End the zygote and the news relay (the workers are this process's children and stay so; any still
-        running watch the coordinator themselves)."""
+        """End the zygote, the news relay and the host's heartbeats (the workers are this process's children and
+        stay so; any still running watch the coordinator themselves, and their beats are no longer passed on)."""
         if self.relay is not None:
             self.relay.close()
             self.relay = None
+        if self.beats is not None:
+            self.beats.close()
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
@@ -754,6 +776,8 @@ def run_agent(args: argparse.Namespace) -> int:
         fold_kernels=cfg.recovery.reduction is Reduction.EXACT,
         heartbeat_timeout_s=cfg.comm.heartbeat_timeout_s,
         news_relay=cfg.coordinator.news_relay,
+        heartbeats=cfg.comm.heartbeats,
+        heartbeat_interval_s=cfg.comm.heartbeat_interval_s,
     )
     agent.warm()
     agent.connect(address, token)

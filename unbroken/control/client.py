@@ -37,6 +37,7 @@ from torch.distributed import TCPStore
 
 from unbroken.control import keys
 from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
+from unbroken.control.hostbeat import WorkerBeat
 from unbroken.control.newsrelay import (
     NEWS_WAIT_S,
     RELAY_ENV,
@@ -193,6 +194,8 @@ class CoordinatorClient:
     if it does not, the client holds on for ``hold_s`` while a coordinator comes back, and is ``lost =
     "coordinator"`` only if none does. ``news_relay``: the socket of this host's news relay (default: from
     ``UNBROKEN_NEWS_RELAY``, which the agent sets; none: the client watches the coordinator itself).
+    ``host_beat``: this process's slot on its host's beat board (default: from ``UNBROKEN_HOST_BEAT``, which an
+    agent sets under ``comm.heartbeats = "host"``; none: the client sends its heartbeats itself).
     """
 
     def __init__(
@@ -205,6 +208,7 @@ class CoordinatorClient:
         hold_s: float = 60.0,
         fingerprint: dict[str, str] | None = None,
         news_relay: str | None = None,
+        host_beat: WorkerBeat | None = None,
     ) -> None:
         self.addresses = addresses_of(address)
         self.fingerprint = dict(fingerprint or {})  # what decides this worker's bits (core.numerics)
@@ -226,6 +230,7 @@ class CoordinatorClient:
         self._stall_logged = 0.0  # the ``_beat_done`` whose lateness was logged (once per late beat)
         self._news_wait_s = NEWS_WAIT_S
         self._relay_path = news_relay if news_relay is not None else os.environ.get(RELAY_ENV) or None
+        self._host_beat = host_beat if host_beat is not None else WorkerBeat.from_env()
         self._relay: RelayedNews | None = None  # the news watcher's connection to its host's relay, while it has one
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
@@ -313,17 +318,23 @@ class CoordinatorClient:
             thread.start()
 
     def _send(self, generation: int) -> None:
-        """A heartbeat (one ``add``) every interval, and between them the queued metrics records in order,
-        so the training thread never waits on the store to publish. Ends at the ``None`` that ``close``
-        queues, after everything queued before it."""
+        """A heartbeat every interval (one ``add``, or a count on the host's beat board that its agent passes on),
+        and between them the queued metrics records in order, so the training thread never waits on the store
+        to publish. Ends at the ``None`` that ``close`` queues, after everything queued before it."""
         store, key = self._sender_store, keys.heartbeat(self.worker_id)
+        host_beat = self._host_beat
+        if host_beat is not None:
+            host_beat.claim(self.worker_id)
         next_beat = time.monotonic()
         while True:
             try:
                 if time.monotonic() >= next_beat:
-                    self._beat_since = time.monotonic()
-                    store.add(key, 1)
-                    self._beat_since = None
+                    if host_beat is not None:
+                        host_beat.beat()
+                    else:
+                        self._beat_since = time.monotonic()
+                        store.add(key, 1)
+                        self._beat_since = None
                     self._beat_done = time.monotonic()
                     next_beat = self._beat_done + self._hb_interval
                 if self._in_hand is None:
@@ -528,8 +539,9 @@ class CoordinatorClient:
         return True
 
     def _watch_stalls(self, generation: int) -> None:
-        """A heartbeat unanswered for the heartbeat timeout: has another coordinator taken over (an etcd
-        standby, the old leader's host cut off)? Then register with it. Otherwise nothing is done: the
+        """A heartbeat unanswered for the heartbeat timeout (under host heartbeats: its agent's calls failing for
+        as long, ``control.hostbeat``): has another coordinator taken over (an etcd standby, the old leader's host
+        cut off)? Then register with it. Otherwise nothing is done: the
         coordinator may be only slow or paused (it declares nobody dead then), and a worker whose own link is
         down is excluded by the coordinator and learns it when the link is back. Needed because a store call
         on a connection whose peer the network no longer reaches neither fails nor times out (TCPStore's
@@ -546,7 +558,7 @@ class CoordinatorClient:
                     log.warning("%s\n\n%s", STALL_HEADER.format(late=late), thread_stacks())
                 else:
                     log.warning("heartbeat late by %.2f s (this process logged every thread's stack lately)", late)
-            since = self._beat_since
+            since = self._beat_since if self._host_beat is None else self._host_beat.agent_call_since()
             if since is None or time.monotonic() - since < self._hb_timeout_s or len(self.addresses) < 2:
                 continue
             if self.lost is not None or self._diagnosing.locked():

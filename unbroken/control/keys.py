@@ -13,7 +13,8 @@
     register/<n>/late         coordinator                  that worker: "1" if it joins a running job
     refused/<id>              coordinator                  that worker: why it may not join (exact mode: its
                                                            fingerprint differs from the group's)
-    hb/<id>                   worker (add, heartbeats)     coordinator: a counter that must keep moving
+    hb/<id>                   worker (add, heartbeats), or coordinator: a value that must keep moving
+                              its agent (multi_set, comm.heartbeats = "host": control.hostbeat)
     dead/<id>                 launcher / agent             coordinator: the worker's process exited (why)
     deaths                    launcher / agent (add,       coordinator: dead/<id> keys written so far (it
                               after dead/<id>)             looks at them only when this moved)

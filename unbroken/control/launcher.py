@@ -191,6 +191,8 @@ class Launcher:
             fold_kernels=self.cfg.recovery.reduction is Reduction.EXACT,
             heartbeat_timeout_s=self.cfg.comm.heartbeat_timeout_s,
             news_relay=self.cfg.coordinator.news_relay,
+            heartbeats=self.cfg.comm.heartbeats,
+            heartbeat_interval_s=self.cfg.comm.heartbeat_interval_s,
         )
         self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
         self.agent.console = self.console

@@ -70,6 +70,13 @@ class Backend(StrEnum):
     NCCL = "nccl"
 
 
+class HeartbeatMode(StrEnum):
+    """Who sends a worker's heartbeats to the coordinator (``comm.heartbeats``; ``control.hostbeat``)."""
+
+    WORKER = "worker"  # each worker: one store call every interval
+    HOST = "host"  # the agent of the worker's host: one store call every interval for all its workers
+
+
 class Precision(StrEnum):
     """The compute precision of the forward (docs/library.md, "Precision"); weights, gradients, their reduction
     and the optimizer stay float32 either way."""
@@ -269,6 +276,11 @@ class CommConfig:
     op_timeout_s: float = option(60.0, "bound on any collective; past it the coordinator decides (retry, exclude)")
     heartbeat_interval_s: float = option(0.25, "how often a worker tells the coordinator it is alive")
     heartbeat_timeout_s: float = option(2.0, "a worker silent this long is declared dead (a hang, SIGSTOP)")
+    heartbeats: HeartbeatMode = option(
+        HeartbeatMode.WORKER,
+        'who sends the heartbeats of workers an agent started: "worker" (each its own) or "host" (its agent, one '
+        "store call for all of them: less load on the coordinator at scale; docs/control.md)",
+    )
     join_timeout_s: float = option(120.0, "how long the coordinator waits for the expected workers at start")
 
     def __post_init__(self) -> None:

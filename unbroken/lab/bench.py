@@ -571,9 +571,11 @@ def run_one(
     data_gb: tuple[float, float] = (1.0, 10.0),
     members: tuple[int, ...] = (),
     news: tuple[str, ...] = (),
+    beats: tuple[str, ...] = (),
 ) -> str:
     """The markdown figures of benchmark ``what`` (``data_gb``: bench data's throughput and reader corpora;
-    ``members`` and ``news``: bench control-scale's member counts and ways of taking the news)."""
+    ``members``, ``news`` and ``beats``: bench control-scale's member counts, ways of taking the news and
+    senders of the heartbeats)."""
     if what == "ddp":
         cfg = _bench_config(config, overrides)
         return format_ddp(bench_ddp(config, worker_counts, repeats, overrides), cfg)
@@ -614,13 +616,15 @@ def run_one(
         return format_failslow(bench_failslow(config, max(worker_counts), repeats, overrides), max(worker_counts))
     if what == "control-scale":
         from unbroken.lab.bench_control_scale import (
+            BEATS_MODES,
             DEFAULT_MEMBERS,
             NEWS_MODES,
             bench_control_scale,
             format_control_scale,
         )
 
-        return format_control_scale(bench_control_scale(list(members or DEFAULT_MEMBERS), news or NEWS_MODES))
+        counts = list(members or DEFAULT_MEMBERS)
+        return format_control_scale(bench_control_scale(counts, news or NEWS_MODES, beats or BEATS_MODES[:1]))
     if what == "start":
         from unbroken.lab.bench_start import bench_start, format_start
 
@@ -651,13 +655,11 @@ def _member_counts(members: str) -> tuple[int, ...]:
     return counts
 
 
-def _news_modes(news: str) -> tuple[str, ...]:
-    """``--news`` (bench control-scale): comma-separated ways for members to take the coordinator's news."""
-    from unbroken.lab.bench_control_scale import NEWS_MODES
-
-    modes = tuple(m.strip() for m in news.split(",") if m.strip())
-    if unknown := [m for m in modes if m not in NEWS_MODES]:
-        raise ValueError(f"--news {news!r}: unknown {', '.join(unknown)}; allowed: {', '.join(NEWS_MODES)}")
+def _modes(option: str, given: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``--news`` or ``--beats`` (bench control-scale): a comma-separated choice among ``allowed``."""
+    modes = tuple(m.strip() for m in given.split(",") if m.strip())
+    if unknown := [m for m in modes if m not in allowed]:
+        raise ValueError(f"{option} {given!r}: unknown {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     return modes
 
 
@@ -675,6 +677,7 @@ def run_bench(
     parts: str = "",
     members: str = "",
     news: str = "",
+    beats: str = "",
 ) -> int:
     """``unbroken bench WHAT``: print the figures; with ``record_doc`` (always for ``all``) also write them
     into their section of docs/benchmarks.md under the command that produced them. ``gpu`` (``bench_gpu``)
@@ -698,11 +701,16 @@ def run_bench(
     if steps is not None and steps < 1:
         raise ValueError(f"--steps = {steps} must be >= 1")
     member_counts = _member_counts(members)
-    news_modes = _news_modes(news)
+    from unbroken.lab.bench_control_scale import BEATS_MODES, NEWS_MODES
+
+    news_modes = _modes("--news", news, NEWS_MODES)
+    beats_modes = _modes("--beats", beats, BEATS_MODES)
     if (record_doc or what == "all") and not DOC.parent.is_dir():
         raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
     for name in CPU_BENCHES if what == "all" else (what,):
-        body = run_one(name, config, worker_counts, repeats, overrides, steps, data_gb, member_counts, news_modes)
+        body = run_one(
+            name, config, worker_counts, repeats, overrides, steps, data_gb, member_counts, news_modes, beats_modes
+        )
         print(body, flush=True)
         if record_doc or what == "all":
             text = command.replace(" all", f" {name}", 1) if what == "all" else command

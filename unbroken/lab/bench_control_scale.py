@@ -43,6 +43,7 @@ import argparse
 import collections
 import concurrent.futures
 import faulthandler
+import itertools
 import json
 import os
 import random
@@ -61,6 +62,7 @@ from unbroken.control import keys
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.coordinator import spawn_coordinator
 from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.hostbeat import HOST_BEAT_ENV, BeatBoard, HostBeats, WorkerBeat
 from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
 from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death
 from unbroken.core.config import dump_config, load_config, preset_path
@@ -72,6 +74,10 @@ DEFAULT_MEMBERS = (64, 256, 512, 1024)
 # How the crowds' members take the coordinator's news: from a relay process per crowd (as an agent runs one per
 # host, ``control.newsrelay``), or each from the coordinator itself.
 NEWS_MODES = ("relay", "direct")
+# Who sends the members' heartbeats: each member (``comm.heartbeats = "worker"``), or a process per crowd, and one
+# for the victims, as an agent sends its host's (``"host"``, ``control.hostbeat``).
+BEATS_MODES = ("worker", "host")
+BOARD_ENV = "UNBROKEN_BENCH_BOARD"  # a crowd's board: member k beats on slot k
 VICTIMS = 4  # V: V - 1 deaths, then one silence
 JOINS = 64
 REST_S = 10.0  # the window of the at-rest figures
@@ -161,13 +167,22 @@ class Driver:
     """One coordinator and ``members`` members; the figures of one N (``run``)."""
 
     def __init__(
-        self, members: int, work: Path, news: str = NEWS_MODES[0], joins: int = JOINS, rest_s: float = REST_S
+        self,
+        members: int,
+        work: Path,
+        news: str = NEWS_MODES[0],
+        joins: int = JOINS,
+        rest_s: float = REST_S,
+        beats: str = BEATS_MODES[0],
     ) -> None:
         if members < VICTIMS + 2:
             raise ValueError(f"--members {members}: each count must be at least {VICTIMS + 2}")
         if news not in NEWS_MODES:
             raise ValueError(f"--news {news}: allowed: {', '.join(NEWS_MODES)}")
+        if beats not in BEATS_MODES:
+            raise ValueError(f"--beats {beats}: allowed: {', '.join(BEATS_MODES)}")
         self.n, self.work, self.news, self.joins, self.rest_s = members, work, news, joins, rest_s
+        self.beats = beats
         self.token = new_token()
         self.cfg = load_config(str(preset_path("tiny")), ["--comm.join_timeout_s=600"])
         self.run_dir = work / "run"
@@ -190,7 +205,12 @@ class Driver:
     def _start_victims(self) -> list[subprocess.Popen[bytes]]:
         """``VICTIMS`` processes of one member each; each prints its id once admitted (``_take_victims``)."""
         cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--victim", self.address]
-        started = [subprocess.Popen(cmd, stdout=subprocess.PIPE, env=self._env()) for _ in range(VICTIMS)]
+        envs = [self._env() for _ in range(VICTIMS)]
+        if self.beats == "host":  # the victims' "host": victim k beats on slot k of its board
+            board = self._start_host_beats()
+            for k, env in enumerate(envs):
+                env[HOST_BEAT_ENV] = f"{k}:{board}"
+        started = [subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env) for env in envs]
         self.processes += started
         return started
 
@@ -201,6 +221,20 @@ class Driver:
             if not line.strip():
                 raise RuntimeError("bench control-scale: a victim process did not join")
             self.victims[int(line)] = proc
+
+    def _start_host_beats(self) -> str:
+        """A process that passes the beats of a board's members on, as an agent does its host's; its board's
+        path."""
+        comm = self.cfg.comm
+        cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--host-beats", self.address]
+        cmd += ["--interval", str(comm.heartbeat_interval_s), "--timeout", str(comm.heartbeat_timeout_s)]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self._env())
+        self.processes.append(proc)
+        assert proc.stdout is not None
+        path = proc.stdout.readline().strip()
+        if not path:
+            raise RuntimeError("bench control-scale: a host-beats process did not start")
+        return path
 
     def _start_crowd(self, count: int, hold: bool) -> _Crowd:
         """A crowd process of ``count`` members; with news by relay, its "host's" relay first, in a process of
@@ -217,6 +251,8 @@ class Driver:
             if not path:
                 raise RuntimeError("bench control-scale: a relay process did not start")
             env[RELAY_ENV] = path
+        if self.beats == "host":
+            env[BOARD_ENV] = self._start_host_beats()
         cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--crowd", self.address]
         cmd += ["--count", str(count), "--interval", str(comm.heartbeat_interval_s)]
         cmd += ["--timeout", str(comm.heartbeat_timeout_s), *(["--hold"] if hold else [])]
@@ -381,6 +417,7 @@ class Driver:
         return {
             "members": self.n,
             "news": self.news,
+            "beats": self.beats,
             "relayed": sum(c.relayed for c in self.crowds),
             "crowds": len(self.crowds),
             "started_s": started_s,
@@ -441,14 +478,26 @@ def _relay_main(address: str, timeout_s: float) -> None:
     os._exit(0)
 
 
+def _host_beats_main(address: str, interval_s: float, timeout_s: float) -> None:
+    """A crowd's (or the victims') "host's" heartbeats (``control.hostbeat``): prints its board's path, then passes
+    the beats on until its stdin closes (the driver ended). At the crowds' priority, as the relay."""
+    os.nice(CROWD_NICE)
+    beats = HostBeats(interval_s, max(1.0, timeout_s))
+    beats.follow(address, os.environ[TOKEN_ENV])
+    print(beats.board.path, flush=True)
+    sys.stdin.read()
+    beats.close()
+    os._exit(0)
+
+
 class _GatedClient(CoordinatorClient):
     """A member that opens its connections, then waits for ``gate`` before it registers: the joiners' registrations
     arrive together, as replacements started ahead of need would send theirs, instead of spread over the seconds
     that opening hundreds of connections takes on this machine."""
 
-    def __init__(self, gate: threading.Event, arrived: threading.Semaphore, *args: Any) -> None:
+    def __init__(self, gate: threading.Event, arrived: threading.Semaphore, *args: Any, **kwargs: Any) -> None:
         self._gate, self._arrived = gate, arrived
-        super().__init__(*args)
+        super().__init__(*args, **kwargs)
 
     def _register(self, worker_id: int | None, returning: bool) -> tuple[int, bool]:
         self._arrived.release()
@@ -481,8 +530,16 @@ def _crowd_main(address: str, count: int, interval_s: float, timeout_s: float, h
     if not hold:
         gate.set()
 
+    board = BeatBoard.attach(os.environ[BOARD_ENV]) if os.environ.get(BOARD_ENV) else None
+    slots = iter(range(count))
+    slot_lock = threading.Lock()
+
     def member() -> CoordinatorClient:
-        client = _GatedClient(gate, arrived, address, None, interval_s, timeout_s)
+        beat = None
+        if board is not None:
+            with slot_lock:
+                beat = WorkerBeat(board, next(slots))
+        client = _GatedClient(gate, arrived, address, None, interval_s, timeout_s, host_beat=beat)
         client.on_epoch = on_epoch
         return client
 
@@ -505,23 +562,24 @@ def _crowd_main(address: str, count: int, interval_s: float, timeout_s: float, h
     os._exit(0)  # members' threads in store calls: no interpreter shutdown under them
 
 
-def bench_control_scale(member_counts: list[int], news_modes: tuple[str, ...] = NEWS_MODES) -> list[dict[str, Any]]:
-    """The driver once per N and way of taking the news, each in a fresh process; their figures in order (a failed
-    one: ``failed``)."""
+def bench_control_scale(
+    member_counts: list[int], news_modes: tuple[str, ...] = NEWS_MODES, beats_modes: tuple[str, ...] = BEATS_MODES[:1]
+) -> list[dict[str, Any]]:
+    """The driver once per N, way of taking the news and sender of the heartbeats, each in a fresh process; their
+    figures in order (a failed one: ``failed``)."""
     results = []
-    for n in member_counts:
-        for news in news_modes:
-            with tempfile.TemporaryDirectory(prefix="control-scale-") as tmp:
-                out = Path(tmp) / "result.json"
-                cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--members", str(n), "--work", tmp]
-                env = {k: v for k, v in os.environ.items() if k != RELAY_ENV} | {"TORCH_CPP_LOG_LEVEL": "ERROR"}
-                cmd += ["--news", news, "--out", str(out)]
-                done = subprocess.run(cmd, env=env, timeout=20 * 60, check=False)
-                if done.returncode != 0 or not out.exists():  # a row that says so; the others still run
-                    failed = f"the driver exited {done.returncode} (its stderr above)"
-                    results.append({"members": n, "news": news, "failed": failed})
-                    continue
-                results.append(json.loads(out.read_text()))
+    for n, news, beats in itertools.product(member_counts, news_modes, beats_modes):
+        with tempfile.TemporaryDirectory(prefix="control-scale-") as tmp:
+            out = Path(tmp) / "result.json"
+            cmd = [sys.executable, "-m", "unbroken.lab.bench_control_scale", "--members", str(n), "--work", tmp]
+            env = {k: v for k, v in os.environ.items() if k != RELAY_ENV} | {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+            cmd += ["--news", news, "--beats", beats, "--out", str(out)]
+            done = subprocess.run(cmd, env=env, timeout=20 * 60, check=False)
+            if done.returncode != 0 or not out.exists():  # a row that says so; the others still run
+                failed = f"the driver exited {done.returncode} (its stderr above)"
+                results.append({"members": n, "news": news, "beats": beats, "failed": failed})
+                continue
+            results.append(json.loads(out.read_text()))
     return results
 
 
@@ -552,6 +610,8 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
         if news == "relay":
             relays = f"{r['crowds']} relay" + ("s" if r["crowds"] > 1 else "")
             news = f"relay: {r['relayed']} members on {relays} (the joiners on 1 more)"
+        if r.get("beats") == "host":
+            news += "; heartbeats by host (a process a crowd, one for the victims)"
         out.append(
             f"| {r['members']} | {news} | {s(published)} (max {s(max(r['death_published_s']))}) "
             f"| {s(r['read_p50_s'])} / {s(r['read_p99_s'])} / {s(last)} "
@@ -573,6 +633,8 @@ def _main() -> None:
     parser.add_argument("--crowd", metavar="ADDRESS")
     parser.add_argument("--relay", metavar="ADDRESS")
     parser.add_argument("--news", default=NEWS_MODES[0])
+    parser.add_argument("--host-beats", metavar="ADDRESS")
+    parser.add_argument("--beats", default=BEATS_MODES[0])
     parser.add_argument("--count", type=int)
     parser.add_argument("--interval", type=float)
     parser.add_argument("--timeout", type=float)
@@ -591,7 +653,10 @@ def _main() -> None:
     if a.relay:
         _relay_main(a.relay, a.timeout)
         return
-    driver = Driver(a.members, Path(a.work), a.news)
+    if a.host_beats:
+        _host_beats_main(a.host_beats, a.interval, a.timeout)
+        return
+    driver = Driver(a.members, Path(a.work), a.news, beats=a.beats)
     try:
         result = driver.run()
     finally:
