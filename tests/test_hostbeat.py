@@ -69,9 +69,15 @@ def test_a_board_round_trips_between_the_agent_and_its_workers() -> None:
         assert beats.moved(seen) == [7]
         assert worker.agent_call_since() is None
         beats.board.call_began(123.5)
+        beats.board.call_began(124.5)  # the first failing call is the one kept
         assert worker.agent_call_since() == 123.5
         beats.board.call_ended()
         assert worker.agent_call_since() is None
+        assert worker.agent_behind(0.25)  # never passed anything on: the worker sends its own
+        beats.board.passed(time.monotonic())
+        assert not worker.agent_behind(0.25)
+        beats.board.passed(time.monotonic() - 0.6)  # more than 2 intervals ago
+        assert worker.agent_behind(0.25) and not worker.agent_behind(1.0)
     finally:
         beats.close()
     assert not Path(beats.board.path).exists()
@@ -103,6 +109,7 @@ def test_an_agent_that_cannot_reach_its_coordinator_says_since_when_on_the_board
         assert since is not None and before <= since <= time.monotonic()
         time.sleep(0.5)  # several more attempts
         assert beats.board.call_since() == since
+        assert beats.board.passed_at() is None
     finally:
         beats.close()
 
@@ -196,11 +203,9 @@ def test_two_hosts_beating_through_their_agents_survive_a_stopped_worker_and_a_k
     """Two agents of 2 workers each, ``comm.heartbeats = "host"``: the workers' heartbeat keys hold their agents'
     stamps. At a random step, from outside, worker 1 (of agent 0) is stopped (SIGSTOP) and agent 1 alone is
     killed (``kill -9`` of its process, its workers left running). Agent 0 goes on passing worker 0's beats but
-    not worker 1's; nobody passes workers 2 and 3's, so the coordinator takes them for lost with their host (what
-    the mode means: the agent is the host's voice). The run ends with worker 0 alone, bitwise the failure-free
-    run. Both faults at once: the stopped worker holds the step until the coordinator removes it, by when the
-    other two have been unheard as long (one after the other, the run could end before the second silence
-    counted)."""
+    not worker 1's, which the coordinator removes for silence; workers 2 and 3 find their agent behind and send
+    their own beats (their keys move by ones again), so nobody takes them for dead. The run ends with workers 0,
+    2 and 3, bitwise the failure-free run."""
     env = {**os.environ, TOKEN_ENV: new_token()}
     port, run = free_port(), tmp_path / "run"
     # 5 s of silence, not 2, as in test_control: a starved moment of this shared machine is not a death.
@@ -216,13 +221,18 @@ def test_two_hosts_beating_through_their_agents_survive_a_stopped_worker_and_a_k
         tunnel.close()
         assert all(b > 10**15 for b in beats), beats  # written by the agents, not counted by the workers
         wait_for(lambda: committed(run) >= stop_at, 120, f"step {stop_at}")
-        stopped, orphans = agent_worker_pid(agents[0], 1), [agent_worker_pid(agents[1], w) for w in (2, 3)]
+        stopped = agent_worker_pid(agents[0], 1)
         os.kill(stopped, signal.SIGSTOP)
-        os.kill(agents[1].pid, signal.SIGKILL)  # the agent only: its workers run on, their beats unread
+        os.kill(agents[1].pid, signal.SIGKILL)  # the agent only: its workers run on
+        wait_for(lambda: any(f["worker"] == 1 for f in read_records(run, "failure")), 60, "worker 1 found silent")
+        store, tunnel = open_store(f"127.0.0.1:{port}", token=env[TOKEN_ENV])
+        first = [int(store.get(keys.heartbeat(w))) for w in (0, 2)]
+        time.sleep(1.0)
+        moved = [int(store.get(keys.heartbeat(w))) - f for w, f in zip((0, 2), first, strict=True)]
+        tunnel.close()
+        # Worker 0's key takes agent 0's stamps (microseconds apart); worker 2's its own adds, a few a second.
+        assert moved[0] > 10**5 and 0 < moved[1] < 100, moved
         assert coordinator.wait(timeout=200) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
-        # The orphaned workers were excluded: they learn it and leave (none kept training alone).
-        for pid in orphans:
-            wait_for(lambda p=pid: not Path(f"/proc/{p}").exists() or _zombie(p), 60, f"orphaned worker {pid} to end")
     finally:
         if stopped is not None:
             with contextlib.suppress(ProcessLookupError):  # its agent may have ended it at the run's end
@@ -233,18 +243,10 @@ def test_two_hosts_beating_through_their_agents_survive_a_stopped_worker_and_a_k
         for p in agents:
             p.wait()
     failures = {f["worker"]: f["why"] for f in read_records(run, "failure")}
-    assert sorted(failures) == [1, 2, 3]
-    assert all(why.startswith("no heartbeat") for why in failures.values()), failures
+    assert list(failures) == [1] and failures[1].startswith("no heartbeat"), failures
     memberships = [tuple(m["members"]) for m in read_records(run, "membership")]
-    assert memberships[0] == (0, 1, 2, 3) and memberships[-1] == (0,)
+    assert memberships[0] == (0, 1, 2, 3) and memberships[-1] == (0, 2, 3)
     final = read_records(run, "final")[0]
-    assert final["identical"] and sorted(final["checksums"]) == ["0"]
+    assert final["identical"] and sorted(final["checksums"]) == ["0", "2", "3"]
     assert step_losses(run) == step_losses(control_reference)
     same_final(control_reference, run, CONTROL_STEPS)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

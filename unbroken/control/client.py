@@ -318,9 +318,10 @@ class CoordinatorClient:
             thread.start()
 
     def _send(self, generation: int) -> None:
-        """A heartbeat every interval (one ``add``, or a count on the host's beat board that its agent passes on),
-        and between them the queued metrics records in order, so the training thread never waits on the store
-        to publish. Ends at the ``None`` that ``close`` queues, after everything queued before it."""
+        """A heartbeat every interval (one ``add``, or a count on the host's beat board that its agent passes on,
+        and the ``add`` too while the agent is behind), and between them the queued metrics records in order, so the
+        training thread never waits on the store to publish. Ends at the ``None`` that ``close`` queues, after
+        everything queued before it."""
         store, key = self._sender_store, keys.heartbeat(self.worker_id)
         host_beat = self._host_beat
         if host_beat is not None:
@@ -331,7 +332,7 @@ class CoordinatorClient:
                 if time.monotonic() >= next_beat:
                     if host_beat is not None:
                         host_beat.beat()
-                    else:
+                    if host_beat is None or host_beat.agent_behind(self._hb_interval):
                         self._beat_since = time.monotonic()
                         store.add(key, 1)
                         self._beat_since = None
@@ -539,8 +540,8 @@ class CoordinatorClient:
         return True
 
     def _watch_stalls(self, generation: int) -> None:
-        """A heartbeat unanswered for the heartbeat timeout (under host heartbeats: its agent's calls failing for
-        as long, ``control.hostbeat``): has another coordinator taken over (an etcd standby, the old leader's host
+        """A heartbeat unanswered for the heartbeat timeout (or, under host heartbeats, its agent's calls failing
+        for as long, ``control.hostbeat``): has another coordinator taken over (an etcd standby, the old leader's host
         cut off)? Then register with it. Otherwise nothing is done: the
         coordinator may be only slow or paused (it declares nobody dead then), and a worker whose own link is
         down is excluded by the coordinator and learns it when the link is back. Needed because a store call
@@ -558,7 +559,9 @@ class CoordinatorClient:
                     log.warning("%s\n\n%s", STALL_HEADER.format(late=late), thread_stacks())
                 else:
                     log.warning("heartbeat late by %.2f s (this process logged every thread's stack lately)", late)
-            since = self._beat_since if self._host_beat is None else self._host_beat.agent_call_since()
+            since = self._beat_since
+            if self._host_beat is not None and (agent := self._host_beat.agent_call_since()) is not None:
+                since = agent if since is None else min(since, agent)
             if since is None or time.monotonic() - since < self._hb_timeout_s or len(self.addresses) < 2:
                 continue
             if self.lost is not None or self._diagnosing.locked():

@@ -9,11 +9,13 @@ the network), and the agent (``HostBeats``) looks at the board every interval an
 a new value of ``keys.heartbeat`` for each worker whose counter moved since its last look.
 
 The coordinator is unchanged by it: a member's heartbeat key moves while that member beats, whoever writes it.
-A hung worker (SIGSTOP) stops moving its counter, so its key stops; a lost host (its agent killed, its link cut)
-stops every key it wrote; the stop's drain and the saver's wait watch the same keys. What the mode adds is a
-dependency on the agent: a hung agent silences its workers too (they are declared dead with it, as with a lost
-host). A worker's takeover check (``CoordinatorClient._watch_stalls``: is another coordinator leading?) reads from
-the board since when its agent's calls have not gone through, instead of timing its own heartbeat.
+A hung worker (SIGSTOP) stops moving its counter, so its key stops; a lost host (its processes killed, its link
+cut) stops every key; the stop's drain and the saver's wait watch the same keys. The agent only saves calls, it
+is never needed: it notes on the board when it last passed the beats on, and a worker that finds that note older
+than ``BEHIND_INTERVALS`` heartbeat intervals (its agent not started yet, stopped, starved of the CPU, killed, or
+its calls failing) sends its own ``add`` with each beat until the agent catches up. A worker's takeover check
+(``CoordinatorClient._watch_stalls``: is another coordinator leading?) reads from the board since when its agent's
+calls have not gone through, as well as timing its own calls.
 
 The value written for a key is the agent's pass stamp (microseconds since the epoch when its look began, and
 larger than every stamp it wrote before): it differs from the last value seen whoever wrote that, so a worker
@@ -21,12 +23,13 @@ that moved to another host, or whose coordinator restarted, is not taken for sil
 worker whose counter did not move.
 
 Owns the board's format: little-endian 8-byte words in a file in a directory only its user can enter. Word 0 is
-``MAGIC``; word 1 since when the agent has been failing to pass the beats on, as the bits of a double: its
-``time.monotonic()`` (``CLOCK_MONOTONIC``, the same clock in every process of a host) when the first call or
-connection since its last call that succeeded began, 0.0 while its calls succeed; then two words a slot:
-the worker id the slot beats for (-1 before its worker registered) and the count of its beats. Each word is
-written whole by one process (the id and the count by the slot's worker, word 1 by the agent), so a reader sees
-an old value or a new one.
+``MAGIC``; words 1 and 2 are the agent's, each the bits of a double holding a ``time.monotonic()``
+(``CLOCK_MONOTONIC``, the same clock in every process of a host): word 1 since when it has been failing to pass
+the beats on (when the first call or connection since its last call that succeeded began; 0.0 while its calls
+succeed), word 2 when it last finished a look whose beats went through (0.0: never); then two words a slot: the
+worker id the slot beats for (-1 before its worker registered) and the count of its beats. Each word is written
+whole by one process (the id and the count by the slot's worker, words 1 and 2 by the agent), so a reader sees an
+old value or a new one.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ log = logging.getLogger(__name__)
 
 HOST_BEAT_ENV = "UNBROKEN_HOST_BEAT"  # "<slot>:<board path>", set by the agent for each process it starts
 MAGIC = 0x756E62726F6B6862  # "unbrokhb"
-HEADER_WORDS = 2
+HEADER_WORDS = 3
+# A worker whose agent has not passed the beats on for this many heartbeat intervals sends its own (the agent looks
+# LOOKS_PER_INTERVAL times an interval, so a live one is never that late but starved or stopped).
+BEHIND_INTERVALS = 2
 SLOT_WORDS = 2
 NO_WORKER = -1
 # The agent looks at the board twice per heartbeat interval: a beat waits at most half an interval to be passed on,
@@ -59,7 +65,8 @@ NO_WORKER = -1
 LOOKS_PER_INTERVAL = 2
 DEFAULT_SLOTS = 1024  # an agent's processes alive at once, at most (16 KiB)
 _WORD = 8
-_CALL = struct.Struct("<d")
+_TIME = struct.Struct("<d")
+_FAILING_SINCE, _PASSED_AT = _WORD, 2 * _WORD  # the byte offsets of words 1 and 2
 
 
 class BeatBoard:
@@ -128,15 +135,23 @@ class BeatBoard:
         """A call (or a connection) is starting at ``at``: from then on the beats are undelivered, unless they
         already were since earlier."""
         if self.call_since() is None:
-            _CALL.pack_into(self._map, _WORD, at)
+            _TIME.pack_into(self._map, _FAILING_SINCE, at)
 
     def call_ended(self) -> None:
         """A call went through: the beats are delivered."""
-        _CALL.pack_into(self._map, _WORD, 0.0)
+        _TIME.pack_into(self._map, _FAILING_SINCE, 0.0)
 
     def call_since(self) -> float | None:
         """Since when (``time.monotonic()``) the agent's calls have not gone through, None while they do."""
-        at = _CALL.unpack_from(self._map, _WORD)[0]
+        at = _TIME.unpack_from(self._map, _FAILING_SINCE)[0]
+        return at or None
+
+    def passed(self, at: float) -> None:
+        """The agent finished a look at ``at`` whose beats (if any moved) went through."""
+        _TIME.pack_into(self._map, _PASSED_AT, at)
+
+    def passed_at(self) -> float | None:
+        at = _TIME.unpack_from(self._map, _PASSED_AT)[0]
         return at or None
 
     def close(self) -> None:
@@ -170,6 +185,12 @@ class WorkerBeat:
 
     def agent_call_since(self) -> float | None:
         return self.board.call_since()
+
+    def agent_behind(self, interval_s: float) -> bool:
+        """Whether the agent has not passed the beats on for ``BEHIND_INTERVALS`` intervals (or ever): the worker
+        then sends its own."""
+        passed = self.board.passed_at()
+        return passed is None or time.monotonic() - passed > BEHIND_INTERVALS * interval_s
 
 
 class _Process(Protocol):
@@ -285,6 +306,7 @@ class HostBeats:
                 guard.call(tunnel, lambda n=names, v=values: store.multi_set(n, v))
                 self.board.call_ended()
                 self.passes += 1
+            self.board.passed(time.monotonic())
             next_look += self.interval_s / LOOKS_PER_INTERVAL
             delay = next_look - time.monotonic()
             if delay < 0:  # the call or this thread ran late: look again at once, then keep the pace from now

@@ -601,8 +601,9 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        beats = "; heartbeats by host (a process a crowd, one for the victims)" if r.get("beats") == "host" else ""
         if "failed" in r:
-            out.append(f"| {r['members']} | {r['news']} | did not finish: {r['failed']} |" + " |" * 9)
+            out.append(f"| {r['members']} | {r['news']}{beats} | did not finish: {r['failed']} |" + " |" * 9)
             continue
         published = statistics.median(r["death_published_s"])
         last = max(r["death_last_read_s"])
@@ -610,8 +611,7 @@ def format_control_scale(results: list[dict[str, Any]]) -> str:
         if news == "relay":
             relays = f"{r['crowds']} relay" + ("s" if r["crowds"] > 1 else "")
             news = f"relay: {r['relayed']} members on {relays} (the joiners on 1 more)"
-        if r.get("beats") == "host":
-            news += "; heartbeats by host (a process a crowd, one for the victims)"
+        news += beats
         out.append(
             f"| {r['members']} | {news} | {s(published)} (max {s(max(r['death_published_s']))}) "
             f"| {s(r['read_p50_s'])} / {s(r['read_p99_s'])} / {s(last)} "
