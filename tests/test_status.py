@@ -411,7 +411,11 @@ def test_a_real_run_with_a_kill_shows_the_failure_and_the_reformed_group(tmp_pat
     recovery = next(r for r in records if r["type"] == "recovery")
     step3 = next(r for r in records if r["type"] == "step" and r["step"] == 3)
     assert inc["recovery_step"] == 3 and inc["missing"] == recovery["missing"]
-    assert inc["recomputed"] == step3["recomputed"] >= 1  # under `recover` the killed worker's share is redone
+    assert inc["recomputed"] == step3["recomputed"]
+    # Under `recover` the killed worker's share is redone: in the same step (recomputed >= 1), or by the whole step
+    # computed again by the survivors in the new epoch (recomputed 0 and recoveries 0 in a clean run, r98: the
+    # timing of the kill decides which); either way every microbatch is counted once and none is dropped.
+    assert step3["counted"] == step3["microbatches"] and step3["counted_once"] and step3["dropped"] == 0
     worker1 = s["workers"][1]
     assert worker1["failures"] == 1
     if inc["rejoined_at"] is None:  # rejoin=2 (seconds) may come after the run's last step
