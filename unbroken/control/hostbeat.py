@@ -216,7 +216,6 @@ class HostBeats:
         self._generation = 0  # coordinators followed so far: the thread of an older one writes nothing
         self._tunnel: Tunnel | None = None
         self._closed = threading.Event()
-        self.passes = 0  # looks that wrote something (for tests and the benchmark)
 
     def env_for_new_process(self) -> str:
         """``HOST_BEAT_ENV``'s value for a process about to start (``bind`` it once started): the first slot no
@@ -305,7 +304,6 @@ class HostBeats:
                 self.board.call_began(time.monotonic())
                 guard.call(tunnel, lambda n=names, v=values: store.multi_set(n, v))
                 self.board.call_ended()
-                self.passes += 1
             self.board.passed(time.monotonic())
             next_look += self.interval_s / LOOKS_PER_INTERVAL
             delay = next_look - time.monotonic()
