@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +135,16 @@ while True:
 """
 
 
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _threads(prefix: str) -> int:
+    """This process's live threads whose name starts with ``prefix``."""
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
 def test_the_agent_passes_on_the_beats_of_its_live_workers_only(tmp_path: Path) -> None:
     """Two processes beat on a board (workers 5 and 9); the agent's thread writes their heartbeat keys in the
     store of a real coordinator. Once worker 9's process is stopped (SIGSTOP) its key no longer moves while 5's
@@ -142,6 +153,7 @@ def test_the_agent_passes_on_the_beats_of_its_live_workers_only(tmp_path: Path) 
     port, run = free_port(), tmp_path / "run"
     coordinator = unbroken("coordinator", TINY, "--workers", "2", "--port", str(port), "--run-dir", str(run),
                            "--comm.join_timeout_s=100", env=env, log=tmp_path / "coordinator.log")  # fmt: skip
+    guards_before = _threads("store-call-guard")
     beats = HostBeats(interval_s=0.05, op_timeout_s=2.0)
     workers: list[subprocess.Popen[bytes]] = []
     try:
@@ -182,10 +194,18 @@ def test_the_agent_passes_on_the_beats_of_its_live_workers_only(tmp_path: Path) 
         assert value(5) > 10**15  # the agent's stamp (microseconds since the epoch), not a worker's own count
         assert moves(5) and moves(9)
         workers[1].send_signal(signal.SIGSTOP)
-        time.sleep(0.2)  # a pass under way when it stopped may still write its last beat
+        wait_for(lambda: _state(workers[1].pid) == "T", 10, "worker 9 stopped")
+        # A look that began before the stop may still pass on worker 9's last beats, and so may the first look
+        # after it (the count it finds may differ from the one before); the look after that finds no change.
+        # Each look's pass is over when the board says it passed: wait for two passes after the stop.
+        stopped_at = time.monotonic()
+        wait_for(lambda: (beats.board.passed_at() or 0) > stopped_at, 10, "a pass after the stop")
+        first_pass = beats.board.passed_at() or 0
+        wait_for(lambda: (beats.board.passed_at() or 0) > first_pass, 10, "a second pass after the stop")
         assert moves(5) and not moves(9)
         beats.close()
-        time.sleep(0.2)
+        wait_for(lambda: _threads("host-beats-") == 0, 10, "the agent's thread to end")
+        wait_for(lambda: _threads("store-call-guard") == guards_before, 10, "the thread's call guard to end")
         assert not moves(5)
         tunnel.close()
     finally:

@@ -267,6 +267,12 @@ class HostBeats:
         takes longer than ``op_timeout_s`` (cut by its guard: a peer the network no longer reaches neither
         answers nor resets), is opened again while this coordinator is the one followed."""
         guard = CallGuard(self.op_timeout_s)
+        try:
+            self._connect_and_pass_on(address, token, generation, guard)
+        finally:
+            guard.close()
+
+    def _connect_and_pass_on(self, address: str, token: str, generation: int, guard: CallGuard) -> None:
         while generation == self._generation and not self._closed.is_set():
             try:
                 self.board.call_began(time.monotonic())

@@ -104,13 +104,15 @@ class CallGuard:
     """Bounds the store calls of one owner: a call under way for longer than ``limit_s`` has its tunnel cut,
     so it fails (RuntimeError) instead of waiting. A connection whose peer the network no longer reaches (a
     host cut off: nothing resets it) neither fails nor times out: TCPStore's timeout does not bound a call
-    already sent, and TCP gives up only after many minutes. One watching thread, started on the first call."""
+    already sent, and TCP gives up only after many minutes. One watching thread, started on the first call and
+    ended by ``close``."""
 
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
         self._since: float | None = None
         self._tunnel: Tunnel | None = None
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def call(self, tunnel: Tunnel | None, fn: Callable[[], T]) -> T:
         """``fn()``, its tunnel cut should it take longer than the limit (None: a store not behind a tunnel)."""
@@ -123,9 +125,12 @@ class CallGuard:
         finally:
             self._since = None
 
+    def close(self) -> None:
+        """End the watching thread (a call made after this is not bounded)."""
+        self._closed.set()
+
     def _watch(self) -> None:
-        while True:
-            time.sleep(self.limit_s / 4)
+        while not self._closed.wait(self.limit_s / 4):
             since, tunnel = self._since, self._tunnel
             if since is not None and tunnel is not None and time.monotonic() - since > self.limit_s:
                 tunnel.cut()
