@@ -228,6 +228,25 @@ def agent_worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
     raise AssertionError(f"worker {worker} is not a child of agent {agent.pid}")
 
 
+@contextlib.contextmanager
+def launched(cmd: list[str], env: Mapping[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """``cmd`` started with its output captured as text; killed and reaped on the way out if it still runs (a
+    test that failed waiting leaves no job behind)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def kill_worker(token: str, worker: int) -> None:
+    """An outside ``kill -9`` of worker ``worker`` of the job whose token is ``token``, once its process runs."""
+    wait_for(lambda: worker in worker_pids(token), 60, f"worker {worker}")
+    os.kill(worker_pids(token)[worker], signal.SIGKILL)
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

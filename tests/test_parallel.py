@@ -24,11 +24,12 @@ from runner import (
     RECOVERY_STEPS,
     TINY,
     committed,
+    kill_worker,
+    launched,
     run_command,
     train,
     train_cmd,
     wait_for,
-    worker_pids,
 )
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
@@ -149,8 +150,6 @@ def test_whole_spare_replicas_take_the_places_of_killed_replicas_and_the_run_sta
     pace = f"slow:worker=0,seconds=0.25,steps=0-{RECOVERY_STEPS - 1}"
     schedule = f"--failures.schedule=kill:worker=1,step=5,phase=backward; {pace}"
     args = ["--out", str(run), *COMMON, "--parallel.shard=2", "--spares", "2", schedule]
-    proc = subprocess.Popen(train_cmd(data_cache_dir, TINY, *args, workers=4), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})  # fmt: skip
 
     def joined(workers: set[int]) -> int | None:
         """The epoch that took ``workers`` in, if one did."""
@@ -162,16 +161,11 @@ def test_whole_spare_replicas_take_the_places_of_killed_replicas_and_the_run_sta
         epoch = joined({0, 1})
         return epoch is not None and any(r["epoch"] >= epoch and r["alive"] == 2 for r in read_records(run, "step"))
 
-    try:
+    with launched(train_cmd(data_cache_dir, TINY, *args, workers=4), {**os.environ, TOKEN_ENV: token}) as proc:
         wait_for(computed_with_both_replicas, 300, "a step computed by spares 0 and 1 and replica 1")
-        wait_for(lambda: 2 in worker_pids(token), 60, "worker 2")
         killed_after = committed(run)
-        os.kill(worker_pids(token)[2], signal.SIGKILL)
+        kill_worker(token, 2)
         out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     spares = read_records(run, "spare")
     promoted = {r["worker"]: r["spare"] for r in spares if r["state"] == "promoted"}

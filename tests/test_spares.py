@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runner import CONTROL_COMMON, CONTROL_STEPS, TINY, committed, same_final, train_cmd, wait_for, worker_pids
+from runner import (
+    CONTROL_COMMON,
+    CONTROL_STEPS,
+    TINY,
+    committed,
+    kill_worker,
+    launched,
+    same_final,
+    train_cmd,
+    wait_for,
+)
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
@@ -31,20 +39,13 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
     run, token = tmp_path / "run", new_token()
     schedule = "--failures.schedule=kill:worker=1,step=5,phase=backward"
     cmd = train_cmd(data_cache_dir, TINY, "--out", str(run), *CONTROL_COMMON, "--spares", "1", schedule, workers=3)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, TOKEN_ENV: token})  # fmt: skip
-    try:
+    with launched(cmd, {**os.environ, TOKEN_ENV: token}) as proc:
         # At most step 20 of 40: spare 1's join (the death's epoch, the promotion, the admission at a step
         # boundary) took 7 steps on an idle machine, and the kill lands a few steps after the step waited for.
         at = random.Random().randint(12, 20)
         wait_for(lambda: committed(run) >= at, 300, f"step {at}")
-        wait_for(lambda: 2 in worker_pids(token), 60, "worker 2")
-        os.kill(worker_pids(token)[2], signal.SIGKILL)
+        kill_worker(token, 2)
         out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     spares = read_records(run, "spare")
     promoted = {r["worker"]: r["spare"] for r in spares if r["state"] == "promoted"}
