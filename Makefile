@@ -35,15 +35,21 @@ test: $(STAMP)
 	# (tests/conftest.py): the tests spend part of their time waiting (heartbeat timeouts, restarts, stopped
 	# processes, paced steps), which the other fills. Three were faster (15-16.5 minutes of pytest in r53-r56; two
 	# take 17.5-18, r59 and r62) but starved a worker's heartbeat past its 2 s bound in r57 (docs/benchmarks.md).
-	# Beside them, tests/test_invariants.py under python -O: the invariant checks must hold with asserts stripped.
-	# Both share one tokenized-corpus cache (the BPE is trained once; building it from several processes is safe).
+	# Beside them, in processes of their own: tests/test_invariants.py under python -O (the invariant checks must
+	# hold with asserts stripped), and tests/test_netns.py, five minutes that are mostly the waits the tests are
+	# about (links cut for heartbeat timeouts, a minute of flapping: under half a core), with heartbeat bounds of
+	# 5 s. All share one tokenized-corpus cache (the BPE is trained once; building it from several processes is safe).
 	@mkdir -p .cache
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py \
 		> .cache/test-optimised.log 2>&1 & optimised=$$!; \
-	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --ignore=tests/test_invariants.py; \
-	suite=$$?; wait $$optimised; status=$$?; \
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_netns.py \
+		> .cache/test-netns.log 2>&1 & netns=$$!; \
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+		--ignore=tests/test_invariants.py --ignore=tests/test_netns.py; \
+	suite=$$?; wait $$optimised; optimised_status=$$?; wait $$netns; netns_status=$$?; \
 	echo "--- tests/test_invariants.py under python -O:"; cat .cache/test-optimised.log; \
-	test $$suite -eq 0 -a $$status -eq 0
+	echo "--- tests/test_netns.py:"; cat .cache/test-netns.log; \
+	test $$suite -eq 0 -a $$optimised_status -eq 0 -a $$netns_status -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check unbroken tests

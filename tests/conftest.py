@@ -24,7 +24,7 @@ from runner import RUN_TIMEOUT_S, stop_launchpad
 SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
 # The longest files, handed out first (``make test`` gives each pytest process a file at a time, in the collection's
 # order, with xdist's own reordering by test count turned off): a long file started last would run alone at the end
-# (the namespace tests, 5 minutes of waits, did).
+# (the namespace tests, 5 minutes of waits, did; ``make test`` runs them in a process of their own since).
 LONGEST_FIRST = ("test_netns.py", "test_replica3d.py", "test_parallel.py", "test_examples.py", "test_numerics.py")
 
 
