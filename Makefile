@@ -30,26 +30,31 @@ install: $(STAMP)
 demo: $(BASE)
 	$(BIN)/unbroken train configs/default.toml --workers 4
 
+# Test files that mostly wait (links cut for heartbeat timeouts, a minute of flapping, stopped processes, paced
+# runs: in r101 they used under half a core while they ran), and build none of the session's shared runs
+# (tests/conftest.py): `make test` runs them in a pytest process of their own, beside the two that run the rest.
+WAITING_TESTS := tests/test_netns.py tests/test_faults.py tests/test_coordinator.py tests/test_statestore.py \
+	tests/test_alerts.py
+
 test: $(STAMP)
 	# Two pytest processes, a test file each at a time (its module fixtures made once), the longest files first
 	# (tests/conftest.py): the tests spend part of their time waiting (heartbeat timeouts, restarts, stopped
 	# processes, paced steps), which the other fills. Three were faster (15-16.5 minutes of pytest in r53-r56; two
 	# take 17.5-18, r59 and r62) but starved a worker's heartbeat past its 2 s bound in r57 (docs/benchmarks.md).
 	# Beside them, in processes of their own: tests/test_invariants.py under python -O (the invariant checks must
-	# hold with asserts stripped), and tests/test_netns.py, five minutes that are mostly the waits the tests are
-	# about (links cut for heartbeat timeouts, a minute of flapping: under half a core), with heartbeat bounds of
-	# 5 s. All share one tokenized-corpus cache (the BPE is trained once; building it from several processes is safe).
+	# hold with asserts stripped), and the WAITING_TESTS above. All share one tokenized-corpus cache (the BPE is
+	# trained once; building it from several processes is safe).
 	@mkdir -p .cache
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py \
 		> .cache/test-optimised.log 2>&1 & optimised=$$!; \
-	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_netns.py \
-		> .cache/test-netns.log 2>&1 & netns=$$!; \
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider $(WAITING_TESTS) \
+		> .cache/test-waiting.log 2>&1 & waiting=$$!; \
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
-		--ignore=tests/test_invariants.py --ignore=tests/test_netns.py; \
-	suite=$$?; wait $$optimised; optimised_status=$$?; wait $$netns; netns_status=$$?; \
+		--ignore=tests/test_invariants.py $(addprefix --ignore=,$(WAITING_TESTS)); \
+	suite=$$?; wait $$optimised; optimised_status=$$?; wait $$waiting; waiting_status=$$?; \
 	echo "--- tests/test_invariants.py under python -O:"; cat .cache/test-optimised.log; \
-	echo "--- tests/test_netns.py:"; cat .cache/test-netns.log; \
-	test $$suite -eq 0 -a $$optimised_status -eq 0 -a $$netns_status -eq 0
+	echo "--- $(WAITING_TESTS):"; cat .cache/test-waiting.log; \
+	test $$suite -eq 0 -a $$optimised_status -eq 0 -a $$waiting_status -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check unbroken tests
