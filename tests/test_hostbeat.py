@@ -33,6 +33,7 @@ from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.control.hostbeat import HOST_BEAT_ENV, NO_WORKER, BeatBoard, HostBeats, WorkerBeat, pass_stamp
 from unbroken.control.store import open_store
 from unbroken.core.records import read_records, step_losses
+from unbroken.lab.faultdriver import process_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -135,11 +136,6 @@ while True:
 """
 
 
-def _state(pid: int) -> str:
-    """A process's state letter (``T``: stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 def _threads(prefix: str) -> int:
     """This process's live threads whose name starts with ``prefix``."""
     return sum(t.name.startswith(prefix) for t in threading.enumerate())
@@ -194,7 +190,7 @@ def test_the_agent_passes_on_the_beats_of_its_live_workers_only(tmp_path: Path) 
         assert value(5) > 10**15  # the agent's stamp (microseconds since the epoch), not a worker's own count
         assert moves(5) and moves(9)
         workers[1].send_signal(signal.SIGSTOP)
-        wait_for(lambda: _state(workers[1].pid) == "T", 10, "worker 9 stopped")
+        wait_for(lambda: process_state(workers[1].pid) == "T", 10, "worker 9 stopped")
         # A look that began before the stop may still pass on worker 9's last beats, and so may the first look
         # after it (the count it finds may differ from the one before); the look after that finds no change.
         # Each look's pass is over when the board says it passed: wait for two passes after the stop.

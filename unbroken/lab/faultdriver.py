@@ -68,7 +68,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _state(pid: int) -> str:
+def process_state(pid: int) -> str:
     """The process state letter (R, S, T for stopped, Z for zombie), or "" if it is gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -81,7 +81,7 @@ def worker_processes(launcher_pid: int) -> dict[int, int]:
     out: dict[int, int] = {}
     for pid in _children(launcher_pid):
         worker = worker_of(pid)
-        if worker is not None and _state(pid) in ("R", "S", "D"):
+        if worker is not None and process_state(pid) in ("R", "S", "D"):
             out[worker] = pid
     return out
 
@@ -185,11 +185,11 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
             # A fault due before the job formed its first group waits for it: until then nobody holds the
             # training state to spare, and on a loaded machine start-up can take most of the window.
             holders = state_holders(run_dir)
-            while not holders and _state(launcher_pid) not in ("", "Z"):
+            while not holders and process_state(launcher_pid) not in ("", "Z"):
                 _continue(victims.resume_due(time.monotonic()))
                 time.sleep(0.05)
                 holders = state_holders(run_dir)
-            if _state(launcher_pid) in ("", "Z"):
+            if process_state(launcher_pid) in ("", "Z"):
                 break
             layout = layout or run_layout(run_dir)
             running = victims.running(worker_processes(launcher_pid))
