@@ -319,20 +319,27 @@ class CoordinatorClient:
 
     def _send(self, generation: int) -> None:
         """A heartbeat every interval (one ``add``, or a count on the host's beat board that its agent passes on,
-        and the ``add`` too while the agent is behind), and between them the queued metrics records in order, so the
-        training thread never waits on the store to publish. Ends at the ``None`` that ``close`` queues, after
-        everything queued before it."""
+        and the ``add`` too until the agent has passed one of this worker's beats on and while it is behind), and
+        between them the queued metrics records in order, so the training thread never waits on the store to
+        publish. Ends at the ``None`` that ``close`` queues, after everything queued before it."""
         store, key = self._sender_store, keys.heartbeat(self.worker_id)
         host_beat = self._host_beat
         if host_beat is not None:
             host_beat.claim(self.worker_id)
         next_beat = time.monotonic()
+        first_counted: float | None = None  # host heartbeats: when this worker's first count was on the board
         while True:
             try:
                 if time.monotonic() >= next_beat:
                     if host_beat is not None:
                         host_beat.beat()
-                    if host_beat is None or host_beat.agent_behind(self._hb_interval):
+                        first_counted = first_counted or time.monotonic()
+                    if (
+                        host_beat is None
+                        or first_counted is None
+                        or not host_beat.passed_since(first_counted)
+                        or host_beat.agent_behind(self._hb_interval)
+                    ):
                         self._beat_since = time.monotonic()
                         store.add(key, 1)
                         self._beat_since = None

@@ -13,7 +13,11 @@ A hung worker (SIGSTOP) stops moving its counter, so its key stops; a lost host 
 cut) stops every key; the stop's drain and the saver's wait watch the same keys. The agent only saves calls, it
 is never needed: it notes on the board when it last passed the beats on, and a worker that finds that note older
 than ``BEHIND_INTERVALS`` heartbeat intervals (its agent not started yet, stopped, starved of the CPU, killed, or
-its calls failing) sends its own ``add`` with each beat until the agent catches up. A worker's takeover check
+its calls failing) sends its own ``add`` with each beat until the agent catches up. A worker also sends its own
+until the agent has passed one of its beats on: the coordinator counts a member's silence from its admission, and
+an agent whose call is under way when the worker starts beating would otherwise be the worker's only messenger
+until it counts as behind (at 1,024 members, 10 members admitted last were declared dead that way:
+docs/benchmarks.md, "Heartbeats by host at 1,024 again"). A worker's takeover check
 (``CoordinatorClient._watch_stalls``: is another coordinator leading?) reads from the board since when its agent's
 calls have not gone through, as well as timing its own calls.
 
@@ -26,7 +30,8 @@ Owns the board's format: little-endian 8-byte words in a file in a directory onl
 ``MAGIC``; words 1 and 2 are the agent's, each the bits of a double holding a ``time.monotonic()``
 (``CLOCK_MONOTONIC``, the same clock in every process of a host): word 1 since when it has been failing to pass
 the beats on (when the first call or connection since its last call that succeeded began; 0.0 while its calls
-succeed), word 2 when it last finished a look whose beats went through (0.0: never); then two words a slot: the
+succeed), word 2 when the last look whose beats went through began (0.0: never; every beat counted before then has
+been passed on); then two words a slot: the
 worker id the slot beats for (-1 before its worker registered) and the count of its beats. Each word is written
 whole by one process (the id and the count by the slot's worker, words 1 and 2 by the agent), so a reader sees an
 old value or a new one.
@@ -147,7 +152,8 @@ class BeatBoard:
         return at or None
 
     def passed(self, at: float) -> None:
-        """The agent finished a look at ``at`` whose beats (if any moved) went through."""
+        """The agent's look that began at ``at`` is over and its beats (if any moved) went through: every beat
+        counted before ``at`` has been passed on."""
         _TIME.pack_into(self._map, _PASSED_AT, at)
 
     def passed_at(self) -> float | None:
@@ -191,6 +197,12 @@ class WorkerBeat:
         then sends its own."""
         passed = self.board.passed_at()
         return passed is None or time.monotonic() - passed > BEHIND_INTERVALS * interval_s
+
+    def passed_since(self, at: float) -> bool:
+        """Whether the agent has passed on every beat counted before ``at`` (a ``time.monotonic()`` taken after
+        the beat): a look that began at ``at`` or later is over."""
+        passed = self.board.passed_at()
+        return passed is not None and passed >= at
 
 
 class _Process(Protocol):
@@ -303,6 +315,7 @@ class HostBeats:
         stamp = 0
         next_look = time.monotonic()
         while generation == self._generation:
+            look_began = time.monotonic()
             moved = self.moved(seen)
             if moved:
                 stamp = pass_stamp(stamp)
@@ -310,7 +323,7 @@ class HostBeats:
                 self.board.call_began(time.monotonic())
                 guard.call(tunnel, lambda n=names, v=values: store.multi_set(n, v))
                 self.board.call_ended()
-            self.board.passed(time.monotonic())
+            self.board.passed(look_began)
             next_look += self.interval_s / LOOKS_PER_INTERVAL
             delay = next_look - time.monotonic()
             if delay < 0:  # the call or this thread ran late: look again at once, then keep the pace from now
