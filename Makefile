@@ -31,10 +31,11 @@ demo: $(BASE)
 	$(BIN)/unbroken train configs/default.toml --workers 4
 
 # Test files that mostly wait (links cut for heartbeat timeouts, a minute of flapping, stopped processes, paced
-# runs: in r101 they used under half a core while they ran), and build none of the session's shared runs
-# (tests/conftest.py): `make test` runs them in a pytest process of their own, beside the two that run the rest.
+# runs: in r101 and r109 they used under half a core while they ran), and build none of the session's shared runs
+# (tests/conftest.py) but the one-worker control reference (test_launchers: built again there, a few CPU seconds):
+# `make test` runs them in a pytest process of their own, beside the two that run the rest.
 WAITING_TESTS := tests/test_netns.py tests/test_faults.py tests/test_coordinator.py tests/test_statestore.py \
-	tests/test_alerts.py
+	tests/test_alerts.py tests/test_launchers.py tests/test_status.py tests/test_comm.py
 
 test: $(STAMP)
 	# Two pytest processes, a test file each at a time (its module fixtures made once), the longest files first
