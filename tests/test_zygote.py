@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ROOT, final_params, train
+from runner import EXACT, ONE_THREAD, ROOT, final_params, run_command, train
 
 from unbroken.control.zygote import ZYGOTE_ENV
 from unbroken.core.records import read_records, step_losses
@@ -97,6 +97,31 @@ def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, 
         assert sorted(r["worker"] for r in admitted) in expected, admitted
         assert all(r["forked"] is (name == "forked") for r in admitted), admitted
         assert all(r["start_s"] > 0 and r["start_cpu_s"] > 0 for r in admitted), admitted
+    assert step_losses(runs["forked"]) == step_losses(runs["cold"])
+    cold = final_params(runs["cold"])
+    assert all(torch.equal(tensor, cold[name]) for name, tensor in final_params(runs["forked"]).items())
+
+
+def test_a_script_s_workers_are_forked_with_fork_and_train_bitwise_what_cold_started_ones_do(tmp_path: Path) -> None:
+    """``unbroken launch --fork``: the workers of a user's script (examples/plain_loop.py) are forked from the
+    launcher's zygote, worker 1's restart after its kill too; without it they start cold. The two runs are bitwise
+    alike. Worker 0 sleeps 0.3 s more per microbatch from step 4 on (the same arithmetic), so the restart has
+    seconds to rejoin before the end whatever the machine's speed."""
+    schedule = "kill:worker=1,step=3,phase=backward,rejoin=0.5; slow:worker=0,seconds=0.3,steps=4-7"
+    args = [EXACT, ONE_THREAD, "--train.steps=8", "--checkpoint.every=8", f"--failures.schedule={schedule}"]
+    runs = {}
+    for name, fork in (("forked", ["--fork"]), ("cold", [])):
+        runs[name] = run = tmp_path / name
+        cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", "2", "--out", str(run), "--quiet", *fork]
+        result = run_command([*cmd, *args, str(ROOT / "examples" / "plain_loop.py")], capture_output=True, text=True,
+                             timeout=180)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    forked_log = (runs["forked"] / "logs" / "worker-1.log").read_text()
+    assert forked_log.count("started by a fork of the agent's zygote") == 2  # its first start and its restart
+    assert "started by a fork" not in (runs["cold"] / "logs" / "worker-1.log").read_text()
+    for name, run in runs.items():
+        assert [tuple(m["members"]) for m in read_records(run, "membership")] == [(0, 1), (0,), (0, 1)]
+        assert all(r["forked"] is (name == "forked") for r in read_records(run, "admitted"))
     assert step_losses(runs["forked"]) == step_losses(runs["cold"])
     cold = final_params(runs["cold"])
     assert all(torch.equal(tensor, cold[name]) for name, tensor in final_params(runs["forked"]).items())

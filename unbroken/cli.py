@@ -53,6 +53,12 @@ DRY_RUN_HELP = (
     "devices, the port), print what would run, and stop: nothing started, nothing written"
 )
 
+FORK_HELP = (
+    "fork each worker of SCRIPT.py from a process that has imported torch and unbroken (a start or restart then "
+    "costs a fork, not seconds of imports); the workers of a host then share Python's string-hash seed, so data "
+    "seeded with hash() looks pure on one host and the data check cannot see it (default: started cold)"
+)
+
 SPARES_HELP = "warm spares to take a dead worker's place (default 0; whole replicas if a replica has several ranks)"
 
 
@@ -385,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
     launch.add_argument("--quiet", action="store_true", help="no progress output")
     launch.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    launch.add_argument("--fork", action="store_true", help=FORK_HELP)
     launch.add_argument("script", metavar="SCRIPT.py", nargs="?", help="the training script each worker runs")
     launch.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
     _with_keys(launch, script=True)
@@ -426,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--log-dir", help="worker logs (default: the run directory's logs/)")
     agent.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for the coordinator at start")
+    agent.add_argument("--fork", action="store_true", help=FORK_HELP)
     agent.add_argument("script", metavar="SCRIPT.py", nargs="?", help="your script (default: the built-in trainer)")
     agent.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
     agent.set_defaults(func=cmd_agent)
@@ -578,17 +586,21 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _fork_zygote_early(args: argparse.Namespace) -> bool:
-    """``train`` and ``agent`` (the built-in trainer's) fork their zygote here, after the imports they make anyway
-    and before they do anything else (``control.zygote.fork_early``). True in the forked zygote."""
+    """``train``, ``agent`` and ``launch --fork`` fork their zygote here, after the imports they make anyway and
+    before they do anything else (``control.zygote.fork_early``). True in the forked zygote."""
     if args.func is cmd_train and not args.dry_run:
         import unbroken.control.launcher
         import unbroken.train.trainer  # noqa: F401 - what cmd_train imports first: torch, shared with the zygote
-    elif args.func is cmd_agent and args.script is None:
+    elif args.func is cmd_launch and args.fork and not args.dry_run:
+        import unbroken.control.launcher  # noqa: F401
+    elif args.func is cmd_agent and (args.script is None or args.fork):
         import unbroken.control.agent  # noqa: F401
     else:
         return False
     from unbroken.control import zygote
 
+    if getattr(args, "fork", False):  # a script's workers forked too: the workers' environment is this one's
+        os.environ[zygote.ZYGOTE_ENV] = zygote.FORK_SCRIPTS
     return zygote.fork_early()
 
 

@@ -277,7 +277,7 @@ class Agent:
         if self._zygote_tried:
             return
         self._zygote_tried = True
-        if zygote.forkable(self.command) and zygote.enabled(self.env):
+        if zygote.forkable(self.command, self.env) and zygote.enabled(self.env):
             try:
                 self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log", self.fold_kernels)
             except OSError as e:

@@ -11,10 +11,11 @@ worker must have and forks the worker, then exits; the worker starts once it has
 nearest "subreaper": the agent marks itself one (``PR_SET_CHILD_SUBREAPER``), so a forked worker is the agent's own
 child, as a started one is: its exit status, ``kill``, ``SIGSTOP`` and pidfd work the same (``ForkedProcess``).
 
-Only the built-in trainer is forked (``forkable``), and the launcher's coordinator (``spawn_coordinator``), whose
-successor after a death is then forked too. A user's script is started cold: a forked process inherits the
-zygote's string-hash seed, so data seeded with Python's ``hash()`` (impure, and different in every process of a
-real cluster) would look pure on one host. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
+The built-in trainer is forked (``forkable``), and the launcher's coordinator (``spawn_coordinator``), whose
+successor after a death is then forked too. A user's script is started cold unless its launch says ``--fork``
+(``UNBROKEN_ZYGOTE=scripts``): a forked process inherits the zygote's string-hash seed, so data seeded with Python's
+``hash()`` (impure, and different in every process of a real cluster) would look pure on one host, and the data
+check could not see it. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
 
 ``unbroken train`` and ``unbroken agent`` import torch for themselves, so their zygote is not started but forked
 from them (``fork_early``), at the top of the command line's ``main``, before they have started a thread or touched a
@@ -55,7 +56,8 @@ from typing import Any, NoReturn
 from unbroken.control.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
 from unbroken.core.ending import run_then_exit
 
-ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold
+ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold; "scripts": a user's script's workers are forked too
+FORK_SCRIPTS = "scripts"
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "unbroken.train.trainer")
 READY_TIMEOUT_S = 120.0  # the zygote's imports, on a loaded machine
 MESSAGE_BYTES = 1 << 20
@@ -76,9 +78,14 @@ def ready_cost(log_path: Path) -> tuple[float, float] | None:
     return None
 
 
-def forkable(command: tuple[str, ...]) -> bool:
-    """Whether ``command`` is the built-in trainer's worker, which the zygote can fork (see the module's doc)."""
-    return tuple(command[:3]) == (sys.executable, "-m", "unbroken.train") and sys.platform == "linux"
+def forkable(command: tuple[str, ...], env: dict[str, str]) -> bool:
+    """Whether the zygote forks workers running ``command`` with ``env``: the built-in trainer's, and a script's
+    where ``env`` asks for it (``FORK_SCRIPTS``; see the module's doc)."""
+    if sys.platform != "linux" or len(command) < 2 or command[0] != sys.executable:
+        return False
+    if tuple(command[1:3]) == ("-m", "unbroken.train"):
+        return True
+    return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV)) == FORK_SCRIPTS and command[1].endswith(".py")
 
 
 def enabled(env: dict[str, str]) -> bool:
