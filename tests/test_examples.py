@@ -2,7 +2,8 @@
 launch`` with kills, the Hugging Face model in the built-in trainer, and ``unbroken export``. The oracle is
 the failure-free run: with exact reduction a run with kills (worker 0, the leader, included) must end with the
 same final checkpoint, tensor for tensor. Exact reduction makes the trajectory independent of the number of
-workers (tests/test_train.py: one intra-op thread each), so each reference is a one-worker run."""
+workers (tests/test_train.py: one intra-op thread each), so each reference is a one-worker run. A launch whose
+claim is not about how a script's worker starts forks its workers (``--fork``) instead of starting them cold."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ PLAIN = ROOT / "examples" / "plain_loop.py"
 HF = ROOT / "examples" / "hf_llama.py"
 
 
-def launch(out: Path, script: Path, *args: str, workers: int = 4) -> subprocess.CompletedProcess[str]:
+def launch(
+    out: Path, script: Path, *args: str, workers: int = 4, fork: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``unbroken launch SCRIPT``; ``fork``: its workers forked from the launcher's zygote (``--fork``), for the
+    tests whose claim is not about how a script's worker starts."""
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out), "--quiet"]
+    cmd += ["--fork"] if fork else []
     return run_command([*cmd, *args, str(script)], capture_output=True, text=True, timeout=280)
 
 
@@ -37,45 +43,63 @@ def same_final(a: Path, b: Path, step: int) -> None:
         assert all(torch.equal(t, sb["optimizer"]["state"][i][n]) for n, t in state.items())
 
 
-def test_the_plain_loop_is_short_and_runs_alone(tmp_path: Path) -> None:
-    """``python examples/plain_loop.py --train.steps=20``, as its docstring shows: one worker in the script's own
-    process, and nothing on stderr but log lines (it once ended with c10d's C++ stack for a store wait that its
-    exit cut off)."""
-    assert len(PLAIN.read_text().splitlines()) < 80
-    cmd = [sys.executable, str(PLAIN), "--train.steps=20"]
-    result = run_command(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+PLAIN_STEPS = 24
+Alone = tuple[subprocess.CompletedProcess[str], Path]  # a run of the script in its own process, and its folder
+PLAIN_COMMON = [EXACT, ONE_THREAD, f"--train.steps={PLAIN_STEPS}", "--checkpoint.every=8"]
+
+
+@pytest.fixture(scope="module")
+def plain_alone(tmp_path_factory: pytest.TempPathFactory) -> Alone:
+    """``python examples/plain_loop.py`` with exact reduction, run in a folder of its own: its result and the
+    folder. One worker, so it is also the failure-free run that the plain loop's runs with kills must equal."""
+    cwd = tmp_path_factory.mktemp("plain_alone")
+    cmd = [sys.executable, str(PLAIN), *PLAIN_COMMON]
+    return run_command(cmd, cwd=cwd, capture_output=True, text=True, timeout=280), cwd
+
+
+def alone_run(alone: Alone) -> Path:
+    result, cwd = alone
     assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = (cwd / "runs").iterdir()  # a job of one worker, its run directory as unbroken train makes it
+    return run
+
+
+def test_the_plain_loop_is_short_and_runs_alone(plain_alone: Alone) -> None:
+    """``python examples/plain_loop.py --train.steps=24``, as its docstring shows (with exact reduction and one
+    thread: the run is the kill test's reference too): one worker in the script's own process, and nothing on
+    stderr but log lines (it once ended with c10d's C++ stack for a store wait that its exit cut off)."""
+    assert len(PLAIN.read_text().splitlines()) < 80
+    result, _ = plain_alone
+    run = alone_run(plain_alone)
     assert "frame #" not in result.stderr and "[c10d]" not in result.stderr, result.stderr[-3000:]
-    (run,) = (tmp_path / "runs").iterdir()  # a job of one worker, its run directory as unbroken train makes it
     final = read_records(run, "final")[0]
-    assert final["step"] == 20 and list(final["checksums"]) == ["0"]
-    ckpt.verify(run, 20)
+    assert final["step"] == PLAIN_STEPS and list(final["checksums"]) == ["0"]
+    ckpt.verify(run, PLAIN_STEPS)
 
 
-def test_the_plain_loop_with_kills_is_bitwise_the_failure_free_run(tmp_path: Path) -> None:
-    common = [EXACT, ONE_THREAD, "--train.steps=24", "--checkpoint.every=8"]
+def test_the_plain_loop_with_kills_is_bitwise_the_failure_free_run(tmp_path: Path, plain_alone: Alone) -> None:
     schedule = "kill:worker=0,step=5,phase=backward,rejoin=1; kill:worker=2,step=11,phase=reduction,rejoin=1"
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert launch(reference, PLAIN, *common, workers=1).returncode == 0
-    result = launch(killed, PLAIN, *common, f"--failures.schedule={schedule}", workers=3)
+    killed = tmp_path / "killed"
+    result = launch(killed, PLAIN, *PLAIN_COMMON, f"--failures.schedule={schedule}", workers=3, fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [f["worker"] for f in read_records(killed, "failure")] == [0, 2]
-    same_final(reference, killed, 24)
+    same_final(alone_run(plain_alone), killed, PLAIN_STEPS)
     assert read_records(killed, "final")[0]["identical"]
 
 
 def test_the_hugging_face_example_with_a_kill(tmp_path: Path) -> None:
-    """Two workers (each imports transformers): worker 1 killed in a backward and restarted; under MeCeFO its
-    ring neighbour, worker 0, takes its microbatches in efficient mode."""
+    """Two workers (each imports transformers): worker 1 killed in a backward (its restart, due 1 s later, may
+    come after the run's end: the claim is the survivor's); under MeCeFO its ring neighbour, worker 0, takes its
+    microbatches in efficient mode."""
     common = [EXACT, ONE_THREAD, "--train.steps=10", "--checkpoint.every=0"]
     kill = "--failures.schedule=kill:worker=1,step=4,phase=backward,rejoin=1"
     reference, killed, mecefo = tmp_path / "reference", tmp_path / "killed", tmp_path / "mecefo"
-    assert launch(reference, HF, *common, workers=1).returncode == 0
-    result = launch(killed, HF, *common, kill, workers=2)
+    assert launch(reference, HF, *common, workers=1, fork=True).returncode == 0
+    result = launch(killed, HF, *common, kill, workers=2, fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     same_final(reference, killed, 10)
     mecefo_args = ["--train.steps=10", "--recovery.policy=mecefo", "--mecefo.rank=8", kill]
-    result = launch(mecefo, HF, *mecefo_args, workers=2)
+    result = launch(mecefo, HF, *mecefo_args, workers=2, fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = read_records(mecefo, "step")
     assert sum(r["efficient"] for r in steps) >= 1  # the neighbour took worker 1's microbatches in efficient mode
@@ -95,7 +119,7 @@ def test_a_hugging_face_model_in_the_trainer_with_kills_is_the_failure_free_run(
 
 
 def test_export_gives_a_hugging_face_model_that_computes_the_same_function(
-    tmp_path: Path, data_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Our LLaMA, exported: in float64 the Hugging Face model's logits equal ours up to the rounding of a
     different order of the same operations (float64: relative 1e-12 is thousands of ulps of room). Hugging
@@ -111,15 +135,14 @@ def test_export_gives_a_hugging_face_model_that_computes_the_same_function(
 
     from unbroken.train.model import Transformer, model_args
 
-    run = tmp_path / "run"
-    assert train(run, data_cache_dir, "--train.steps=2", workers=1).returncode == 0
+    run = tiny_run  # the session's finished run (tests/conftest.py): export only reads it
     out = tmp_path / "hf"
     result = run_command(
         [sys.executable, "-m", "unbroken", "export", str(run), str(out)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "tokenizer.json").is_file()
-    state = ckpt.verify(run, 2)
+    state = ckpt.verify(run, 8)  # its last checkpoint, the one export converts
     ours = Transformer(model_args("tiny", vocab_size=state["metadata"]["vocab_size"], max_seq_len=64))
     ours.load_state_dict(state["model"])
     theirs = LlamaForCausalLM.from_pretrained(str(out))
@@ -176,6 +199,7 @@ def test_the_leader_s_output_is_on_the_console_and_every_worker_s_in_its_log(tmp
     )
     out = tmp_path / "run"
     kill = "--failures.schedule=kill:worker=0,step=2,phase=backward"
+    # Started cold (no --fork), as a script's workers are by default: the output of that start is the claim.
     result = launch(out, script, ONE_THREAD, "--train.steps=5", "--checkpoint.every=0", kill, workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     console = [line for line in result.stdout.splitlines() if line.startswith(("hello", "committed"))]

@@ -48,9 +48,13 @@ def launch(
     workers: int,
     env: dict[str, str] | None = None,
     quiet: bool = True,
+    fork: bool = False,
 ) -> subprocess.CompletedProcess[str]:
+    """``unbroken launch SCRIPT``; ``fork``: its workers forked from the launcher's zygote (``--fork``), for the
+    tests whose claim is not about how a script's worker starts."""
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out)]
-    cmd += [*(["--quiet"] if quiet else []), f"--data.cache_dir={cache}", *args, str(script)]
+    cmd += [*(["--quiet"] if quiet else []), *(["--fork"] if fork else []), f"--data.cache_dir={cache}", *args]
+    cmd.append(str(script))
     return run_command(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
@@ -120,7 +124,7 @@ def test_a_worker_with_another_fingerprint_is_refused_at_start_and_at_rejoin(
     worker 1 is killed at step 2 and comes back with another ISA too, and is refused at its join. Each is told
     in one line, the run goes on with the others and finishes."""
     (tmp_path / "marks").mkdir()
-    env = {**os.environ, "FAKE_FINGERPRINT_DIR": str(tmp_path / "marks")}
+    env = {**os.environ, "UNBROKEN_TEST_FAKE_FINGERPRINT_DIR": str(tmp_path / "marks")}
     result = launch(
         SCRIPTS / "fake_fingerprint.py",
         tmp_path / "run",
@@ -131,6 +135,7 @@ def test_a_worker_with_another_fingerprint_is_refused_at_start_and_at_rejoin(
         workers=3,
         env=env,
         quiet=False,
+        fork=True,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
@@ -156,9 +161,9 @@ def test_an_op_without_a_deterministic_implementation_stops_the_run_with_one_lin
 ) -> None:
     """In the backward (inside ``step.backward``) or in the user's forward (an exception out of the loop): not a
     failure and not a bug to survive once, but the run's settings: the job stops at the first occurrence."""
-    env = {**os.environ, "NONDETERMINISTIC_IN": where}
+    env = {**os.environ, "UNBROKEN_TEST_NONDETERMINISTIC_IN": where}
     result = launch(SCRIPTS / "nondeterministic_op.py", tmp_path / "run", data_cache_dir, EXACT, "--train.steps=5",
-                    workers=2, env=env)  # fmt: skip
+                    workers=2, env=env, fork=True)  # fmt: skip
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("unbroken: error:")]
     assert len(errors) == 1, result.stderr[-3000:]

@@ -37,8 +37,10 @@ def _line_of(text: str) -> int:
 
 
 def launch(out: Path, *args: str, workers: int) -> subprocess.CompletedProcess[str]:
+    """``unbroken launch --fork``: how a worker starts is not what these tests are about, so each is forked from
+    the launcher's zygote instead of importing torch (seconds of CPU)."""
     cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out), "--quiet"]
-    return run_command([*cmd, *COMMON, *args], capture_output=True, text=True, timeout=280)
+    return run_command([*cmd, "--fork", *COMMON, *args], capture_output=True, text=True, timeout=280)
 
 
 def same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -259,7 +261,7 @@ def test_under_per_host_agents_the_coordinator_judges_and_records_the_errors(tmp
     port, run = free_port(), tmp_path / "run"
     coordinator = unbroken("coordinator", "--workers", "2", "--port", str(port), "--run-dir", str(run), *COMMON,
                            "--checkpoint.every=0", env=env, log=tmp_path / "coordinator.log")  # fmt: skip
-    agent_args = ["agent", "--coordinator", f"127.0.0.1:{port}", "--workers", "1"]
+    agent_args = ["agent", "--coordinator", f"127.0.0.1:{port}", "--workers", "1", "--fork"]
     command = [str(SCRIPT), "--raise", "microbatch"]
     agents = [
         unbroken(*agent_args, "--node-rank", str(r), *command, env=env, log=tmp_path / f"agent-{r}.log") for r in (0, 1)

@@ -27,7 +27,7 @@ WAIT_S = 120.0
 
 def fake_fingerprint() -> None:
     worker = os.environ["UNBROKEN_WORKER_ID"]
-    started = Path(os.environ["FAKE_FINGERPRINT_DIR"]) / f"started-{worker}"
+    started = Path(os.environ["UNBROKEN_TEST_FAKE_FINGERPRINT_DIR"]) / f"started-{worker}"
     restarted = started.exists()
     started.touch()
     if worker == "2" or (worker == "1" and restarted):

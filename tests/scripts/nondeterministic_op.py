@@ -1,6 +1,6 @@
 """A loop with an op that has no deterministic implementation (``Tensor.put_``, on the CPU too) in one microbatch of
-step 2, in its backward or (``NONDETERMINISTIC_IN=forward``) in the user's forward: under deterministic kernels
-(exact mode's default) the run must stop with one line naming the op and the setting to change."""
+step 2, in its backward or (``UNBROKEN_TEST_NONDETERMINISTIC_IN=forward``) in the user's forward: under deterministic
+kernels (exact mode's default) the run must stop with one line naming the op and the setting to change."""
 
 import os
 
@@ -34,7 +34,7 @@ def main() -> None:
         for mb in step.microbatches():
             g = torch.Generator().manual_seed(step.index * 100 + mb)
             out = model(torch.randn(4, 8, generator=g))
-            if step.index == 2 and os.environ.get("NONDETERMINISTIC_IN") == "forward":
+            if step.index == 2 and os.environ.get("UNBROKEN_TEST_NONDETERMINISTIC_IN") == "forward":
                 out = out.reshape(-1).clone().put_(torch.arange(out.numel()), out.reshape(-1)).view_as(out)
             elif step.index == 2:
                 out = PutInBackward.apply(out)
