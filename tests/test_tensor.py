@@ -10,6 +10,7 @@ heads mixed up) is off by O(1) of it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,12 +26,28 @@ SCRIPT = ROOT / "tests" / "scripts" / "tensor_parallel_check.py"
 TOLERANCE = 1e-9
 
 
-def split_against_whole(tmp_path: Path, kind: str, sequence_parallel: bool, efficient: bool = False) -> list[dict]:
-    out = tmp_path / "report"
+CASES = {  # (model, sequence parallel, efficient backward) -> the script's case
+    ("builtin", False, False): "builtin:0:0",
+    ("builtin", True, False): "builtin:1:0",
+    ("builtin", False, True): "builtin:0:1",
+    ("odd_heads", False, False): "odd_heads:0:0",
+    ("hf", False, False): "hf:0:0",
+    ("hf", False, True): "hf:0:1",
+}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Every case checked by one pair of processes (each start imports torch: seconds of CPU), case by case in
+    the same group: case -> the two ranks' reports. The Hugging Face cases only where transformers is installed."""
+    tmp = tmp_path_factory.mktemp("tensor")
+    out = tmp / "report"
+    hf = importlib.util.find_spec("transformers") is not None
+    cases = [c for c in CASES.values() if hf or not c.startswith("hf")]
     # A file rendezvous: a port picked free here could be taken by another test's process before rank 0 binds it
     # (seen once in a full suite: rank 0 died, rank 1 waited to connect until the bound).
-    env = {**os.environ, "INIT_METHOD": f"file://{tmp_path / 'rendezvous'}", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, str(SCRIPT), str(out), kind, "1" if sequence_parallel else "0", "1" if efficient else "0"]
+    env = {**os.environ, "INIT_METHOD": f"file://{tmp / 'rendezvous'}", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(SCRIPT), str(out), *cases]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
         errors = [p.communicate(timeout=200)[1] for p in procs]
@@ -40,16 +57,26 @@ def split_against_whole(tmp_path: Path, kind: str, sequence_parallel: bool, effi
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    by_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    return {case: [ranks[case] for ranks in by_rank] for case in cases}
+
+
+def split_against_whole(
+    reports: dict[str, list[dict]], kind: str, sequence_parallel: bool, efficient: bool = False
+) -> list[dict]:
+    """Both ranks' reports of a case."""
+    return reports[CASES[(kind, sequence_parallel, efficient)]]
 
 
 @pytest.mark.parametrize(
     ("kind", "sequence_parallel"), [("builtin", False), ("builtin", True), ("hf", False)], ids=["builtin", "sp", "hf"]
 )
-def test_a_split_model_computes_what_the_whole_one_does(tmp_path: Path, kind: str, sequence_parallel: bool) -> None:
+def test_a_split_model_computes_what_the_whole_one_does(
+    reports: dict[str, list[dict]], kind: str, sequence_parallel: bool
+) -> None:
     if kind == "hf":
         pytest.importorskip("transformers", reason="Hugging Face's model needs transformers (pip install '.[hf]')")
-    for report in split_against_whole(tmp_path, kind, sequence_parallel):
+    for report in split_against_whole(reports, kind, sequence_parallel):
         assert report["split"] == report["expected_split"] > 0  # every projection of every block is split
         assert report["logits"] <= TOLERANCE, report["logits"]
         worst = max(report["grads"].items(), key=lambda item: item[1])
@@ -57,14 +84,16 @@ def test_a_split_model_computes_what_the_whole_one_does(tmp_path: Path, kind: st
 
 
 @pytest.mark.parametrize("kind", ["builtin", "hf"])
-def test_mecefo_s_efficient_backward_on_tensor_ranks_computes_what_it_computes_whole(tmp_path: Path, kind: str) -> None:
+def test_mecefo_s_efficient_backward_on_tensor_ranks_computes_what_it_computes_whole(
+    reports: dict[str, list[dict]], kind: str
+) -> None:
     """MeCeFO's efficient backward on a split model: each rank computes with its columns of gate and up and its rows
     of down and the ranks sum their shares of the input's gradient and of down's projection, with the bases of the
     gathered weights. The same oracle as above: the whole model's efficient gradients to float64 roundoff (no
     attention gradient in either); a missing sum or a basis used on the wrong rows is off by O(1)."""
     if kind == "hf":
         pytest.importorskip("transformers", reason="Hugging Face's model needs transformers (pip install '.[hf]')")
-    for report in split_against_whole(tmp_path, kind, False, efficient=True):
+    for report in split_against_whole(reports, kind, False, efficient=True):
         assert report["split"] == report["expected_split"] > 0
         assert report["logits"] <= TOLERANCE, report["logits"]
         assert any("feed_forward" in name or "mlp" in name for name in report["grads"])
@@ -72,8 +101,8 @@ def test_mecefo_s_efficient_backward_on_tensor_ranks_computes_what_it_computes_w
         assert worst[1] <= TOLERANCE, worst
 
 
-def test_a_degree_that_does_not_divide_the_heads_is_refused_in_one_line(tmp_path: Path) -> None:
-    for report in split_against_whole(tmp_path, "odd_heads", False):
+def test_a_degree_that_does_not_divide_the_heads_is_refused_in_one_line(reports: dict[str, list[dict]]) -> None:
+    for report in split_against_whole(reports, "odd_heads", False):
         assert report["refused"] == "parallel.tensor = 2 must divide the model's key/value heads (3)"
 
 

@@ -1,13 +1,14 @@
 """One rank of tests/test_tensor.py: a model split by ``apply_tensor_parallel`` over this process group against the
 same model whole, on the same tokens, in float64.
 
-Run by the test as ``python tensor_parallel_check.py OUT_JSON MODEL SEQUENCE_PARALLEL [EFFICIENT]`` with RANK,
-WORLD_SIZE and INIT_METHOD (a ``file://`` rendezvous: no port to pick, so none to lose to another process) set.
-Each rank writes OUT_JSON.RANK: the largest difference of the logits and of every parameter's gradient (the split
-ones gathered) relative to the largest magnitude of the whole model's, and how many parameters were split.
+Run by the test as ``python tensor_parallel_check.py OUT_JSON CASE [CASE ...]`` with RANK, WORLD_SIZE and
+INIT_METHOD (a ``file://`` rendezvous: no port to pick, so none to lose to another process) set; a CASE is
+``MODEL:SEQUENCE_PARALLEL:EFFICIENT`` (``builtin:1:0``), each checked in turn in the same process group. Each rank
+writes OUT_JSON.RANK: for each case, the largest difference of the logits and of every parameter's gradient (the
+split ones gathered) relative to the largest magnitude of the whole model's, and how many parameters were split.
 EFFICIENT = 1: both models run MeCeFO's efficient backward (rank 8 bases, from the weights each holds: the split
 model gathers its FFN weights, so both compute the same bases); a parameter that gets no gradient must get none in
-both.
+both. MODEL ``odd_heads``: the refusal of a degree that does not divide the heads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from unbroken.core.ending import run_then_exit
@@ -47,21 +48,24 @@ def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def main(out: str, kind: str, sequence_parallel: str, efficient: str = "0") -> None:
+def main(out: str, *cases: str) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"], rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tensor",))
+    reports = {case: check(mesh, *case.split(":")) for case in cases}
+    with open(f"{out}.{dist.get_rank()}", "w") as f:
+        json.dump(reports, f)
+    dist.destroy_process_group()
+
+
+def check(mesh: DeviceMesh, kind: str, sequence_parallel: str, efficient: str) -> dict:
     if kind == "odd_heads":
         args = ModelArgs(dim=48, n_layers=1, n_heads=6, n_kv_heads=3, vocab_size=8, ffn_hidden=8, max_seq_len=8)
         try:
             apply_tensor_parallel(Transformer(args), mesh)
-            refused = ""
+            return {"refused": ""}
         except ValueError as e:
-            refused = str(e)
-        with open(f"{out}.{dist.get_rank()}", "w") as f:
-            json.dump({"refused": refused}, f)
-        dist.destroy_process_group()
-        return
+            return {"refused": str(e)}
     whole = build(kind)
     split = apply_tensor_parallel(copy.deepcopy(whole), mesh, sequence_parallel=sequence_parallel == "1")
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -91,9 +95,7 @@ def main(out: str, kind: str, sequence_parallel: str, efficient: str = "0") -> N
         assert p_whole.grad is not None and grad is not None, name
         report["grads"][name] = (grad - p_whole.grad).abs().max().item() / max(p_whole.grad.abs().max().item(), 1e-300)
     report["expected_split"] = len(wanted)
-    with open(f"{out}.{dist.get_rank()}", "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
