@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from unbroken.control.netif import free_port  # noqa: F401 - the tests take it from here
@@ -59,6 +60,15 @@ def train(
     """``unbroken train tests/tiny.toml`` with ``workers`` worker processes into ``out``."""
     cmd = train_cmd(cache, TINY, "--out", str(out), *overrides, workers=workers)
     return run_command(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def reference_run(factory: pytest.TempPathFactory, name: str, cache: Path, *overrides: str, workers: int = 1) -> Path:
+    """A failure-free run that a test module's runs are compared with (its module fixture): ``train`` into a new
+    folder ``name``/reference of the session's temporary directory; the run must succeed."""
+    out = factory.mktemp(name) / "reference"
+    result = train(out, cache, *overrides, workers=workers)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
 
 
 def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

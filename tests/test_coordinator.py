@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import ROOT, TINY, final_params, in_process_coordinator, run_command, train
+from runner import ROOT, TINY, final_params, in_process_coordinator, reference_run, run_command
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
@@ -33,10 +33,7 @@ COMMON = [f"--train.steps={STEPS}", "--checkpoint.every=0", "--recovery.reductio
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("coordinator") / "reference"
-    result = train(out, data_cache_dir, *COMMON, workers=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return reference_run(tmp_path_factory, "coordinator", data_cache_dir, *COMMON, workers=2)
 
 
 def _start(out: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:

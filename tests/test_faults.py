@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, TINY, final_params, run_command, train, train_cmd
+from runner import EXACT, ONE_THREAD, TINY, final_params, reference_run, run_command, train, train_cmd
 
 from unbroken.control.progress import summarize
 from unbroken.core.config import load_config
@@ -41,10 +41,8 @@ def exact_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Pa
     """The failure-free run (exact reduction, ``tests/tiny.toml``'s 8 steps) with a checkpoint after every
     step, that the faulted runs below are compared with (how often it checkpoints cannot change its
     trajectory: resuming from any checkpoint reproduces the run, tests/test_train.py)."""
-    out = tmp_path_factory.mktemp("faults") / "reference"
-    result = train(out, data_cache_dir, EXACT, ONE_THREAD, "--checkpoint.every=1", "--checkpoint.keep=8", workers=1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return reference_run(tmp_path_factory, "faults", data_cache_dir, EXACT, ONE_THREAD, "--checkpoint.every=1",
+                         "--checkpoint.keep=8")  # fmt: skip
 
 
 def first_of_worker_1(step: int) -> int:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner import CONTROL_COMMON, TINY, committed, same_final, train, wait_for
+from runner import CONTROL_COMMON, TINY, committed, reference_run, same_final, wait_for
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
 from unbroken.core import ckptfiles
@@ -47,11 +47,8 @@ PACE = f"slow:worker=0,seconds=0.3,steps=0-{STEPS - 1}"
 @pytest.fixture(scope="module")
 def partition_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
     """The failure-free run (exact reduction, one worker: the trajectory does not depend on the count)."""
-    out = tmp_path_factory.mktemp("netns") / "reference"
     # Nothing fails in it: a long heartbeat timeout keeps a starved moment of this shared machine from looking like one.
-    result = train(out, data_cache_dir, *COMMON, "--comm.heartbeat_timeout_s=10", workers=1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return reference_run(tmp_path_factory, "netns", data_cache_dir, *COMMON, "--comm.heartbeat_timeout_s=10")
 
 
 def listening(net: netns.Network, host: str) -> set[str]:

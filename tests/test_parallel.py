@@ -25,6 +25,7 @@ from runner import (
     committed,
     kill_worker,
     launched,
+    reference_run,
     run_command,
     train,
     train_cmd,
@@ -50,10 +51,7 @@ COMMON = ["--checkpoint.every=0", ONE_THREAD, EXACT, f"--train.steps={STEPS}"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
     """The oracle: the one-worker failure-free run of ``STEPS`` steps, exact reduction."""
-    run = tmp_path_factory.mktemp("parallel") / "reference"
-    result = train(run, data_cache_dir, *COMMON, workers=1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
+    return reference_run(tmp_path_factory, "parallel", data_cache_dir, *COMMON)
 
 
 def losses(run: Path) -> dict[int, float]:

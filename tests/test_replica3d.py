@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, run_command, train, train_cmd
+from runner import EXACT, ONE_THREAD, reference_run, run_command, train, train_cmd
 
 from unbroken.core.records import read_records
 from unbroken.ft import checkpoint as ckpt
@@ -40,10 +40,7 @@ def losses(run: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def tp_reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
     """One replica of 2 tensor ranks, no failure."""
-    run = tmp_path_factory.mktemp("tp") / "reference"
-    result = train(run, data_cache_dir, *COMMON, TENSOR, workers=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
+    return reference_run(tmp_path_factory, "tp", data_cache_dir, *COMMON, TENSOR, workers=2)
 
 
 def assert_like_the_reference(run: Path, reference: Path, steps: int = STEPS) -> None:
