@@ -112,6 +112,24 @@ def test_an_idle_group_is_destroyed_promptly() -> None:
     assert retired_groups() == before
 
 
+def test_a_completed_collective_counts_even_after_the_membership_changed() -> None:
+    """Both ranks' all-reduce completed, then a newer epoch appeared (a member left for it, or was removed): the
+    wait is DONE with the sum, never INTERRUPTED. The other members go on with that result (they commit the step);
+    a member that dropped it would fall a step behind them and receive their state instead (r116: the leader,
+    which then never published that step's record). One that has not completed is still interrupted."""
+    _server, groups = gloo_groups(2)
+    tensors = [torch.full((4,), float(r + 1)) for r in range(2)]
+    pending = [allreduce_async(g, t) for g, t in zip(groups, tensors, strict=True)]
+    for p in pending:
+        p.work.wait()
+    assert all(wait_all([p], 30.0, lambda: True) is WaitStatus.DONE for p in pending)
+    assert all(torch.equal(t, torch.full((4,), 3.0)) for t in tensors)
+    alone = allreduce_async(groups[0], torch.ones(4))  # rank 1 has not joined this one
+    assert wait_all([alone], 30.0, lambda: True) is WaitStatus.INTERRUPTED
+    late = allreduce_async(groups[1], torch.ones(4))  # it does now: nothing is left stuck in the group
+    assert wait_all([alone, late], 30.0, lambda: False) is WaitStatus.DONE
+
+
 def test_an_interrupted_reduction_leaves_its_buffers_to_the_abandoned_collectives() -> None:
     """A collective abandoned on the old group may still write into its buffers later; the re-issued
     reduction must not share them."""

@@ -454,26 +454,30 @@ def wait_all(
     """
     deadline = time.monotonic() + timeout_s
     for p in pending:
-        if p.work is not None and not p.done():
+        if p.work is None:
+            if interrupted():  # a group of one: no collective, but a membership change still ends the wait
+                return WaitStatus.INTERRUPTED
+            p.finish()
+            continue
+        if not p.done():
             finished = threading.Event()
             if not p.poll:
                 p.work.get_future().add_done_callback(lambda _f, e=finished: e.set())
             while not (finished.is_set() or (p.poll and p.work.is_completed())):
-                if interrupted():
+                # A collective that completed counts, even when the membership has changed since: every member took
+                # part in it, and the others go on with its result (commit the step), so this member must too.
+                if interrupted() and not p.work.is_completed():
                     return WaitStatus.INTERRUPTED
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     log.warning("collective timed out after %.1f s", timeout_s)
                     return WaitStatus.TIMED_OUT
                 finished.wait(min(remaining, CHECK_INTERVAL_S))
-        elif interrupted():
-            return WaitStatus.INTERRUPTED
-        if p.work is not None:
-            try:
-                p.work.wait()  # completed: surfaces a backend error (e.g. a reset connection) as an exception
-            except RuntimeError as e:
-                log.warning("collective failed: %s", e)
-                return WaitStatus.FAILED
+        try:
+            p.work.wait()  # completed: surfaces a backend error (e.g. a reset connection) as an exception
+        except RuntimeError as e:
+            log.warning("collective failed: %s", e)
+            return WaitStatus.FAILED
         p.finish()
     return WaitStatus.DONE
 
