@@ -110,6 +110,8 @@ def main() -> None:
     gc.freeze()
     request = serve(path)
     # The command's process: from here on, ``python -m unbroken ARGS`` in the request's directory and environment.
+    if request.get("new_session"):
+        os.setsid()  # as ``Popen(start_new_session=True)``: ``os.killpg`` of its pid ends it and its children
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # as ``python -m`` puts it (the server's is tests/)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -79,20 +80,28 @@ def run_command(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[st
     not). The program is the same from its first line on; what a fork skips is the interpreter's start and the
     imports."""
     env = kwargs.get("env")
-    changed = {k for k in (env or {}).keys() | os.environ.keys() if (env or os.environ).get(k) != os.environ.get(k)}
     forkable = (
-        sys.platform == "linux"
-        and (env or os.environ).get(LAUNCHPAD_ENV) != "0"
-        and cmd[:3] == [sys.executable, "-m", "unbroken"]
+        forks(cmd, env)
         and kwargs.get("capture_output") is True
         and kwargs.get("text") is True
         and set(kwargs) <= {"capture_output", "text", "timeout", "cwd", "env"}
-        and all(k == "COLUMNS" or k.startswith("UNBROKEN_") for k in changed)
     )
     if not forkable:
         return subprocess.run(cmd, **kwargs)
     cwd = kwargs.get("cwd")
     return run_forked(cmd[3:], kwargs.get("timeout"), str(cwd) if cwd is not None else os.getcwd(), env or os.environ)
+
+
+def forks(cmd: list[str], env: Mapping[str, str] | None) -> bool:
+    """Whether the launchpad may run ``cmd``: ``python -m unbroken ...`` in an environment that differs from this
+    process's only in what is read when used (``COLUMNS``, ``UNBROKEN_*``), and ``UNBROKEN_TEST_LAUNCHPAD`` is not 0."""
+    changed = {k for k in (env or {}).keys() | os.environ.keys() if (env or os.environ).get(k) != os.environ.get(k)}
+    return (
+        sys.platform == "linux"
+        and (env or os.environ).get(LAUNCHPAD_ENV) != "0"
+        and cmd[:3] == [sys.executable, "-m", "unbroken"]
+        and all(k == "COLUMNS" or k.startswith("UNBROKEN_") for k in changed)
+    )
 
 
 LAUNCHPAD_ENV = "UNBROKEN_TEST_LAUNCHPAD"
@@ -136,10 +145,7 @@ def run_forked(
         tempfile.TemporaryFile() as out,
         tempfile.TemporaryFile() as err,
     ):
-        conn.connect(_launchpad_socket())
-        request = json.dumps({"argv": argv, "cwd": cwd, "env": dict(env)}).encode() + b"\n"
-        fds = [stdin.fileno(), out.fileno(), err.fileno()]
-        conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        _request(conn, argv, cwd, env, [stdin.fileno(), out.fileno(), err.fileno()])
         replies = conn.makefile("rb")
         pid = json.loads(replies.readline())["pid"]
         forked_pids.append(pid)
@@ -161,6 +167,137 @@ def run_forked(
     return subprocess.CompletedProcess([sys.executable, "-m", "unbroken", *argv], status, stdout, stderr)
 
 
+def _request(
+    conn: socket.socket, argv: list[str], cwd: str, env: Mapping[str, str], fds: list[int], new_session: bool = False
+) -> None:
+    """Ask the launchpad to fork ``python -m unbroken ARGV`` with ``fds`` as its standard input, output and error."""
+    conn.connect(_launchpad_socket())
+    request = {"argv": argv, "cwd": cwd, "env": dict(env), "new_session": new_session}
+    conn.sendmsg(
+        [json.dumps(request).encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    )
+
+
+class ForkedPopen:
+    """What ``subprocess.Popen`` gives for a command the launchpad forked (``popen``), as far as the tests use it:
+    ``pid`` (the command's own process, a session leader with ``start_new_session``), ``returncode``, ``poll``,
+    ``wait``, ``communicate``, ``send_signal``, ``kill``, and ``stdout`` / ``stderr`` when they are pipes."""
+
+    def __init__(
+        self, cmd: list[str], cwd: str, env: Mapping[str, str], streams: list[Any], text: bool, new_session: bool
+    ) -> None:
+        self.args, self.returncode = cmd, None
+        opened, fds, pipes = [], [], {}
+        for number, stream in enumerate(streams):
+            if stream is None:
+                fds.append(number)  # this process's own
+            elif stream == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_RDWR))
+                fds.append(opened[-1])
+            elif stream == subprocess.STDOUT:
+                fds.append(fds[1])
+            elif stream == subprocess.PIPE:
+                read_end, write_end = os.pipe()
+                opened.append(write_end)
+                fds.append(write_end)
+                pipes[number] = os.fdopen(read_end, "r" if text else "rb")
+            else:
+                fds.append(stream if isinstance(stream, int) else stream.fileno())
+        self.stdout, self.stderr = pipes.get(1), pipes.get(2)
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _request(self._conn, cmd[3:], cwd, env, fds, new_session)
+        finally:
+            for fd in opened:
+                os.close(fd)  # the command has its own copies
+        self._received = b""
+        self.pid = int(json.loads(self._line(None))["pid"])
+        forked_pids.append(self.pid)
+        self._readers: list[tuple[Any, list[Any]]] | None = None
+
+    def _line(self, timeout_s: float | None) -> bytes:
+        """The launchpad's next line; TimeoutError if none comes within ``timeout_s``; b"" if it hung up."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self._received:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._conn.settimeout(left)
+            try:
+                more = self._conn.recv(4096)
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: a timeout of 0 (``poll``)
+                raise TimeoutError from None
+            if not more:
+                return b""
+            self._received += more
+        line, _, self._received = self._received.partition(b"\n")
+        return line
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                line = self._line(timeout)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.returncode = int(json.loads(line)["status"]) if line else -signal.SIGKILL  # the reporter died
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """Read the pipes to their ends and wait, as ``Popen.communicate`` (may be called again after a timeout)."""
+        if self._readers is None:
+            self._readers = []
+            for pipe in (self.stdout, self.stderr):
+                got: list[Any] = []
+                if pipe is not None:
+                    reader = threading.Thread(target=lambda p=pipe, g=got: g.append(p.read()), daemon=True)
+                    reader.start()
+                    self._readers.append((reader, got))
+                else:
+                    self._readers.append((None, got))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader, _ in self._readers:
+            if reader is not None:
+                reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if reader.is_alive():
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        (_, out), (_, err) = self._readers
+        return (out[0] if out else None), (err[0] if err else None)
+
+
+def popen(
+    cmd: list[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    start_new_session: bool = False,
+) -> Any:
+    """``subprocess.Popen(cmd, ...)``; an ``unbroken`` command the launchpad may run (``forks``) is forked by it
+    instead of started (a ``ForkedPopen``): the program is the same from its first line on, without the
+    interpreter's start and the imports (2 to 4 s of CPU here, for a coordinator or an agent)."""
+    if not forks(cmd, env):
+        return subprocess.Popen(
+            cmd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session
+        )
+    return ForkedPopen(cmd, os.getcwd(), env or os.environ, [stdin, stdout, stderr], text, start_new_session)
+
+
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model parameters of the run's newest good checkpoint."""
     loaded = ckpt.load_latest(run_dir)
@@ -170,16 +307,27 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 # -- jobs of several processes started by hand (coordinator, agents, launchers) --------------------------------
 CONTROL_STEPS = 40
-# 8 microbatches of 4 sequences a step: slow enough (a few tenths of a second a step here) that the faults land
-# mid-run; the assertions say if one did not.
+# 8 microbatches of one sequence a step. What the control plane must do holds for any batch; a run that several
+# processes share must last long enough that its faults land mid-run and a restarted worker rejoins before the end,
+# and a sleep (``control_pace``), not compute, makes it last (the assertions say if a fault did not land). The
+# fail-slow rule is off: the pace makes worker 0 slow on purpose.
 CONTROL_COMMON = [
     f"--train.steps={CONTROL_STEPS}",
     "--train.microbatches=8",
-    "--data.microbatch_size=4",
+    "--data.microbatch_size=1",
     EXACT,
     ONE_THREAD,
     "--checkpoint.every=10",
+    "--recovery.slow=off",
 ]
+
+
+def control_pace(workers: int, step_s: float = 0.2) -> str:
+    """The ``slow`` event that makes every step of a ``CONTROL_COMMON`` run of ``workers`` workers last at least
+    ``step_s`` seconds, whatever the machine's speed: worker 0, which no control test kills, sleeps after each of
+    its microbatches (8 / ``workers`` a step, more while workers are missing). Timing only: exact mode computes
+    the same bits."""
+    return f"slow:worker=0,seconds={step_s * workers / 8:g},steps=0-{CONTROL_STEPS - 1}"
 
 
 # -- the recovery runs (tests/conftest.py makes them; test_recovery and test_report read them) ------------------
@@ -198,11 +346,11 @@ FP32_STEPS = 20  # the fp32 runs: both kills, no need to wait for the rejoin
 
 
 def unbroken(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``python -m unbroken ARGS`` in a session of its own (``os.killpg`` ends it and its children)."""
-    out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(
-        [sys.executable, "-m", "unbroken", *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
+    """``python -m unbroken ARGS`` in a session of its own (``os.killpg`` ends it and its children), forked by the
+    launchpad where it can be (``popen``)."""
+    with open(log, "ab") as out:
+        cmd = [sys.executable, "-m", "unbroken", *args]
+        return popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def two_hosts(
@@ -241,7 +389,9 @@ def agent_worker_pid(agent: subprocess.Popen[bytes], worker: int) -> int:
 @contextlib.contextmanager
 def launched(cmd: list[str], env: Mapping[str, str]) -> Iterator[subprocess.Popen[str]]:
     """``cmd`` started with its output captured as text; killed and reaped on the way out if it still runs (a
-    test that failed waiting leaves no job behind)."""
+    test that failed waiting leaves no job behind). Started, not forked (``popen``): its workers then carry the
+    job's token in ``/proc/PID/environ`` (``worker_pids``), which a fork's environment, set after its start, does
+    not show."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         yield proc

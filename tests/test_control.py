@@ -20,7 +20,9 @@ from runner import (
     TINY,
     agent_worker_pid,
     committed,
+    control_pace,
     free_port,
+    popen,
     same_final,
     train,
     two_hosts,
@@ -55,7 +57,10 @@ def test_two_agents_survive_a_killed_worker_and_a_killed_host(
     # 5 s of silence, not 2: the host's loss is still told by heartbeats, and a surviving worker starved for 2 s on a
     # loaded machine (while its agent restarts the killed worker cold) is not taken for dead (it was once).
     overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5", "--comm.heartbeat_timeout_s=5"]
-    overrides.append("--coordinator.news_relay=true")  # each agent relays the epochs to its workers (newsrelay)
+    overrides += [
+        "--coordinator.news_relay=true",
+        f"--failures.schedule={control_pace(4)}",
+    ]  # each agent relays the epochs to its workers (newsrelay)
     coordinator, agents = two_hosts(tmp_path, run, port, overrides, env)
     try:
         wait_for(lambda: committed(run) >= 4, 120, "step 4")
@@ -92,12 +97,12 @@ def test_the_coordinator_killed_mid_run(tmp_path: Path, data_cache_dir: Path, re
     register with it again, and the run ends bitwise the failure-free one."""
     out = tmp_path / how
     if how == "schedule":
-        result = train(out, data_cache_dir, *COMMON, "--failures.schedule=kill:coordinator,step=8", workers=2)
+        schedule = f"--failures.schedule=kill:coordinator,step=8; {control_pace(2)}"
+        result = train(out, data_cache_dir, *COMMON, schedule, workers=2)
     else:
         cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
-        proc = subprocess.Popen(
-            [*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True
-        )
+        cmd += [*COMMON, f"--data.cache_dir={data_cache_dir}", f"--failures.schedule={control_pace(2)}"]
+        proc = popen(cmd, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: committed(out) >= 8, 120, "step 8")
         os.kill(json.loads((out / "coordinator.json").read_text())["pid"], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=200)
@@ -130,6 +135,7 @@ def test_with_etcd_a_standby_coordinator_takes_over(tmp_path: Path, data_cache_d
     with LocalEtcdCluster(tmp_path / "etcd", size=3) as cluster:
         state = f"--coordinator.state={cluster.url}"
         overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", state, "--coordinator.lease_s=2"]
+        overrides.append(f"--failures.schedule={control_pace(2)}")
         ports = [free_port(), free_port()]
         coordinators = []
         for i, port in enumerate(ports):
@@ -175,8 +181,9 @@ def test_the_status_endpoint_shows_a_live_run(tmp_path: Path, data_cache_dir: Pa
 
     out = tmp_path / "live"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "3", "--out", str(out), "--quiet"]
-    cmd += [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.schedule=kill:worker=1,step=3,phase=backward"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    schedule = f"--failures.schedule=kill:worker=1,step=3,phase=backward; {control_pace(3)}"
+    cmd += [*COMMON, f"--data.cache_dir={data_cache_dir}", schedule]
+    proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: len(read_records(out, "failure")) == 1 and committed(out) >= 5, 120, "the failure")
         status = json.loads((out / "coordinator.json").read_text())["status"]
@@ -208,7 +215,8 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
     call (the coordinator was slow, not the worker)."""
     out = tmp_path / "paused"
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
-    proc = subprocess.Popen([*cmd, *COMMON, f"--data.cache_dir={data_cache_dir}"], stderr=subprocess.PIPE, text=True)
+    cmd += [*COMMON, f"--data.cache_dir={data_cache_dir}", f"--failures.schedule={control_pace(2)}"]
+    proc = popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: committed(out) >= 8, 120, "step 8")
         pid = json.loads((out / "coordinator.json").read_text())["pid"]

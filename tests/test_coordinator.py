@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import ROOT, TINY, final_params, in_process_coordinator, reference_run, run_command
+from runner import ROOT, TINY, final_params, in_process_coordinator, popen, reference_run, run_command
 from torch.distributed import TCPStore
 
 from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
@@ -39,7 +39,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) ->
 def _start(out: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "unbroken", "train", TINY, "--workers", "2", "--out", str(out), "--quiet"]
     cmd += [f"--data.cache_dir={cache}", *COMMON, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_step(proc: subprocess.Popen[str], out: Path, step: int) -> None:
@@ -137,14 +137,14 @@ def test_a_coordinator_that_never_comes_back_checkpoints_and_resume_reproduces(
     # machine is (a factor of the compute time did not: on an idle machine the run finished within the hold).
     slow = f"--failures.schedule=slow:worker=0,seconds=0.2,steps=8-{STEPS - 1}"
     common = [f"--data.cache_dir={data_cache_dir}", *COMMON, "--coordinator.hold_s=2", slow]
-    coordinator = subprocess.Popen(
+    coordinator = popen(
         [sys.executable, "-m", "unbroken", "coordinator", TINY, "--workers", "2", "--port", str(port)]
         + ["--run-dir", str(out), *common],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
     )
-    agent = subprocess.Popen(
+    agent = popen(
         [sys.executable, "-m", "unbroken", "agent", "--coordinator", f"127.0.0.1:{port}", "--workers", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

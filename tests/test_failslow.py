@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from runner import CONTROL_COMMON, CONTROL_STEPS, same_final, train
+from runner import CONTROL_COMMON, CONTROL_STEPS, reference_run, same_final, train
 
 from unbroken.control.runview import SlowRecorder
 from unbroken.core.config import SlowPolicy, Workload
@@ -171,6 +171,18 @@ def test_a_bad_rule_is_refused(rule: dict) -> None:
         SlowRule(**rule)
 
 
+# The control runs' steps with microbatches of 4 sequences, not 1: a slow worker here is one whose compute takes
+# longer (``factor``), and the rule judges the time a microbatch takes, so it must be long beside the noise of a
+# loaded machine. Its own failure-free run: the sequences differ from the control reference's.
+COMMON = [*CONTROL_COMMON, "--data.microbatch_size=4"]
+FIXTURE_RUNS = {"reference": 1}  # conftest adds its time to each test's bound
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> Path:
+    return reference_run(tmp_path_factory, "failslow", data_cache_dir, *COMMON)
+
+
 # Worker 2 computes 4x slower from step 4 to the end; worker 1 is 20x slower in step 12 alone (a pause).
 SLOWDOWN = "slow:worker=2,factor=4,steps=4-39"
 SLOWDOWNS = f"{SLOWDOWN}; slow:worker=1,factor=20,steps=12-12"
@@ -180,14 +192,14 @@ def slowed_run(tmp_path: Path, data_cache_dir: Path, policy: str, *extra: str, s
     """3 workers under ``schedule`` in exact mode, the rule in windows of 4 steps, 2 of them; the run directory."""
     run = tmp_path / "run"
     rule = [f"--recovery.slow={policy}", "--recovery.slow_window=4", "--recovery.slow_windows=2"]
-    result = train(run, data_cache_dir, *CONTROL_COMMON, *rule, *extra, f"--failures.schedule={schedule}", workers=3)
+    result = train(run, data_cache_dir, *COMMON, *rule, *extra, f"--failures.schedule={schedule}", workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
 
 @pytest.mark.timeout(240)
 def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unchanged(
-    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+    tmp_path: Path, data_cache_dir: Path, reference: Path
 ) -> None:
     """Windows of 4 steps, 2 of them: worker 2 (slow from step 4) is fail-slow at the end of a window, by the end
     of 12-15 at the latest (its first whole slow window is 4-7, or 8-11 if step 4's speeds are not yet slow in
@@ -204,13 +216,13 @@ def test_under_report_a_persistently_slow_worker_is_recorded_and_the_run_is_unch
     assert slow[0]["step"] in (7, 11, 15) and slow[0]["relative"] > 1.5
     replayed = verdicts(read_records(run, "step"), SlowRule(window=4, windows=2))
     assert [(v.worker, v.state, v.step) for v in replayed] == [(2, SlowState.SLOW, slow[0]["step"])], replayed
-    assert step_losses(run) == step_losses(control_reference)
-    same_final(run, control_reference, CONTROL_STEPS)
+    assert step_losses(run) == step_losses(reference)
+    same_final(run, reference, CONTROL_STEPS)
 
 
 @pytest.mark.timeout(240)
 def test_under_exclude_a_persistently_slow_worker_is_removed_and_the_run_is_the_failure_free_one(
-    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+    tmp_path: Path, data_cache_dir: Path, reference: Path
 ) -> None:
     """The same slowdowns under ``exclude`` (and ``slow_rejoin = false``): worker 2 is fail-slow at the end of a
     window, its exclusion pays off (most of the run is left), and it is removed like a failed worker: a
@@ -237,13 +249,13 @@ def test_under_exclude_a_persistently_slow_worker_is_removed_and_the_run_is_the_
     assert all(m["members"] == [0, 1] for m in read_records(run, "membership") if m["epoch"] >= removal["epoch"])
     refused = read_records(run, "refused")  # its restart came back (unless the run ended first) and was refused
     assert all(r["worker"] == 2 and "slow_rejoin = false" in r["reason"] for r in refused) and len(refused) <= 1
-    assert step_losses(run) == step_losses(control_reference)
-    same_final(run, control_reference, CONTROL_STEPS)
+    assert step_losses(run) == step_losses(reference)
+    same_final(run, reference, CONTROL_STEPS)
 
 
 @pytest.mark.timeout(240)
 def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_is_unchanged(
-    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+    tmp_path: Path, data_cache_dir: Path, reference: Path
 ) -> None:
     """Worker 2's slowdown alone under ``rebalance``: at its verdict the coordinator publishes an epoch of the
     same members with the throughput workload; from it on every step is planned by that workload from the speeds
@@ -285,5 +297,5 @@ def test_under_rebalance_a_fail_slow_worker_gets_fewer_microbatches_and_the_run_
     assert all(s == agreed_speed(s) for r in steps_ for s in r.get("speeds", {}).values()), steps_
     assert after and sum(r["quotas"]["2"] for r in after) < 2 * len(after), [r["quotas"] for r in after]
     assert not read_records(run, "failure")
-    assert step_losses(run) == step_losses(control_reference)
-    same_final(run, control_reference, CONTROL_STEPS)
+    assert step_losses(run) == step_losses(reference)
+    same_final(run, reference, CONTROL_STEPS)

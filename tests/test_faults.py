@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import EXACT, ONE_THREAD, TINY, final_params, reference_run, run_command, train, train_cmd
+from runner import EXACT, ONE_THREAD, TINY, final_params, popen, reference_run, run_command, train, train_cmd
 
 from unbroken.control.progress import summarize
 from unbroken.core.config import load_config
@@ -168,7 +168,7 @@ def test_the_fixed_point_scale_is_replicated_state(tmp_path: Path, data_cache_di
     # Steps 9 to 11 paced (worker 0 computes each of its microbatches 0.5 s slower): the Ctrl-C after the
     # checkpoint of step 8 then lands before the last step on any machine (r81, idle: the run had finished).
     schedule = f"{scale}; kill:worker=1,step=4,phase=backward,rejoin=0.5; slow:worker=0,seconds=0.5,steps=9-11"
-    proc = subprocess.Popen(
+    proc = popen(
         train_cmd(data_cache_dir, TINY, "--out", str(run), *common, f"--failures.schedule={schedule}", workers=WORKERS),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

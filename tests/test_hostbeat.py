@@ -21,6 +21,7 @@ from runner import (
     TINY,
     agent_worker_pid,
     committed,
+    control_pace,
     free_port,
     same_final,
     two_hosts,
@@ -280,7 +281,7 @@ def test_two_hosts_beating_through_their_agents_survive_a_stopped_worker_and_a_k
     port, run = free_port(), tmp_path / "run"
     # 5 s of silence, not 2, as in test_control: a starved moment of this shared machine is not a death.
     overrides = [*CONTROL_COMMON, f"--data.cache_dir={data_cache_dir}", "--comm.heartbeat_timeout_s=5"]
-    overrides.append("--comm.heartbeats=host")
+    overrides += ["--comm.heartbeats=host", f"--failures.schedule={control_pace(4)}"]
     coordinator, agents = two_hosts(tmp_path, run, port, overrides, env)
     stop_at = random.Random().randint(3, 12)
     stopped: int | None = None

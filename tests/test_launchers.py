@@ -21,7 +21,9 @@ from runner import (
     ROOT,
     TINY,
     committed,
+    control_pace,
     free_port,
+    popen,
     same_final,
     wait_for,
     worker_pids,
@@ -78,6 +80,7 @@ def test_slurm_sbatch_two_nodes_with_a_worker_killed(
         env["UNBROKEN_PORT"] = str(free_port())
         cmd = ["sbatch", "--wait", "--nodes=2", f"--output={tmp_path / 'job.out'}", str(ROOT / "deploy/slurm.sbatch")]
         cmd += [TINY, *CONTROL_COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5"]
+        cmd.append(f"--failures.schedule={control_pace(2)}")
         proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             _kill_one_worker(token, run, proc, victim=1, logs=[tmp_path / "job.out"])
@@ -106,8 +109,9 @@ def test_torchrun_two_nodes_each_running_an_agent(
     env = _env(token)
     run, port, rdzv = tmp_path / "run", free_port(), free_port()
     common = [*CONTROL_COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5"]
+    common.append(f"--failures.schedule={control_pace(2)}")
     logs = [open(tmp_path / name, "ab") for name in ("coordinator.log", "node0.log", "node1.log")]  # noqa: SIM115
-    coordinator = subprocess.Popen(
+    coordinator = popen(
         [sys.executable, "-m", "unbroken", "coordinator", TINY, "--workers", "2", "--port", str(port)]
         + ["--run-dir", str(run), *common],
         env=env,

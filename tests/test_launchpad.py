@@ -78,3 +78,31 @@ def test_a_command_with_an_import_time_setting_is_started_not_forked(tmp_path: P
     assert optimised.returncode == fed.returncode == 2 and runner.forked_pids[forked:] == []
     run_command(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "UNBROKEN_ANYTHING": "1"})
     assert len(runner.forked_pids[forked:]) == 1  # a setting read when used does not stop the fork
+
+
+def test_a_popen_of_a_forked_command_behaves_as_a_started_one(tmp_path: Path) -> None:
+    """``runner.popen``: a coordinator forked in a session of its own, its output in a file. Its ``pid`` is the
+    command's own process (the leader of its session), ``poll`` says it runs, ``os.killpg`` of its pid ends it,
+    and ``wait`` gives the status a started one gives (killed by SIGKILL). Then a command whose output and errors
+    are pipes: what ``communicate`` returns is what ``subprocess.run`` gives for it, with its status."""
+    cmd = [*UNBROKEN, "coordinator", str(ROOT / "tests" / "tiny.toml"), "--workers", "2", "--port", "0"]
+    cmd += ["--run-dir", str(tmp_path / "run")]
+    env = {**os.environ, "UNBROKEN_TOKEN": "0123456789abcdef0123"}
+    forked = len(runner.forked_pids)
+    with open(tmp_path / "coordinator.log", "ab") as log:
+        proc = runner.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    assert runner.forked_pids[forked:] == [proc.pid]
+    listening = "coordinator listening on 127.0.0.1:"
+    runner.wait_for(lambda: listening in (tmp_path / "coordinator.log").read_text(), 60, "the coordinator's port")
+    assert proc.poll() is None and os.getsid(proc.pid) == proc.pid
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    os.killpg(proc.pid, 9)
+    assert proc.wait(timeout=30) == -9 and proc.poll() == -9 and proc.returncode == -9
+    piped = runner.popen(
+        [*UNBROKEN, "status", "no-such-run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = piped.communicate(timeout=60)
+    started = subprocess.run([*UNBROKEN, "status", "no-such-run"], capture_output=True, text=True, timeout=60)
+    assert (piped.returncode, out, err) == (started.returncode, started.stdout, started.stderr) == (2, "", err)
+    assert "no-such-run" in err and runner.forked_pids[forked:] == [proc.pid, piped.pid]

@@ -29,9 +29,9 @@ pytestmark = [
 FIXTURE_RUNS = {"partition_reference": 1}
 
 STEPS = 80  # long enough that a host cut off for a few seconds is back, restarted and rejoined before the end
-# Microbatches of one sequence instead of the control tests' four: the pace below, not the compute, sets how long a
-# step takes here, and what a partition must not change holds for any batch size.
-COMMON = [*CONTROL_COMMON, f"--train.steps={STEPS}", "--data.microbatch_size=1"]
+# The control tests' steps (microbatches of one sequence: the pace below, not the compute, sets how long a step takes
+# here, and what a partition must not change holds for any batch size), twice as many.
+COMMON = [*CONTROL_COMMON, f"--train.steps={STEPS}"]
 PORT = 29400  # each namespace has its own ports: nothing else on the machine can hold this one there
 # Above the default 2 s: six processes share two cores here, beside the rest of the suite (both workers of host 0
 # once went 3.9 s without a beat, starved, and the run stopped with every worker declared dead).

@@ -25,6 +25,7 @@ from runner import (
     committed,
     kill_worker,
     launched,
+    popen,
     reference_run,
     run_command,
     train,
@@ -332,7 +333,7 @@ def test_a_sharded_checkpoint_resumes_with_other_replicas_and_shards(
     # the run is stopped before its end whatever the machine's speed. Timing only: no bit changes in exact mode.
     pace = f"--failures.schedule=slow:worker=0,seconds=0.5,steps=5-{STEPS - 1}"
     cmd = train_cmd(data_cache_dir, TINY, "--out", str(run), *common, "--parallel.shard=2", pace, workers=4)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 200
     while not any(r["step"] >= 5 for r in read_records(run, "checkpoint")):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"

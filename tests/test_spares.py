@@ -16,6 +16,7 @@ from runner import (
     CONTROL_STEPS,
     TINY,
     committed,
+    control_pace,
     kill_worker,
     launched,
     same_final,
@@ -37,7 +38,8 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
     takes worker 2's. Each joins under the dead worker's id; from its join on every step is computed by 3
     workers; the summary names both promotions; the final parameters are the failure-free run's."""
     run, token = tmp_path / "run", new_token()
-    schedule = "--failures.schedule=kill:worker=1,step=5,phase=backward"
+    # Steps of at least 0.3 s: a spare's join (admission at a step boundary, the state) lands steps before the end.
+    schedule = f"--failures.schedule=kill:worker=1,step=5,phase=backward; {control_pace(3, step_s=0.3)}"
     cmd = train_cmd(data_cache_dir, TINY, "--out", str(run), *CONTROL_COMMON, "--spares", "1", schedule, workers=3)
     with launched(cmd, {**os.environ, TOKEN_ENV: token}) as proc:
         # At most step 20 of 40: spare 1's join (the death's epoch, the promotion, the admission at a step
