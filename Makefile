@@ -31,11 +31,14 @@ demo: $(BASE)
 	$(BIN)/unbroken train configs/default.toml --workers 4
 
 # Test files that mostly wait (links cut for heartbeat timeouts, a minute of flapping, stopped processes, paced
-# runs: in r101 and r109 they used under half a core while they ran), and build none of the session's shared runs
-# (tests/conftest.py) but the one-worker control reference (test_launchers: built again there, a few CPU seconds):
-# `make test` runs them in a pytest process of their own, beside the two that run the rest.
-WAITING_TESTS := tests/test_netns.py tests/test_faults.py tests/test_coordinator.py tests/test_statestore.py \
-	tests/test_alerts.py tests/test_launchers.py tests/test_status.py tests/test_comm.py
+# runs: in r101, r109 and r122 they used under half a core while they ran), and build none of the session's shared
+# runs (tests/conftest.py) but the one-worker control reference (built again there, a few CPU seconds): `make test`
+# runs them in two pytest processes of their own (the namespace tests, 5 minutes of waits, in one), beside the two
+# that run the rest.
+WAITING_TESTS_NETNS := tests/test_netns.py tests/test_faults.py
+WAITING_TESTS_CONTROL := tests/test_control.py tests/test_launchers.py tests/test_coordinator.py tests/test_comm.py \
+	tests/test_hostbeat.py tests/test_statestore.py tests/test_status.py tests/test_alerts.py
+WAITING_TESTS := $(WAITING_TESTS_NETNS) $(WAITING_TESTS_CONTROL)
 
 test: $(STAMP)
 	# Two pytest processes, a test file each at a time (its module fixtures made once), the longest files first
@@ -43,19 +46,23 @@ test: $(STAMP)
 	# processes, paced steps), which the other fills. Three were faster (15-16.5 minutes of pytest in r53-r56; two
 	# take 17.5-18, r59 and r62) but starved a worker's heartbeat past its 2 s bound in r57 (docs/benchmarks.md).
 	# Beside them, in processes of their own: tests/test_invariants.py under python -O (the invariant checks must
-	# hold with asserts stripped), and the WAITING_TESTS above. All share one tokenized-corpus cache (the BPE is
-	# trained once; building it from several processes is safe).
+	# hold with asserts stripped), and the two sets of WAITING_TESTS above. All share one tokenized-corpus cache
+	# (the BPE is trained once; building it from several processes is safe).
 	@mkdir -p .cache
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -O -m pytest -q -p no:cacheprovider tests/test_invariants.py \
 		> .cache/test-optimised.log 2>&1 & optimised=$$!; \
-	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider $(WAITING_TESTS) \
-		> .cache/test-waiting.log 2>&1 & waiting=$$!; \
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider $(WAITING_TESTS_NETNS) \
+		> .cache/test-waiting-netns.log 2>&1 & netns=$$!; \
+	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider $(WAITING_TESTS_CONTROL) \
+		> .cache/test-waiting-control.log 2>&1 & control=$$!; \
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 		--ignore=tests/test_invariants.py $(addprefix --ignore=,$(WAITING_TESTS)); \
-	suite=$$?; wait $$optimised; optimised_status=$$?; wait $$waiting; waiting_status=$$?; \
+	suite=$$?; wait $$optimised; optimised_status=$$?; wait $$netns; netns_status=$$?; \
+	wait $$control; control_status=$$?; \
 	echo "--- tests/test_invariants.py under python -O:"; cat .cache/test-optimised.log; \
-	echo "--- $(WAITING_TESTS):"; cat .cache/test-waiting.log; \
-	test $$suite -eq 0 -a $$optimised_status -eq 0 -a $$waiting_status -eq 0
+	echo "--- $(WAITING_TESTS_NETNS):"; cat .cache/test-waiting-netns.log; \
+	echo "--- $(WAITING_TESTS_CONTROL):"; cat .cache/test-waiting-control.log; \
+	test $$suite -eq 0 -a $$optimised_status -eq 0 -a $$netns_status -eq 0 -a $$control_status -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check unbroken tests
