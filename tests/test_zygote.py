@@ -19,12 +19,23 @@ import pytest
 import torch
 from runner import EXACT, ONE_THREAD, ROOT, final_params, run_command, train
 
-from unbroken.control.zygote import ZYGOTE_ENV
+from unbroken.control.zygote import FORK_SCRIPTS, ZYGOTE_ENV, forkable
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(240)
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_which_commands_the_zygote_forks() -> None:
+    """The built-in trainer always (unless ``UNBROKEN_ZYGOTE=0``, ``enabled``); a script, whatever its file is named,
+    only when its launch asked for it (``--fork``); nothing that is not this interpreter running a module or a file."""
+    python, scripts = sys.executable, {ZYGOTE_ENV: FORK_SCRIPTS}
+    assert forkable((python, "-m", "unbroken.train"), {})
+    assert forkable((python, "/jobs/train.py", "--lr", "3"), scripts) and forkable((python, "/jobs/train"), scripts)
+    assert not forkable((python, "/jobs/train.py"), {ZYGOTE_ENV: "1"})
+    assert not forkable((python, "-c", "print(1)"), scripts) and not forkable((python, "-m", "mymodule"), scripts)
+    assert not forkable(("/usr/bin/python2", "/jobs/train.py"), scripts) and not forkable((python,), scripts)
 
 
 @pytest.mark.parametrize("how", ["started", "early"])

@@ -85,7 +85,8 @@ def forkable(command: tuple[str, ...], env: dict[str, str]) -> bool:
         return False
     if tuple(command[1:3]) == ("-m", "unbroken.train"):
         return True
-    return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV)) == FORK_SCRIPTS and command[1].endswith(".py")
+    script = not command[1].startswith("-")  # a script's path (any name), not an option of the interpreter's
+    return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV)) == FORK_SCRIPTS and script
 
 
 def enabled(env: dict[str, str]) -> bool:
