@@ -31,13 +31,13 @@ demo: $(BASE)
 	$(BIN)/unbroken train configs/default.toml --workers 4
 
 # Test files that mostly wait (links cut for heartbeat timeouts, a minute of flapping, stopped processes, paced
-# runs: in r101, r109 and r122 they used under half a core while they ran), and build none of the session's shared
-# runs (tests/conftest.py) but the one-worker control reference (built again there, a few CPU seconds): `make test`
-# runs them in two pytest processes of their own (the namespace tests, 5 minutes of waits, in one), beside the two
-# that run the rest.
-WAITING_TESTS_NETNS := tests/test_netns.py tests/test_faults.py
+# runs, restarts: in r101, r109, r122 and r123 they used under half a core while they ran), and build none of the
+# session's shared runs (tests/conftest.py) but the one-worker control reference (built again there, a few CPU
+# seconds): `make test` runs them in two pytest processes of their own (the namespace tests, 5 minutes of waits, in
+# one), beside the two that run the rest; in r123 each of the two ended about 3 minutes before those.
+WAITING_TESTS_NETNS := tests/test_netns.py tests/test_faults.py tests/test_zygote.py tests/test_user_errors.py
 WAITING_TESTS_CONTROL := tests/test_control.py tests/test_launchers.py tests/test_coordinator.py tests/test_comm.py \
-	tests/test_hostbeat.py tests/test_statestore.py tests/test_status.py tests/test_alerts.py
+	tests/test_hostbeat.py tests/test_spares.py tests/test_statestore.py tests/test_status.py tests/test_alerts.py
 WAITING_TESTS := $(WAITING_TESTS_NETNS) $(WAITING_TESTS_CONTROL)
 
 test: $(STAMP)

@@ -22,24 +22,22 @@ from runner import RUN_TIMEOUT_S, stop_launchpad
 # Either way the build is part of the test's time: a test's hang bound is its own plus the builds it may wait for.
 # A test module whose own module-scoped fixture trains several runs says how many in ``FIXTURE_RUNS``.
 SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
-# The longest files, longest first (their wall time in r122), then the rest in name order, none of which took over
-# 30 s: ``make test`` gives each of its two pytest processes a file at a time, in this order (xdist's own reordering
-# by test count turned off), so a long file started last cannot run alone at the end (the namespace tests, 5 minutes
-# of waits, did; ``make test`` runs them in a process of their own since) and the two end within a short file.
+# The longest files of the two pytest processes that ``make test`` runs with xdist, longest first (their wall time in
+# r123), then the rest in name order, none of which took over 20 s: each process is given a file at a time in this
+# order (xdist's own reordering by test count turned off), so a long file started last cannot run alone at the end
+# (the namespace tests, 5 minutes of waits, did; ``make test`` runs them in a process of their own since) and the
+# two end within a short file of each other.
 LONGEST_FIRST = (
-    "test_netns.py",
     "test_parallel.py",
     "test_replica3d.py",
-    "test_control.py",
-    "test_examples.py",
     "test_docs_commands.py",
+    "test_examples.py",
     "test_numerics.py",
-    "test_zygote.py",
     "test_chaos.py",
     "test_transforms.py",
     "test_failslow.py",
-    "test_hostbeat.py",
     "test_mecefo.py",
+    "test_train.py",
 )
 
 
