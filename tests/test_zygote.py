@@ -63,6 +63,7 @@ def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descripto
     for name, s in said.items():
         assert s["pid"] == out[name]["pid"] and s["forked"] == "1" and s["name"] == "__main__"
         assert s["torch_loaded"]  # imported before the fork: the worker starts at its first line
+        assert s["preloaded"]  # the zygote imported what its agent named too (``preload``)
         assert not s["numba_loaded"]  # the exact fold's kernels only for an exact run: 57 MiB of every process
         assert s["ppid"] == out["driver"]  # the agent's child from its first line (the intermediate has exited)
         handed = int(s["argv"][2])
@@ -75,6 +76,7 @@ def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descripto
     assert said["group"]["pgid"] == out["pgid"]
     assert "RuntimeError: a bug" in (tmp_path / "group.log").read_text()
     assert out["zygote_code"] == 0  # it ends when the driver closes its socket
+    assert "zygote: no_such_module_here not preloaded" in zygote_log  # a module it cannot import stops nothing
 
 
 def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, data_cache_dir: Path) -> None:

@@ -10,7 +10,8 @@ fd = int(sys.argv[2])
 open_fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
 report = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0), "argv": sys.argv,
           "mark": os.environ.get("MARK"), "forked": os.environ.get("UNBROKEN_FORKED"), "name": __name__,
-          "torch_loaded": "torch" in sys.modules, "numba_loaded": "numba" in sys.modules, "fds": open_fds}  # fmt: skip
+          "torch_loaded": "torch" in sys.modules, "numba_loaded": "numba" in sys.modules,
+          "preloaded": "wave" in sys.modules, "fds": open_fds}  # fmt: skip
 os.write(fd, (json.dumps(report) + "\n").encode())
 print("to the log", flush=True)
 if sys.argv[1] == "raise":

@@ -70,6 +70,7 @@ from unbroken.core.logs import init_logger
 from unbroken.core.numerics import DETERMINISTIC_ENV
 from unbroken.core.records import RecordKind, SpareState, make, read_records
 from unbroken.ft.protocoldefs import EXIT_STOPPED
+from unbroken.train.hf import worker_imports
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class Agent:
         layout: ReplicaLayout | None = None,
         spares: int = 0,
         fold_kernels: bool = False,
+        preload: tuple[str, ...] = (),
         heartbeat_timeout_s: float = 2.0,
         news_relay: bool = False,
         heartbeats: HeartbeatMode = HeartbeatMode.WORKER,
@@ -113,6 +115,7 @@ class Agent:
         )
         self.news_relay = news_relay  # run this host's relay of the coordinator's news (``control.newsrelay``)
         self.fold_kernels = fold_kernels  # the zygote loads the exact fold's kernels (exact mode)
+        self.preload = preload  # and imports these modules, which the workers import beyond the trainer's own
         self.layout = layout or ReplicaLayout()
         check_spares(spares, self.layout)
         self.num_spares = spares
@@ -279,7 +282,7 @@ class Agent:
         self._zygote_tried = True
         if zygote.forkable(self.command, self.env) and zygote.enabled(self.env):
             try:
-                self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log", self.fold_kernels)
+                self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log", self.fold_kernels, self.preload)
             except OSError as e:
                 log.warning("workers start cold: %s", e)
 
@@ -774,6 +777,7 @@ def run_agent(args: argparse.Namespace) -> int:
         layout=layout,
         spares=args.spares,
         fold_kernels=cfg.recovery.reduction is Reduction.EXACT,
+        preload=worker_imports(cfg.model.hf_config) if args.script is None else (),
         heartbeat_timeout_s=cfg.comm.heartbeat_timeout_s,
         news_relay=cfg.coordinator.news_relay,
         heartbeats=cfg.comm.heartbeats,

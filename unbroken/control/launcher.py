@@ -46,6 +46,7 @@ from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_sc
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import plan_step
 from unbroken.core.records import METRICS_FILE, Quotas, RecordKind, append_records, decode, make, wall_s
+from unbroken.train.hf import worker_imports
 
 MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
 TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
@@ -189,6 +190,7 @@ class Launcher:
             layout=ReplicaLayout.of(self.cfg.parallel),
             spares=plan.spares,
             fold_kernels=self.cfg.recovery.reduction is Reduction.EXACT,
+            preload=worker_imports(self.cfg.model.hf_config) if plan.command == TRAINER else (),
             heartbeat_timeout_s=self.cfg.comm.heartbeat_timeout_s,
             news_relay=self.cfg.coordinator.news_relay,
             heartbeats=self.cfg.comm.heartbeats,

@@ -163,7 +163,9 @@ class ForkedProcess:
 class Zygote:
     """The agent's end: starts the zygote (its imports run while the agent goes on) and asks it for workers."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, fold_kernels: bool = False) -> None:
+    def __init__(
+        self, env: dict[str, str], log_path: Path, fold_kernels: bool = False, preload: tuple[str, ...] = ()
+    ) -> None:
         global _early
         early, _early = _early, None  # forked at this program's start (``fork_early``): used once, or dropped
         if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
@@ -171,7 +173,12 @@ class Zygote:
                 early.sock.close()
             raise OSError("cannot become a child subreaper")
         self.broken = False
-        setup = {"env": {**env, STARTED_AT_ENV: repr(time.time())}, "log": str(log_path), "fold_kernels": fold_kernels}
+        setup = {
+            "env": {**env, STARTED_AT_ENV: repr(time.time())},
+            "log": str(log_path),
+            "fold_kernels": fold_kernels,
+            "preload": list(preload),
+        }
         if early is not None:
             try:
                 early.sock.send(json.dumps(setup).encode())
@@ -191,6 +198,7 @@ class Zygote:
                     "--fd",
                     str(theirs.fileno()),
                     *(["--fold-kernels"] if fold_kernels else []),
+                    *(f"--preload={name}" for name in preload),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -401,26 +409,33 @@ def serve_early() -> NoReturn:
             raw = io.FileIO(stream.fileno(), "w", closefd=False)
             setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True))
     print(f"zygote forked from its program (pid {os.getppid()})", flush=True)
-    return _zygote(conn, bool(setup["fold_kernels"]))
+    return _zygote(conn, bool(setup["fold_kernels"]), tuple(setup.get("preload", ())))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unbroken.control.zygote", description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
     parser.add_argument("--fold-kernels", action="store_true", help="load the exact fold's numba kernels")
+    parser.add_argument("--preload", action="append", default=[], help="a module its workers import: import it first")
     args = parser.parse_args(argv)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the agent's death ends the zygote (its workers go on)
-    return _zygote(socket.socket(fileno=args.fd), args.fold_kernels)
+    return _zygote(socket.socket(fileno=args.fd), args.fold_kernels, tuple(args.preload))
 
 
-def _zygote(conn: socket.socket, fold_kernels: bool) -> NoReturn:
-    """The zygote, started or forked early: its imports, then requests until its program closes the socket. Ends
-    the process (``run_then_exit``), the zygote's when it is done and each worker's when its program has run."""
+def _zygote(conn: socket.socket, fold_kernels: bool, preload: tuple[str, ...] = ()) -> NoReturn:
+    """The zygote, started or forked early: its imports (``PRELOAD``, then ``preload``: what this run's workers import
+    beyond, such as Hugging Face's model), then requests until its program closes the socket. Ends the process
+    (``run_then_exit``), the zygote's when it is done and each worker's when its program has run."""
     # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
     # order, and the zygote must live on to serve that job's restarts (a worker gets Python's handler back).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in PRELOAD:
         __import__(name)
+    for name in preload:
+        try:
+            __import__(name)
+        except ImportError as e:  # each worker imports it again and says what is wrong in its own words
+            print(f"zygote: {name} not preloaded ({e})", flush=True)
     if fold_kernels:
         from unbroken.ft import foldkernel
 

@@ -18,6 +18,14 @@ import torch
 from unbroken.train.model import ModelArgs
 
 PRESETS = ("llama-tiny",)
+# What a worker of the built-in trainer imports to build ``LlamaForCausalLM`` (1.3 s of CPU here): its agent's zygote
+# imports it once, before forking the workers (``control.zygote``).
+WORKER_IMPORTS = ("transformers.models.llama.modeling_llama",)
+
+
+def worker_imports(hf_config: str) -> tuple[str, ...]:
+    """The modules the trainer's workers import beyond the trainer's own for a run whose ``model.hf_config`` is this."""
+    return WORKER_IMPORTS if hf_config else ()
 
 
 def transformers_lib() -> Any:
