@@ -139,24 +139,13 @@ def run_forked(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m unbroken ARGV`` in ``cwd`` with ``env``, forked by the launchpad; what ``subprocess.run(...,
     capture_output=True, text=True, timeout=timeout_s, cwd=cwd, env=env)`` returns (or raises)."""
-    with (
-        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn,
-        open(os.devnull, "rb") as stdin,
-        tempfile.TemporaryFile() as out,
-        tempfile.TemporaryFile() as err,
-    ):
-        _request(conn, argv, cwd, env, [stdin.fileno(), out.fileno(), err.fileno()])
-        replies = conn.makefile("rb")
-        pid = json.loads(replies.readline())["pid"]
-        forked_pids.append(pid)
-        conn.settimeout(timeout_s)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        cmd = [sys.executable, "-m", "unbroken", *argv]
+        proc = ForkedPopen(cmd, cwd, env, [subprocess.DEVNULL, out, err], text=False, new_session=False)
         try:
-            status = json.loads(replies.readline())["status"]
-        except (TimeoutError, ValueError) as e:  # ValueError: the reporter died (no status line)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            if isinstance(e, TimeoutError):
-                raise subprocess.TimeoutExpired([sys.executable, "-m", "unbroken", *argv], timeout_s) from None
+            status = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
             raise
         out.seek(0)
         err.seek(0)
@@ -164,7 +153,7 @@ def run_forked(
         stdout, stderr = (
             f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n") for f in (out, err)
         )
-    return subprocess.CompletedProcess([sys.executable, "-m", "unbroken", *argv], status, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, status, stdout, stderr)
 
 
 def _request(
@@ -237,8 +226,11 @@ class ForkedPopen:
                 line = self._line(timeout)
             except TimeoutError:
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
-            self.returncode = int(json.loads(line)["status"]) if line else -signal.SIGKILL  # the reporter died
             self._conn.close()
+            if not line:  # the launchpad's reporter ended without the command's status
+                self.kill()
+                raise RuntimeError(f"the launchpad lost the command {self.args[3:]} (its reporter ended)")
+            self.returncode = int(json.loads(line)["status"])
         return self.returncode
 
     def poll(self) -> int | None:
