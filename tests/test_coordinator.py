@@ -332,6 +332,54 @@ def test_the_ring_of_an_epoch_holds_its_record_and_every_other_ring_nothing(tmp_
         assert [store.get(keys.doorbell(keys.NEWS, k)) for k in (rung + 1, rung + 2)] == [b"", b""]
 
 
+def test_a_promoted_spare_is_taken_in_at_once_and_a_joiner_at_the_last_call(tmp_path: Path) -> None:
+    """Joiners are taken in at a last call (registrations quiet for JOIN_QUIET_S), so that a burst of them makes
+    one epoch change; a warm spare promoted to a dead worker's place is not one of a burst and is taken in at
+    once. A joiner and a promoted spare register in the same look of the coordinator's loop (both requests are
+    written before the count that announces them): the spare's epoch must not wait for the joiner's last call,
+    and the joiner is taken in at its own, in a later epoch."""
+    from unbroken.control import keys
+    from unbroken.control.store import connect_store, get_int, ring, wait_key
+
+    def request(worker_id: int, **extra: object) -> str:
+        return json.dumps({"worker_id": worker_id, "host": "h", "pid": 1, "returning": False, **extra})
+
+    token = new_token()
+    with in_process_coordinator(tmp_path, token) as coordinator:
+        loop = threading.Thread(target=coordinator.run)
+        loop.start()
+        store, beats = (connect_store(coordinator.address, token=token) for _ in range(2))
+        done = threading.Event()
+
+        def beat() -> None:  # every worker's heartbeats, so that none is declared dead meanwhile
+            while not done.wait(0.05):
+                for wid in (0, 1, 5):
+                    beats.add(keys.heartbeat(wid), 1)
+
+        beater = threading.Thread(target=beat)
+        beater.start()
+        try:
+            store.set(keys.register(store.add(keys.REGISTER_SEQ, 1)), request(0))  # the run's one expected worker
+            ring(store)
+            assert wait_key(store, keys.epoch(1), 60)
+            seq = get_int(store, keys.REGISTER_SEQ)
+            store.set(keys.register(seq + 1), request(-1))  # a joiner: it is given id 1
+            store.set(keys.register(seq + 2), request(5, spare=0))  # spare 0, promoted to dead worker 5's place
+            store.add(keys.REGISTER_SEQ, 2)
+            ring(store)
+            assert wait_key(store, keys.epoch(2), 60)
+            assert json.loads(store.get(keys.epoch(2)))["members"] == [0, 5]  # the spare alone, at once
+            assert wait_key(store, keys.epoch(3), 60)
+        finally:
+            store.set(keys.DONE, "1")
+            ring(store)
+            loop.join(timeout=60)
+            done.set()
+            beater.join()
+    joins = [(m["members"], m["reason"]) for m in read_records(tmp_path / "run", "membership")][1:]
+    assert joins == [([0, 5], "joined: 5"), ([0, 1, 5], "joined: 1")]
+
+
 def _stop_every_thread(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every one of its threads is stopped (Linux /proc). ``kill`` returns once
     the signal is queued and one thread woken to start the group stop; on a loaded machine that thread can wait

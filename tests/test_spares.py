@@ -57,6 +57,14 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
     assert {r["spare"] for r in spares if r["state"] == "ready"} >= {0, 1}  # each was built before promoted
     joins = [m for m in read_records(run, "membership") if m["reason"].startswith("joined")]
     assert [m["members"] for m in joins] == [[0, 1, 2], [0, 1, 2]], joins
+    # The agent promotes a spare as soon as it has reported the death; the spare registers under the dead
+    # worker's id only once an epoch has removed it (else it would be given another id). Both records are the
+    # coordinator's, in the order it wrote them.
+    records = [r for r in read_records(run) if r["type"] in ("membership", "admitted")]
+    for worker in (1, 2):
+        removed = next(i for i, r in enumerate(records) if r["type"] == "membership" and worker not in r["members"])
+        admitted = [i for i, r in enumerate(records) if r["type"] == "admitted" and r["worker"] == worker]
+        assert len(admitted) == 2 and admitted[0] < removed < admitted[1], records
     joined_at = [r["step"] for r in read_records(run, "recovery") if r["epoch"] == joins[-1]["epoch"]]
     assert joined_at, f"no step after spare 1 joined (worker 2 killed after step {at})"
     last_join = max(joined_at)

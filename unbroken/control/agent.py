@@ -536,8 +536,9 @@ class Agent:
             for wid in dead:
                 if self.workers[wid].poll() is None:
                     continue  # a rank of a replica a spare replica has just taken the place of
-                # Once the coordinator has removed it: a registration under the id of a member gets another id.
-                if members is not None and wid not in members and not self.promote(wid):
+                # Its death is reported (report_exits): the spare registers once the coordinator has removed it
+                # (ft.process waits for that epoch; a registration under a member's id gets another id).
+                if members is not None and not self.promote(wid):
                     break
         if self.restart_after_s > 0 and not self.finished:
             for wid, proc in self.workers.items():

@@ -195,7 +195,9 @@ class CoordinatorClient:
     "coordinator"`` only if none does. ``news_relay``: the socket of this host's news relay (default: from
     ``UNBROKEN_NEWS_RELAY``, which the agent sets; none: the client watches the coordinator itself).
     ``host_beat``: this process's slot on its host's beat board (default: from ``UNBROKEN_HOST_BEAT``, which an
-    agent sets under ``comm.heartbeats = "host"``; none: the client sends its heartbeats itself).
+    agent sets under ``comm.heartbeats = "host"``; none: the client sends its heartbeats itself). ``spare``: the
+    index of the warm spare this process was, promoted to ``worker_id`` (its registration says so, and the
+    coordinator admits it without the joiners' last call).
     """
 
     def __init__(
@@ -209,6 +211,7 @@ class CoordinatorClient:
         fingerprint: dict[str, str] | None = None,
         news_relay: str | None = None,
         host_beat: WorkerBeat | None = None,
+        spare: int | None = None,
     ) -> None:
         self.addresses = addresses_of(address)
         self.fingerprint = dict(fingerprint or {})  # what decides this worker's bits (core.numerics)
@@ -231,6 +234,7 @@ class CoordinatorClient:
         self._news_wait_s = NEWS_WAIT_S
         self._relay_path = news_relay if news_relay is not None else os.environ.get(RELAY_ENV) or None
         self._host_beat = host_beat if host_beat is not None else WorkerBeat.from_env()
+        self.spare = spare
         self._relay: RelayedNews | None = None  # the news watcher's connection to its host's relay, while it has one
         self._watch_stop = threading.Event()
         self._diagnosing = threading.Lock()
@@ -280,6 +284,7 @@ class CoordinatorClient:
             "returning": returning,  # a member of the job whose coordinator was replaced: it holds the state
             "fingerprint": self.fingerprint,
             **({} if returning else start_cost()),
+            **({} if self.spare is None else {"spare": self.spare}),  # a promoted spare: no last call
         }
         store.set(keys.register(seq), json.dumps(request))
         ring(store)

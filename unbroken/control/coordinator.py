@@ -95,7 +95,8 @@ CHECKS_PER_TIMEOUT = 10  # heartbeat checks (and metrics drains) per heartbeat t
 MAX_TICK_S = 0.25
 # Joiners are taken in at a "last call": once registrations have been quiet this long, or the first of them has
 # waited JOIN_WAIT_MAX_S (a steady trickle cannot hold them back). Every epoch change makes every member form a
-# new group, so 64 workers registering within moments of each other join in one change, not 64.
+# new group, so 64 workers registering within moments of each other join in one change, not 64. A promoted warm
+# spare is taken in at once: it replaces one death, and a replacement in under a second is what spares are for.
 JOIN_QUIET_S = 0.25
 JOIN_WAIT_MAX_S = 2.0
 METRIC_HOLE_GRACE_S = 1.0  # a metrics number not written after this long: its writer died (or is stopped)
@@ -330,6 +331,11 @@ class Coordinator:
                 joined.append(wid)
             self.next_registration += 1
         return joined
+
+    def _promoted_spare(self, wid: int) -> bool:
+        """Whether ``wid`` registered as a warm spare promoted to a dead worker's place: it is taken in at once,
+        not at the joiners' last call (it replaces a death its agent has just reported, and is already built)."""
+        return self.admitted.get(wid, {}).get("spare") is not None
 
     def _refuse(self, wid: int, line: str) -> None:
         """Keep ``wid`` out of the membership (exact mode, another fingerprint): it reads why and leaves."""
@@ -761,10 +767,13 @@ class Coordinator:
                         self.last_registration = now
                     self.joining |= set(joined)
                     ready = [w for w in self.layout.whole(self.joining) if w not in self.members]
-                    quiet = now - self.last_registration >= JOIN_QUIET_S
-                    if ready and (quiet or now - self.joining_since >= JOIN_WAIT_MAX_S):
-                        self.joining -= set(ready)
+                    last_call = now - self.last_registration >= JOIN_QUIET_S
+                    if not (last_call or now - self.joining_since >= JOIN_WAIT_MAX_S):
+                        ready = [w for w in ready if self._promoted_spare(w)]
+                    elif ready:
                         self.joining_since = now  # the ranks of a replica still incomplete wait anew
+                    if ready:
+                        self.joining -= set(ready)
                         self.publish((*self.members, *ready), "joined: " + ", ".join(str(w) for w in ready))
                 self._drain_metrics(metrics_seq)
                 if self.state_store is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import json
 import logging
 import os
 import subprocess
@@ -40,6 +41,7 @@ from unbroken.control.client import (
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
 from unbroken.control.netif import use_job_interface
+from unbroken.control.newsrelay import look, wait_for_news
 from unbroken.control.store import bind_listen_socket, publish_record, reach, report_error
 from unbroken.core import ckptfiles
 from unbroken.core.config import (
@@ -347,6 +349,7 @@ class Job:
                 token=self.token,
                 hold_s=self.config.coordinator.hold_s,
                 fingerprint=determinism.local_fingerprint(self.device),
+                spare=self.spare,
             )
         except (TunnelError, RuntimeError, OSError) as e:
             # The coordinator went away while this worker came up: the run finished (a restart too late to
@@ -378,14 +381,34 @@ class Job:
                 if store.check([keys.spare(spare)]):
                     worker = int(store.get(keys.spare(spare)))
                     log.info("spare %d takes the place of worker %d", spare, worker)
+                    self._await_removal(store, worker)
                     return worker
-                if store.check([keys.DONE]) or (store.check([keys.STOP]) and store.get(keys.STOP)):
-                    log.info("the run is over: spare %d was not needed", spare)
-                    self.leave(0)
+                self._leave_if_over(store, f"the run is over: spare {spare} was not needed")
         except (TunnelError, RuntimeError, OSError) as e:
             log.error("spare %d lost the job: %s", spare, str(e).splitlines()[0] if str(e) else type(e).__name__)
             self.leave(EXIT_STOPPED)
             raise AssertionError("leave() returned") from None  # pragma: no cover
+
+    def _await_removal(self, store: Any, worker: int) -> None:
+        """Return once the newest epoch no longer has ``worker`` among its members. The agent promotes a spare as
+        soon as it has reported the worker's death, and the coordinator gives a registration under a member's id
+        another id; the wait ends at the ring of the epoch that removes it (``control.newsrelay.look``)."""
+        woken: int | None = None
+        while True:
+            news = look(store, woken)
+            record = news.record
+            if record is None and news.newest > 0:
+                record = json.loads(store.get(keys.epoch(news.newest)))
+            if record is None or worker not in record["members"]:
+                return
+            self._leave_if_over(store, f"the run is over before worker {worker}'s place was free")
+            woken = wait_for_news(store, news, SPARE_WAIT_S)
+
+    def _leave_if_over(self, store: Any, why: str) -> None:
+        """Leave with 0 (the process ends) if the run finished or was stopped."""
+        if store.check([keys.DONE]) or (store.check([keys.STOP]) and store.get(keys.STOP)):
+            log.info("%s", why)
+            self.leave(0)
 
     def _run_done(self) -> bool:
         """Whether the job's coordinator, if it still answers, says the run finished."""
