@@ -104,3 +104,35 @@ def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_t
     finished.spares[0].wait(timeout=60)
     finished.replace_dead_spares()
     assert finished.next_spare == 1 and finished.spare_deaths == 0
+
+
+def test_bench_spares_reads_its_figures_from_the_records_and_reports_the_first_step_less_the_transfer() -> None:
+    """The benchmark's figures are differences of the run's own record times from the kill's; the last column is
+    the target's measure (issue 31: a spare's first committed step within 1 s plus the state transfer)."""
+    from unbroken.lab.bench_spares import figures, format_spares
+
+    kill = 1000.0
+    records: list[dict[str, object]] = [
+        {"type": "injected", "time": kill, "worker": 1},
+        {"type": "membership", "time": kill + 0.04, "epoch": 2, "members": [0], "reason": "died: 1"},
+        {"type": "membership", "time": kill + 0.06, "epoch": 3, "members": [0, 1], "reason": "joined: 1"},
+        {"type": "recovery", "time": kill + 0.1, "epoch": 2, "step": 4},
+        {
+            "type": "recovery",
+            "time": kill + 0.7,
+            "epoch": 3,
+            "step": 5,
+            "state_bytes": 3 * 2**20,
+            "time_reformed": kill + 0.2,
+            "time_recovered": kill + 0.7,
+        },
+    ]
+    assert figures(records) is None  # the replacement has not committed a step yet
+    records.append({"type": "step", "time": kill + 0.95, "epoch": 3, "step": 5})
+    got = figures(records)
+    assert got is not None
+    assert got["joined"] == pytest.approx(0.06) and got["state_received"] == pytest.approx(0.7)
+    assert got["first_step"] == pytest.approx(0.95) and got["transfer_s"] == pytest.approx(0.5)
+    table = format_spares({"small": {"cold": [got], "warm": [got, {**got, "first_step": 1.15}]}})
+    assert "| small | warm spare (n=2) | 0.06 [0.06, 0.06] | 0.70 [0.70, 0.70] | 1.05 [0.95, 1.15] | 3.0 |" in table
+    assert table.splitlines()[-1].endswith("| 0.50 [0.50, 0.50] | 0.55 [0.45, 0.65] |")
