@@ -1,16 +1,18 @@
-"""``unbroken bench spares``: how long a job runs short of a worker after a ``kill -9``, a restart against a warm
-spare (issue 31).
+"""``unbroken bench spares``: how long a job runs short of a worker after a ``kill -9``, a restart (cold or forked)
+against a warm spare (issue 31).
 
-Per model (``small`` and ``60m`` unless a config is given) and per round, two runs of ``unbroken train`` with 2
-workers, both with worker 1 killed in its backward at step ``KILL_STEP``:
+Per model (``small`` and ``60m`` unless a config is given) and per round, three runs of ``unbroken train`` with 2
+workers, each with worker 1 killed in its backward at step ``KILL_STEP``:
 
-- **cold** ("restart" in the table): the agent starts a new process for worker 1 at once (``rejoin=0``),
-  forked by its zygote (torch and the package already imported) or, where it cannot fork, started cold; it
-  builds the model, optimizer and data, registers, joins and receives the state;
-- **warm**: ``--spares 1``: spare 0, started with the job and waiting initialised, is given worker 1's id.
+- **cold restart**: the agent starts a new process for worker 1 at once (``rejoin=0``), cold
+  (``UNBROKEN_ZYGOTE=0``): it imports torch, builds the model, optimizer and data, registers, joins and
+  receives the state;
+- **forked restart**: the same, the process forked by the agent's zygote (torch and the package imported
+  already), as the built-in trainer's workers are by default;
+- **warm spare**: ``--spares 1``: spare 0, started with the job and waiting initialised, is given worker 1's id.
 
 With replicas of several ranks (``--parallel.shard=2``, say), 2 replicas: worker 1's kill takes its replica down,
-the cold run restarts the replica's ranks, and the warm one has one whole spare replica (``--spares`` = its size).
+a restart restarts the replica's ranks, and the warm one has one whole spare replica (``--spares`` = its size).
 
 From the run's records, in seconds from the kill (the ``injected`` record): the replacement's join (the
 membership epoch that admits it again), the state received (the join's ``recovery`` record: ``time_recovered``),
@@ -22,6 +24,7 @@ first committed step less that transfer (issue 31's target for a spare: at most 
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import tempfile
@@ -37,8 +40,9 @@ KILL_STEP = 4
 STEPS_AFTER = 100_000  # at most this many steps after the kill (``--steps``): a run ends once the replacement commits
 WATCH_S = 0.25  # how often the run's records are read for the replacement's first committed step
 MODELS = ("small", "60m")
-# A restart is forked by the agent's zygote where the command allows it (control.zygote), else started cold.
-LABELS = {"cold": "restart", "warm": "warm spare"}
+# How the dead worker is replaced: restarted in a new process started cold (``UNBROKEN_ZYGOTE=0``), restarted in
+# a process forked by the agent's zygote (the default for the built-in trainer, control.zygote), or by a spare.
+LABELS = {"cold": "cold restart", "forked": "forked restart", "warm": "warm spare"}
 WORKERS = 2
 
 
@@ -69,14 +73,32 @@ def figures(records: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
-def run_once(cfg: RunConfig, warm: bool, steps: int) -> dict[str, float]:
-    """One run with worker 1 killed at ``KILL_STEP``, stopped once its replacement has committed a step (so a
-    fast device need not run a fixed number of steps while a cold start comes back); the figures."""
+def run_once(cfg: RunConfig, mode: str, steps: int) -> dict[str, float]:
+    """One run with worker 1 killed at ``KILL_STEP`` and replaced as ``mode`` (a key of ``LABELS``) says, stopped
+    once its replacement has committed a step (so a fast device need not run a fixed number of steps while a
+    cold start comes back); the figures."""
+    from unbroken.control.zygote import ZYGOTE_ENV
+
+    before = os.environ.get(ZYGOTE_ENV)
+    if mode == "cold":
+        os.environ[ZYGOTE_ENV] = "0"  # the launcher's processes and every worker start cold
+    try:
+        return _run(cfg, mode, steps)
+    finally:
+        if mode == "cold":
+            if before is None:
+                del os.environ[ZYGOTE_ENV]
+            else:
+                os.environ[ZYGOTE_ENV] = before
+
+
+def _run(cfg: RunConfig, mode: str, steps: int) -> dict[str, float]:
     from dataclasses import replace
 
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
     from unbroken.train.trainer import validate_launch
 
+    warm = mode == "warm"
     rejoin = "" if warm else ",rejoin=0"
     failures = replace(cfg.failures, schedule=f"kill:worker=1,step={KILL_STEP},phase=backward{rejoin}")
     cfg = replace(cfg, train=replace(cfg.train, steps=steps), failures=failures)
@@ -104,20 +126,21 @@ def run_once(cfg: RunConfig, warm: bool, steps: int) -> dict[str, float]:
     result = figures(read_records(run_dir))
     if result is None:  # the run is kept: its logs say why
         why = f"exit {code}" if code not in (0, 130) else "the replacement committed no step before the run ended"
-        raise RuntimeError(f"bench spares: a {'warm' if warm else 'cold'} run failed ({why}); see {run_dir}")
+        raise RuntimeError(f"bench spares: a {LABELS[mode]} run failed ({why}); see {run_dir}")
     shutil.rmtree(run_dir.parent)
     return result
 
 
 def bench_spares(config: str | None, repeats: int, overrides: list[str], after: int = STEPS_AFTER) -> dict[str, Any]:
-    """``repeats`` rounds of (cold, warm) per model, alternating; runs of ``after`` steps after the kill."""
+    """``repeats`` rounds of (cold restart, forked restart, warm spare) per model, alternating; runs of ``after``
+    steps after the kill."""
     out: dict[str, Any] = {}
     for flavour in MODELS if config is None else ("config",):
         cfg = _config(config, flavour, overrides)
-        rows: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+        rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in LABELS}
         for _ in range(repeats):
-            for mode in ("cold", "warm"):
-                rows[mode].append(run_once(cfg, mode == "warm", KILL_STEP + after))
+            for mode in LABELS:
+                rows[mode].append(run_once(cfg, mode, KILL_STEP + after))
         out[cfg.model.flavour if config is None else Path(config).stem] = rows
     return out
 
@@ -136,7 +159,7 @@ def format_spares(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for model, rows in result.items():
-        for mode in ("cold", "warm"):
+        for mode in (m for m in LABELS if m in rows):
             r = rows[mode]
             mib = statistics.median(x["state_bytes"] for x in r) / 2**20
             lines.append(
