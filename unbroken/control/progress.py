@@ -222,24 +222,27 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     resumes = [r for r in records if r.get("type") == "resume"]
     promotions = []
     for p in (r for r in records if r.get("type") == "spare" and r["state"] == SpareState.PROMOTED):
-        died = [f["time"] for f in failures if f["worker"] == p["worker"] and f["time"] <= p["time"]]
         # The first epoch after the promotion that has the worker again, and the step its group formed in: where
         # the spare started computing. A spare can join before the survivors re-form without it (the one
         # re-formation is then a recovery and a join at once, between epochs with the same members).
-        epoch = next(
+        joined = next(
             (
-                m["epoch"]
+                m
                 for m in records
                 if m.get("type") == "membership" and m["time"] >= p["time"] and p["worker"] in m["members"]
             ),
             None,
         )
+        epoch = joined["epoch"] if joined else None
+        # The agent promotes a spare as soon as it sees the exit, before the coordinator's failure record: the
+        # time is the death's to the spare's join.
+        died = [f["time"] for f in failures if f["worker"] == p["worker"] and joined and f["time"] <= joined["time"]]
         formed = next((r for r in records if r.get("type") == "recovery" and r["epoch"] == epoch), None)
         promotions.append(
             {
                 "spare": p["spare"],
                 "worker": p["worker"],
-                "after_death_s": p["time"] - died[-1] if died else None,
+                "after_death_s": joined["time"] - died[-1] if joined and died else None,
                 "step": formed["step"] if formed else None,
                 "epoch": epoch if formed else None,
             }
@@ -363,7 +366,7 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         )
     promoted = {p["worker"]: p for p in s["promotions"]}
     for p in s["promotions"]:
-        since = f"{p['after_death_s']:.2f} s after its death, " if p["after_death_s"] is not None else ""
+        since = f"in the group {p['after_death_s']:.2f} s after its death, " if p["after_death_s"] is not None else ""
         joined = f"computing from step {p['step']} (epoch {p['epoch']})" if p["step"] is not None else "not joined"
         table.add_row("spare promoted", f"spare {p['spare']} took worker {p['worker']}'s place {since}{joined}")
     for j in s["rejoins"]:
