@@ -65,6 +65,11 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
         removed = next(i for i, r in enumerate(records) if r["type"] == "membership" and worker not in r["members"])
         admitted = [i for i, r in enumerate(records) if r["type"] == "admitted" and r["worker"] == worker]
         assert len(admitted) == 2 and admitted[0] < removed < admitted[1], records
+    # Each death was survived by a re-formation from an epoch before it to one at or after it: a spare admitted
+    # while the survivors re-form without its worker makes one recovery, from the epoch the death interrupted.
+    recoveries = read_records(run, "recovery")
+    for failure in read_records(run, "failure"):
+        assert any(r["from_epoch"] < failure["epoch"] <= r["epoch"] for r in recoveries), (failure, recoveries)
     joined_at = [r["step"] for r in read_records(run, "recovery") if r["epoch"] == joins[-1]["epoch"]]
     assert joined_at, f"no step after spare 1 joined (worker 2 killed after step {at})"
     last_join = max(joined_at)
