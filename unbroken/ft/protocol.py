@@ -314,12 +314,14 @@ class StepProtocol:
     def _recover(self, old_members: tuple[int, ...], in_step: bool) -> list[int]:
         membership = self.membership
         entered_at = self.state.step
-        # The recovery record goes from the group this worker had when the change came, not from a group formed
-        # since and left at once for a newer epoch (a warm spare admitted while the survivors re-formed without
-        # its worker: one recovery, from the epoch the failure interrupted to the one with the spare).
+        # The recovery record goes from the group this worker had when the change came, and its time from then,
+        # not from a group formed since and left at once for a newer epoch (a warm spare admitted while the
+        # survivors re-formed without its worker: one recovery, from the epoch the failure interrupted to the
+        # one with the spare).
         entry_epoch = self.group.epoch if self.group is not None else 0
+        entered = time.monotonic()
         while True:
-            t0 = time.monotonic()
+            t0 = entered if entry_epoch else time.monotonic()
             old_epoch = entry_epoch or (self.group.epoch if self.group is not None else 0)
             try:
                 if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
