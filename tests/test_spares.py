@@ -114,7 +114,7 @@ def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_t
 def test_bench_spares_reads_its_figures_from_the_records_and_reports_the_first_step_less_the_transfer() -> None:
     """The benchmark's figures are differences of the run's own record times from the kill's; the last column is
     the target's measure (issue 31: a spare's first committed step within 1 s plus the state transfer)."""
-    from unbroken.lab.bench_spares import figures, format_spares
+    from unbroken.lab.bench_spares import Replacement, figures, format_spares
 
     kill = 1000.0
     records: list[dict[str, object]] = [
@@ -138,7 +138,8 @@ def test_bench_spares_reads_its_figures_from_the_records_and_reports_the_first_s
     assert got is not None
     assert got["joined"] == pytest.approx(0.06) and got["state_received"] == pytest.approx(0.7)
     assert got["first_step"] == pytest.approx(0.95) and got["transfer_s"] == pytest.approx(0.5)
-    table = format_spares({"small": {"cold": [got], "forked": [got], "warm": [got, {**got, "first_step": 1.15}]}})
+    rows = {Replacement.COLD: [got], Replacement.FORKED: [got], Replacement.WARM: [got, {**got, "first_step": 1.15}]}
+    table = format_spares({"small": rows})
     assert "| small | cold restart (n=1) |" in table and "| small | forked restart (n=1) |" in table
     assert "| small | warm spare (n=2) | 0.06 [0.06, 0.06] | 0.70 [0.70, 0.70] | 1.05 [0.95, 1.15] | 3.0 |" in table
     assert table.splitlines()[-1].endswith("| 0.50 [0.50, 0.50] | 0.55 [0.45, 0.65] |")

@@ -145,7 +145,10 @@ def test_bf16_losses_are_within_bf16_rounding_of_fp32_and_exact_bf16_survives_a_
     assert reference["identical"] and len(reference["checksums"]) == 2 and list(survivor["checksums"]) == ["0"]
     assert survivor["checksums"]["0"] == reference["checksums"]["0"]
     kill_steps = {r["step"]: r for r in read_records(killed, "step")}
-    assert kill_steps[2]["recoveries"] == 1 and kill_steps[2]["recomputed"] >= 1  # the kill landed inside step 2
+    # The kill landed inside step 2: the step was recovered in and committed by worker 0 alone. (How many of its
+    # ids count as recomputed depends on how far worker 0 had got: none if it had finished no microbatch of the
+    # step when worker 1 died, as happened under load in r133, and the step was then planned afresh.)
+    assert kill_steps[2]["recoveries"] == 1 and kill_steps[2]["alive"] == 1
 
 
 def test_compile_with_a_kill_completes_with_identical_replicas(tmp_path: Path, data_cache_dir: Path) -> None:

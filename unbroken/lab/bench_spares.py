@@ -29,6 +29,7 @@ import shutil
 import statistics
 import tempfile
 import threading
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,15 @@ KILL_STEP = 4
 STEPS_AFTER = 100_000  # at most this many steps after the kill (``--steps``): a run ends once the replacement commits
 WATCH_S = 0.25  # how often the run's records are read for the replacement's first committed step
 MODELS = ("small", "60m")
-# How the dead worker is replaced: restarted in a new process started cold (``UNBROKEN_ZYGOTE=0``), restarted in
-# a process forked by the agent's zygote (the default for the built-in trainer, control.zygote), or by a spare.
-LABELS = {"cold": "cold restart", "forked": "forked restart", "warm": "warm spare"}
 WORKERS = 2
+
+
+class Replacement(Enum):
+    """How the killed worker is replaced (the table's rows, in this order)."""
+
+    COLD = "cold restart"  # a new process started cold (``UNBROKEN_ZYGOTE=0``): it imports torch
+    FORKED = "forked restart"  # a new process forked by the agent's zygote (the built-in trainer's default)
+    WARM = "warm spare"  # ``--spares 1``
 
 
 def _config(config: str | None, flavour: str, overrides: list[str]) -> RunConfig:
@@ -73,32 +79,17 @@ def figures(records: list[dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
-def run_once(cfg: RunConfig, mode: str, steps: int) -> dict[str, float]:
-    """One run with worker 1 killed at ``KILL_STEP`` and replaced as ``mode`` (a key of ``LABELS``) says, stopped
-    once its replacement has committed a step (so a fast device need not run a fixed number of steps while a
-    cold start comes back); the figures."""
-    from unbroken.control.zygote import ZYGOTE_ENV
-
-    before = os.environ.get(ZYGOTE_ENV)
-    if mode == "cold":
-        os.environ[ZYGOTE_ENV] = "0"  # the launcher's processes and every worker start cold
-    try:
-        return _run(cfg, mode, steps)
-    finally:
-        if mode == "cold":
-            if before is None:
-                del os.environ[ZYGOTE_ENV]
-            else:
-                os.environ[ZYGOTE_ENV] = before
-
-
-def _run(cfg: RunConfig, mode: str, steps: int) -> dict[str, float]:
+def run_once(cfg: RunConfig, mode: Replacement, steps: int) -> dict[str, float]:
+    """One run with worker 1 killed at ``KILL_STEP`` and replaced as ``mode`` says, stopped once its replacement
+    has committed a step (so a fast device need not run a fixed number of steps while a cold start comes back);
+    the figures."""
     from dataclasses import replace
 
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.zygote import ZYGOTE_ENV
     from unbroken.train.trainer import validate_launch
 
-    warm = mode == "warm"
+    warm = mode is Replacement.WARM
     rejoin = "" if warm else ",rejoin=0"
     failures = replace(cfg.failures, schedule=f"kill:worker=1,step={KILL_STEP},phase=backward{rejoin}")
     cfg = replace(cfg, train=replace(cfg.train, steps=steps), failures=failures)
@@ -106,7 +97,15 @@ def _run(cfg: RunConfig, mode: str, steps: int) -> dict[str, float]:
     size = ReplicaLayout.of(cfg.parallel).size  # a spare replica is whole
     workers, spares = WORKERS * size, size if warm else 0
     plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch, spares)
-    launcher = Launcher(plan, show_progress=False, show_summary=False)
+    zygote = os.environ.get(ZYGOTE_ENV)
+    if mode is Replacement.COLD:
+        os.environ[ZYGOTE_ENV] = "0"  # read by the launcher as it starts: its processes and workers start cold
+    try:
+        launcher = Launcher(plan, show_progress=False, show_summary=False)
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        if zygote is not None:
+            os.environ[ZYGOTE_ENV] = zygote
     ended = threading.Event()
 
     def watch() -> None:
@@ -126,7 +125,7 @@ def _run(cfg: RunConfig, mode: str, steps: int) -> dict[str, float]:
     result = figures(read_records(run_dir))
     if result is None:  # the run is kept: its logs say why
         why = f"exit {code}" if code not in (0, 130) else "the replacement committed no step before the run ended"
-        raise RuntimeError(f"bench spares: a {LABELS[mode]} run failed ({why}); see {run_dir}")
+        raise RuntimeError(f"bench spares: a {mode.value} run failed ({why}); see {run_dir}")
     shutil.rmtree(run_dir.parent)
     return result
 
@@ -137,9 +136,9 @@ def bench_spares(config: str | None, repeats: int, overrides: list[str], after: 
     out: dict[str, Any] = {}
     for flavour in MODELS if config is None else ("config",):
         cfg = _config(config, flavour, overrides)
-        rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in LABELS}
+        rows: dict[Replacement, list[dict[str, float]]] = {mode: [] for mode in Replacement}
         for _ in range(repeats):
-            for mode in LABELS:
+            for mode in Replacement:
                 rows[mode].append(run_once(cfg, mode, KILL_STEP + after))
         out[cfg.model.flavour if config is None else Path(config).stem] = rows
     return out
@@ -159,11 +158,11 @@ def format_spares(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for model, rows in result.items():
-        for mode in (m for m in LABELS if m in rows):
+        for mode in (m for m in Replacement if m in rows):
             r = rows[mode]
             mib = statistics.median(x["state_bytes"] for x in r) / 2**20
             lines.append(
-                f"| {model} | {LABELS[mode]} (n={len(r)}) | "
+                f"| {model} | {mode.value} (n={len(r)}) | "
                 f"{_cell([x['joined'] for x in r])} | {_cell([x['state_received'] for x in r])} | "
                 f"{_cell([x['first_step'] for x in r])} | {mib:.1f} | "
                 f"{_cell([x['transfer_s'] for x in r])} | {_cell([x['first_step'] - x['transfer_s'] for x in r])} |"
