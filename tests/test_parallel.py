@@ -133,7 +133,10 @@ def test_kills_in_sharded_replicas_leave_the_run_bitwise_the_failure_free_one(
     args = ["--parallel.shard=2", f"--failures.schedule={schedule}"]
     result = train(run, data_cache_dir, *COMMON, *args, workers=6, timeout_s=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(r["worker"] for r in read_records(run, "injected")) == [0, 1, 2, 4, 5]
+    injected = sorted(r["worker"] for r in read_records(run, "injected"))
+    # Both ranks of replica 2 are to die in step 11's forward: the first death takes the replica down, and its mate,
+    # waiting at its own injection point, may see that and leave before its agent kills it (r134: only 5 killed).
+    assert injected[:3] == [0, 1, 2] and injected[3:] in ([4], [5], [4, 5]), injected
     epochs = [(r["members"], r["reason"]) for r in read_records(run, "membership")]
     removed = [set(before) - set(after) for (before, _), (after, _) in zip(epochs, epochs[1:], strict=False)]
     assert {0, 1} in removed and {2, 3} in removed and {4, 5} in removed  # whole replicas, each in one epoch
