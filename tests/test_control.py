@@ -57,10 +57,8 @@ def test_two_agents_survive_a_killed_worker_and_a_killed_host(
     # 5 s of silence, not 2: the host's loss is still told by heartbeats, and a surviving worker starved for 2 s on a
     # loaded machine (while its agent restarts the killed worker cold) is not taken for dead (it was once).
     overrides = [*COMMON, f"--data.cache_dir={data_cache_dir}", "--failures.mttr_s=0.5", "--comm.heartbeat_timeout_s=5"]
-    overrides += [
-        "--coordinator.news_relay=true",
-        f"--failures.schedule={control_pace(4)}",
-    ]  # each agent relays the epochs to its workers (newsrelay)
+    overrides.append("--coordinator.news_relay=true")  # each agent relays the epochs to its workers (newsrelay)
+    overrides.append(f"--failures.schedule={control_pace(4)}")
     coordinator, agents = two_hosts(tmp_path, run, port, overrides, env)
     try:
         wait_for(lambda: committed(run) >= 4, 120, "step 4")

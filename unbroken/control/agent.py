@@ -532,13 +532,12 @@ class Agent:
         if self.spares and not self.finished and self.store is not None:
             self.replace_dead_spares()
             dead = [w for w, p in self.workers.items() if p.poll() not in (None, 0) and w not in self.pauses]
-            members = self.newest_members() if dead else None
-            for wid in dead:
+            # Once the job has an epoch. Each death is reported (report_exits): its spare registers once the
+            # coordinator has removed it (ft.process waits for that epoch; a member's id would get another id).
+            for wid in dead if dead and self.newest_members() is not None else []:
                 if self.workers[wid].poll() is None:
                     continue  # a rank of a replica a spare replica has just taken the place of
-                # Its death is reported (report_exits): the spare registers once the coordinator has removed it
-                # (ft.process waits for that epoch; a registration under a member's id gets another id).
-                if members is not None and not self.promote(wid):
+                if not self.promote(wid):
                     break
         if self.restart_after_s > 0 and not self.finished:
             for wid, proc in self.workers.items():

@@ -6,6 +6,7 @@ fourth step); a count of steps done is said as one (``4/8 done``)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -236,13 +237,14 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         epoch = joined["epoch"] if joined else None
         # The agent promotes a spare as soon as it sees the exit, before the coordinator's failure record: the
         # time is the death's to the spare's join.
-        died = [f["time"] for f in failures if f["worker"] == p["worker"] and joined and f["time"] <= joined["time"]]
+        until = joined["time"] if joined else -math.inf
+        died = [f["time"] for f in failures if f["worker"] == p["worker"] and f["time"] <= until]
         formed = next((r for r in records if r.get("type") == "recovery" and r["epoch"] == epoch), None)
         promotions.append(
             {
                 "spare": p["spare"],
                 "worker": p["worker"],
-                "after_death_s": joined["time"] - died[-1] if joined and died else None,
+                "after_death_s": until - died[-1] if died else None,
                 "step": formed["step"] if formed else None,
                 "epoch": epoch if formed else None,
             }
