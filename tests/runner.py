@@ -297,6 +297,32 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return loaded.state["model"]
 
 
+def recomputed_by_the_recoveries(run_dir: Path) -> int:
+    """Check each step record's ``recomputed`` against the run's recovery records (a run under the ``recover``
+    policy), and return the run's total.
+
+    A recovery after a death (a member of its ``from_epoch`` missing from its ``epoch``) that finds some of the
+    step's ids held by the survivors recomputes the ``missing`` ones in-step; one that finds none held plans the
+    step afresh and recomputes nothing (``ft.protocol``), as does a recovery after joins alone. Whether a kill
+    lands before or after the survivors hold a microbatch is the machine's timing, so a run's total may be 0; the
+    accounting must agree either way. A step known only from its republished record carries no counts."""
+    members = {r["epoch"]: set(r["members"]) for r in read_records(run_dir, "membership")}
+    steps = {r["step"]: r for r in read_records(run_dir, "step") if not r.get("republished")}
+    expected = dict.fromkeys(steps, 0)
+    seen: set[tuple[int, int, int]] = set()
+    for r in read_records(run_dir, "recovery"):
+        key = (r["step"], r["from_epoch"], r["epoch"])
+        if key in seen or r["step"] not in steps:
+            continue
+        seen.add(key)
+        died = not members[r["from_epoch"]] <= members[r["epoch"]]
+        if died and len(r["missing"]) < steps[r["step"]]["microbatches"]:
+            expected[r["step"]] += len(r["missing"])
+    recomputed = {s: r["recomputed"] for s, r in steps.items()}
+    assert recomputed == expected, {s: (recomputed[s], expected[s]) for s in steps if recomputed[s] != expected[s]}
+    return sum(recomputed.values())
+
+
 # -- jobs of several processes started by hand (coordinator, agents, launchers) --------------------------------
 CONTROL_STEPS = 40
 # 8 microbatches of one sequence a step. What the control plane must do holds for any batch; a run that several

@@ -311,10 +311,9 @@ def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
 
 
 def test_the_ring_of_an_epoch_holds_its_record_and_every_other_ring_nothing(tmp_path: Path) -> None:
-    """A watcher woken by the ring of the newest epoch reads the count, the epoch number and that ring in one
-    call, and takes the ring's value for the record (``CoordinatorClient._watch_news``): it must be the
-    published record itself. A stop's ring, and a count whose key the coordinator fills in, hold nothing, so
-    a watcher woken by one reads the stop flag."""
+    """A watcher's get of the next ring waits for it and takes the ring's value for the epoch's record
+    (``newsrelay.next_news``): it must be the published record itself. A stop's ring, and a count whose key the
+    coordinator fills in, hold nothing, so a watcher woken by one looks at the store and reads the stop flag."""
     from unbroken.control import keys
     from unbroken.control.store import connect_store, get_int
 

@@ -8,11 +8,14 @@ import os
 import signal
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from runner import TINY, in_process_coordinator, wait_for
+from torch.distributed import TCPStore
 
 from unbroken.control import keys
 from unbroken.control.client import CoordinatorClient
@@ -20,11 +23,14 @@ from unbroken.control.gateway import new_token
 from unbroken.control.newsrelay import (
     Frame,
     FrameKind,
+    News,
     NewsRelay,
     RelayedNews,
     RelayGone,
     decode_frame,
     encode_frame,
+    look,
+    next_news,
 )
 from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death, request_stop
 
@@ -182,3 +188,92 @@ def test_a_worker_whose_relay_is_silent_takes_the_news_from_the_store(
         finally:
             for client in clients:
                 client.close()
+
+
+def test_a_worker_gives_a_relay_a_moment_behind_the_store_its_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relay watches the store as its workers would, so a worker's quiet look can find news that the relay
+    has yet to pass on (at 1,024 members a worker that had connected ``NEWS_WAIT_S`` before the first epoch looked
+    while its relay was still sending it, and left the relay for good). Such news must be given the grace: here
+    the relay passes the first epoch on only once worker 0 has looked and found it in the store; the worker takes
+    it from the relay and stays on it (the next epoch comes that way too)."""
+    from unbroken.control import client as client_module
+
+    monkeypatch.setattr(client_module, "NEWS_WAIT_S", 1.0)
+    on_relay: list[CoordinatorClient] = []
+    looked_ahead = threading.Event()  # worker 0's quiet look found the first epoch in the store
+    real_look = client_module.look
+
+    def look(store: TCPStore) -> News:
+        news = real_look(store)
+        if news.newest >= 1 and on_relay and store is on_relay[0]._news_store:
+            looked_ahead.set()
+        return news
+
+    monkeypatch.setattr(client_module, "look", look)
+    path = str(tmp_path / "late-agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as late, _coordinator(tmp_path, 2) as (address, token):
+        late.bind(path)
+        late.listen(1)
+        store = connect_store(address, token=token)
+        incarnation = store.get(keys.INCARNATION).decode()
+        on_relay.append(CoordinatorClient(address, 0, token=token, news_relay=path))
+        clients = [*on_relay]
+        try:
+            conn, _ = late.accept()
+            with conn:
+                conn.sendall(encode_frame(Frame(FrameKind.HELLO, incarnation)))
+                clients.append(CoordinatorClient(address, 1, token=token))  # the first epoch is published
+                wait_for(looked_ahead.is_set, 60, "worker 0's quiet look finding the first epoch in the store")
+                first = read_json(store, keys.epoch(1))
+                conn.sendall(encode_frame(Frame(FrameKind.EPOCH, incarnation, 1, first)))
+                wait_for(lambda: clients[0].latest_epoch >= 1, 60, "the first epoch, from the relay")
+                second = {**first, "epoch": 2, "reason": "a test's second epoch"}
+                conn.sendall(encode_frame(Frame(FrameKind.EPOCH, incarnation, 2, second)))
+                wait_for(lambda: clients[0].latest_epoch >= 2, 60, "the second epoch, from the relay alone")
+                assert clients[0]._relay is not None
+        finally:
+            for client in clients:
+                client.close()
+    assert "did not pass on" not in caplog.text
+
+
+class _CountedStore:
+    """A store whose calls over the network are counted (the timeout's setting is the client's own)."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name in {"get", "multi_get", "check", "wait", "add", "set"}:
+            self.calls += 1
+        return getattr(self.store, name)
+
+
+def test_a_watcher_has_each_epoch_in_one_store_call_and_looks_after_a_stop_or_a_quiet_wait(tmp_path: Path) -> None:
+    """``next_news`` against a real coordinator's store, through its gateway: an epoch's news is one call (a get
+    that waits for the next ring and returns the published record), a stop's ring (it holds nothing) is followed
+    by a look, and so is a wait that ends without news; the store's own timeout is left as it was."""
+    token = new_token()
+    with in_process_coordinator(tmp_path, token) as coordinator:
+        store = _CountedStore(connect_store(coordinator.address, token=token))
+        op_timeout = store.timeout
+        news = look(store)
+        assert (news.newest, news.record) == (0, None)
+        got: list[News] = []
+        watcher = threading.Thread(target=lambda: got.append(next_news(store, news, 60)))
+        calls = store.calls
+        watcher.start()
+        coordinator.publish((0,), "start")
+        watcher.join(timeout=60)
+        (first,) = got
+        assert store.calls == calls + 1
+        assert (first.rung, first.newest) == (news.rung + 1, coordinator.epoch)
+        assert first.record == read_json(store, keys.epoch(coordinator.epoch))
+        coordinator.stop("enough")
+        stopped = next_news(store, first, 60)
+        assert (stopped.rung, stopped.newest, stopped.record) == (first.rung + 1, first.newest, None)
+        quiet = next_news(store, stopped, 0.2)
+        assert quiet == look(store) == stopped
+        assert store.timeout == op_timeout

@@ -41,12 +41,13 @@ from unbroken.control.hostbeat import WorkerBeat
 from unbroken.control.newsrelay import (
     NEWS_WAIT_S,
     RELAY_ENV,
+    RELAY_GRACE_S,
     FrameKind,
     RelayedNews,
     RelayGone,
     RelayQuiet,
     look,
-    wait_for_news,
+    next_news,
 )
 from unbroken.control.store import (
     STORE_TIMEOUT_S,
@@ -372,25 +373,25 @@ class CoordinatorClient:
         """A cached view of the epoch and the stop flag, so waits never touch the network.
 
         From this host's news relay where the agent runs one (``control.newsrelay``: one watcher of the
-        coordinator per host), else, or once the relay is gone, from the store: a store wait on the next
-        ``news/<n>``, rung by the coordinator right after it publishes an epoch or a stop, so either is seen as
-        soon as it is published; the wait also ends every ``NEWS_WAIT_S`` for a look anyway (rarely: c10d logs a
+        coordinator per host), else, or once the relay is gone, from the store: a get of the next ``news/<n>``
+        (it waits for the key, ``newsrelay.next_news``), rung by the coordinator right after it publishes an epoch
+        or a stop, so either is seen as soon as it is published; the wait also ends every ``NEWS_WAIT_S`` for a
+        look anyway (rarely: c10d logs a
         line for every store wait that times out, and a dead coordinator ends the wait at once, a hung one is
         found by the heartbeat sender). The epoch and the stop are read after the doorbell's count (or the ring)
         they follow, and the coordinator writes them before ringing: nothing published is missed.
         """
         store = self._news_store
-        woken: int | None = None  # the ring that ended the last wait (None: the wait timed out, or none yet)
         try:
             if self._relay_path is not None and self._watch_relay(store, self._relay_path):
                 return
+            news = look(store)
             while not self._watch_stop.is_set():
-                news = look(store, woken)
                 if news.newest > self._seen_epoch:
                     self._advance(store, news.newest, news.record)
                 if self.stopped is None and news.record is None and store.check([keys.STOP]):
                     self.stopped = store.get(keys.STOP).decode()
-                woken = wait_for_news(store, news, self._news_wait_s)
+                news = next_news(store, news, self._news_wait_s)
         except RuntimeError:
             self._connection_failed(generation)
 
@@ -404,14 +405,23 @@ class CoordinatorClient:
             return False
         self._relay = relay
         log.info("epoch news from this host's relay at %s", path)
+        grace_s = min(RELAY_GRACE_S, self._news_wait_s)
+        behind = False  # the last quiet look found news in the store that the relay had not passed on
         try:
             while not self._watch_stop.is_set():
                 try:
                     frame = relay.next()
                 except RelayQuiet:
-                    if self._relay_missed_news(store):
+                    ahead = self._store_ahead_of_relay(store)
+                    if ahead and behind:  # still not passed on after the grace: the relay missed it
+                        self._relay_missed_news(store)
                         return False
+                    behind = ahead
+                    relay.set_quiet(grace_s if behind else self._news_wait_s)
                     continue
+                if behind:
+                    behind = False
+                    relay.set_quiet(self._news_wait_s)
                 if frame.kind is FrameKind.EPOCH and frame.epoch > self._seen_epoch:
                     self._advance(store, frame.epoch, frame.record)
                 elif frame.kind is FrameKind.STOP and self.stopped is None:
@@ -424,21 +434,19 @@ class CoordinatorClient:
             relay.close()
         return self._watch_stop.is_set()
 
-    def _relay_missed_news(self, store: TCPStore) -> bool:
-        """After ``NEWS_WAIT_S`` without news from the relay, the look a watcher of the store makes as often: True
-        (and the news taken from the store) if the store holds an epoch or a stop the relay did not pass on."""
-        news = look(store, None)
-        stop = store.get(keys.STOP).decode() if self.stopped is None and store.check([keys.STOP]) else None
-        if news.newest <= self._seen_epoch and stop is None:
-            return False
-        log.warning(
-            "news relay: it did not pass on the store's news in %.0f s; watching the coordinator", self._news_wait_s
-        )
+    def _store_ahead_of_relay(self, store: TCPStore) -> bool:
+        """After a quiet period without news from the relay, the look a watcher of the store makes as often:
+        whether the store holds an epoch or a stop this worker has not had."""
+        return look(store).newest > self._seen_epoch or (self.stopped is None and store.check([keys.STOP]))
+
+    def _relay_missed_news(self, store: TCPStore) -> None:
+        """Take from the store the news the relay did not pass on (``_store_ahead_of_relay`` twice, a grace apart)."""
+        log.warning("news relay: it did not pass on the store's news; watching the coordinator")
+        news = look(store)
         if news.newest > self._seen_epoch:
             self._advance(store, news.newest)
-        if stop is not None:
-            self.stopped = stop
-        return True
+        if self.stopped is None and store.check([keys.STOP]):
+            self.stopped = store.get(keys.STOP).decode()
 
     def _advance(self, store: TCPStore, newest: int, known: dict[str, Any] | None = None) -> None:
         """Read the epochs after the last one seen up to ``newest`` (``known``: the newest one's record, from

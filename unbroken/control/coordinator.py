@@ -535,9 +535,9 @@ class Coordinator:
         """Ring the workers' doorbell, after publishing an epoch, a refusal or a stop. A ring is two calls (the
         count, then its key); one whose key never came (its ringer gone between them) would hold every watcher
         waiting on that key, so each count since this coordinator's last ring gets its key now. The ring of an
-        epoch holds its record (as ``keys.epoch`` does), every other ring nothing: a watcher woken by the ring
-        of the newest epoch reads all it needs in the same call as the count (``CoordinatorClient._watch_news``),
-        one call per member at every epoch change."""
+        epoch holds its record (as ``keys.epoch`` does), every other ring nothing: a watcher's get of the next
+        ring waits for it and returns the epoch's record (``newsrelay.next_news``), one call per member at every
+        epoch change."""
         n = self.store.add(keys.doorbell_seq(keys.NEWS), 1)
         for k in range(self.news_rung + 1, n + 1):
             self.store.set(keys.doorbell(keys.NEWS, k), epoch_record if k == n else "")

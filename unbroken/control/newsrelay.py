@@ -4,7 +4,7 @@ Every worker keeps a cached view of the membership epochs and of the stop flag (
 directly, each epoch change costs the coordinator's gateway one store call per worker, and each worker a call
 through its tunnel and the parse of the epoch's record, all at the same instant: at 1,024 members on two cores
 half of them had the epoch 0.6 s after a death's report (docs/benchmarks.md, "control-scale"). With a relay,
-the host's agent watches once (``NewsRelay``: the same look at the store a worker makes, ``look``) and pushes
+the host's agent watches once (``NewsRelay``: the same watch of the store a worker keeps, ``next_news``) and pushes
 each newest epoch's record, and a stop, to its workers over a Unix socket in a directory only its user can
 enter; a worker (``RelayedNews``) reads them from there.
 
@@ -37,16 +37,19 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from torch.distributed import TCPStore
+from torch.distributed import DistStoreError, TCPStore
 
 from unbroken.control import keys
 from unbroken.control.gateway import Tunnel, TunnelError
-from unbroken.control.store import open_store, read_json, wait_key
+from unbroken.control.store import open_store, read_json
 
 log = logging.getLogger(__name__)
 
 RELAY_ENV = "UNBROKEN_NEWS_RELAY"  # the path of this host's relay socket, set by the agent for its workers
 NEWS_WAIT_S = 60.0  # a watch's store wait ends this often for a look anyway (c10d logs every wait that times out)
+# A worker that finds news in the store its relay has not passed on gives the relay this long (at most a quiet
+# period) before it watches the store itself: the relay is a watcher of the store too, and may be a moment behind.
+RELAY_GRACE_S = 5.0
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # larger than any epoch record (0.7 MB at 100,000 members): anything longer is garbage
 
@@ -98,30 +101,43 @@ def decode_frame(payload: bytes) -> Frame:
 
 @dataclass(frozen=True)
 class News:
-    """One look at the news in the store."""
+    """What a watcher knows after one store call."""
 
-    rung: int  # the workers' doorbell's count
-    newest: int  # the newest epoch's number
-    record: dict[str, Any] | None  # its record, when the ring that woke the looker held it
-
-
-def look(store: TCPStore, woken: int | None) -> News:
-    """The doorbell's count, the newest epoch's number and, if ``woken`` (the ring that ended the last wait) is
-    the only ring since and holds the newest epoch's record, that record: one store call (each is a round trip
-    through the gateway for every watcher at every epoch change). Both keys exist from the coordinator's start,
-    before it admits anyone. A stop's ring holds nothing."""
-    wanted = [keys.doorbell_seq(keys.NEWS), keys.EPOCH]
-    values = store.multi_get(wanted if woken is None else [*wanted, keys.doorbell(keys.NEWS, woken)])
-    rung, newest = int(values[0]), int(values[1])
-    rang = json.loads(values[2]) if woken is not None and rung == woken and values[2] else None
-    return News(rung, newest, rang if rang is not None and rang["epoch"] == newest else None)
+    rung: int  # the last ring of the workers' doorbell it has had (a look: the doorbell's count)
+    newest: int  # the newest epoch's number it has seen
+    record: dict[str, Any] | None  # that epoch's record, when the ring had it (a look has none)
 
 
-def wait_for_news(store: TCPStore, news: News, timeout_s: float) -> int | None:
-    """Sleep until the ring after ``news`` (its number), or None after ``timeout_s``. The count is read afresh
-    at every look, so a ring whose key never came (its ringer died between its two calls) holds a watcher for
-    one wait at most."""
-    return news.rung + 1 if wait_key(store, keys.doorbell(keys.NEWS, news.rung + 1), timeout_s) else None
+def look(store: TCPStore) -> News:
+    """The doorbell's count and the newest epoch's number, in one store call. Both keys exist from the
+    coordinator's start, before it admits anyone."""
+    rung, newest = store.multi_get([keys.doorbell_seq(keys.NEWS), keys.EPOCH])
+    return News(int(rung), int(newest), None)
+
+
+def next_news(store: TCPStore, news: News, timeout_s: float) -> News:
+    """The news after ``news`` once there is some, or a fresh ``look`` after ``timeout_s`` without any.
+
+    One store call per epoch change: a get of the next ring's key waits for it (the store wakes the caller, no
+    polling) and returns what the ring holds, the epoch's record (each call is a round trip through the gateway
+    for every watcher at every epoch change; a wait and then a read were two). A stop's ring holds nothing and
+    is followed by a look. A ring whose key never came (its ringer died between its two calls) holds a watcher
+    for one wait at most: the look after it reads the count afresh."""
+    ring = news.rung + 1
+    op_timeout = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    try:
+        held = store.get(keys.doorbell(keys.NEWS, ring))
+    except DistStoreError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return look(store)
+    finally:
+        store.set_timeout(op_timeout)
+    if not held:
+        return look(store)
+    record = json.loads(held)
+    return News(ring, int(record["epoch"]), record)
 
 
 class RelayGone(Exception):
@@ -150,6 +166,10 @@ class RelayedNews:
             self._sock.close()
             raise
         self._buffer = b""
+
+    def set_quiet(self, quiet_s: float) -> None:
+        """From now on, ``next()`` raises RelayQuiet after ``quiet_s`` without a frame."""
+        self._sock.settimeout(quiet_s)
 
     def _read(self, n: int) -> bytes:
         while len(self._buffer) < n:
@@ -261,10 +281,9 @@ class NewsRelay:
     def _relay(self, store: TCPStore, incarnation: str, generation: int) -> None:
         """Watch as a worker's own watcher would (``CoordinatorClient._watch_news``) and pass on each newest epoch
         and the stop."""
-        woken: int | None = None
+        news = look(store)
         sent, stopped = 0, False
         while generation == self._generation:
-            news = look(store, woken)
             frames: list[Frame] = []
             if news.newest > sent:
                 record = news.record if news.record is not None else read_json(store, keys.epoch(news.newest))
@@ -275,7 +294,7 @@ class NewsRelay:
                 stopped = True
             if frames:
                 self._publish(generation, frames)
-            woken = wait_for_news(store, news, NEWS_WAIT_S)
+            news = next_news(store, news, NEWS_WAIT_S)
 
     def _publish(self, generation: int, frames: list[Frame]) -> None:
         with self._lock:

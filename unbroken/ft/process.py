@@ -41,7 +41,7 @@ from unbroken.control.client import (
 )
 from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
 from unbroken.control.netif import use_job_interface
-from unbroken.control.newsrelay import look, wait_for_news
+from unbroken.control.newsrelay import look, next_news
 from unbroken.control.store import bind_listen_socket, publish_record, reach, report_error
 from unbroken.core import ckptfiles
 from unbroken.core.config import (
@@ -392,17 +392,16 @@ class Job:
     def _await_removal(self, store: Any, worker: int) -> None:
         """Return once the newest epoch no longer has ``worker`` among its members. The agent promotes a spare as
         soon as it has reported the worker's death, and the coordinator gives a registration under a member's id
-        another id; the wait ends at the ring of the epoch that removes it (``control.newsrelay.look``)."""
-        woken: int | None = None
+        another id; the wait ends at the ring of the epoch that removes it (``control.newsrelay.next_news``)."""
+        news = look(store)
         while True:
-            news = look(store, woken)
             record = news.record
             if record is None and news.newest > 0:
                 record = json.loads(store.get(keys.epoch(news.newest)))
             if record is None or worker not in record["members"]:
                 return
             self._leave_if_over(store, f"the run is over before worker {worker}'s place was free")
-            woken = wait_for_news(store, news, SPARE_WAIT_S)
+            news = next_news(store, news, SPARE_WAIT_S)
 
     def _leave_if_over(self, store: Any, why: str) -> None:
         """Leave with 0 (the process ends) if the run finished or was stopped."""
