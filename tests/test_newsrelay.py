@@ -200,7 +200,7 @@ def test_a_worker_gives_a_relay_a_moment_behind_the_store_its_grace(
     it from the relay and stays on it (the next epoch comes that way too)."""
     from unbroken.control import client as client_module
 
-    monkeypatch.setattr(client_module, "NEWS_WAIT_S", 1.0)
+    monkeypatch.setattr(client_module, "NEWS_WAIT_S", 2.0)  # the quiet period, and the grace after it
     on_relay: list[CoordinatorClient] = []
     looked_ahead = threading.Event()  # worker 0's quiet look found the first epoch in the store
     real_look = client_module.look
@@ -225,9 +225,11 @@ def test_a_worker_gives_a_relay_a_moment_behind_the_store_its_grace(
             with conn:
                 conn.sendall(encode_frame(Frame(FrameKind.HELLO, incarnation)))
                 clients.append(CoordinatorClient(address, 1, token=token))  # the first epoch is published
-                wait_for(looked_ahead.is_set, 60, "worker 0's quiet look finding the first epoch in the store")
+                wait_for(lambda: store.check([keys.epoch(1)]), 60, "the first epoch")
                 first = read_json(store, keys.epoch(1))
-                conn.sendall(encode_frame(Frame(FrameKind.EPOCH, incarnation, 1, first)))
+                frame = encode_frame(Frame(FrameKind.EPOCH, incarnation, 1, first))
+                assert looked_ahead.wait(60), "worker 0's quiet look did not find the first epoch in the store"
+                conn.sendall(frame)  # within the grace of the look that found it
                 wait_for(lambda: clients[0].latest_epoch >= 1, 60, "the first epoch, from the relay")
                 second = {**first, "epoch": 2, "reason": "a test's second epoch"}
                 conn.sendall(encode_frame(Frame(FrameKind.EPOCH, incarnation, 2, second)))
