@@ -9,13 +9,13 @@ each newest epoch's record, and a stop, to its workers over a Unix socket in a d
 enter; a worker (``RelayedNews``) reads them from there.
 
 A worker never depends on the relay for correctness. A frame names the coordinator's incarnation, and a worker
-takes news only from the coordinator it registered with; epochs the relay skipped (published in quick
-succession) are read from the store by the worker, as its own watcher would. A worker whose relay closes its
-socket, sends what it cannot read or follows another coordinator goes back to watching the store itself
-(``CoordinatorClient``); so does one whose relay has said nothing for ``NEWS_WAIT_S`` while the store holds
-news it did not pass on (its agent stopped). A relay that loses its coordinator drops its workers the same way.
-The relay sends nothing between news: a beat would wake every worker of the host at once for nothing (with 128
-clients in one process, as the control-scale bench runs them, such wakes starved their heartbeats).
+takes news only from the coordinator it registered with; epochs the relay skipped (published in quick succession)
+are read from the store by the worker, as its own watcher would. A worker whose relay closes its socket, sends what
+it cannot read or follows another coordinator goes back to watching the store itself (``CoordinatorClient``); so
+does one whose relay has said nothing for ``NEWS_WAIT_S`` while the store holds news it has still not passed on
+``RELAY_GRACE_S`` later (its agent stopped). A relay that loses its coordinator drops its workers the same way. The
+relay sends nothing between news: a beat would wake every worker of the host at once for nothing (with 128 clients
+in one process, as the control-scale bench runs them, such wakes starved their heartbeats).
 
 Owns the frames' wire format: a 4-byte big-endian length, then a JSON object with ``kind`` (``FrameKind``) and
 ``incarnation``, and ``epoch`` and ``record`` (an epoch) or ``reason`` (a stop).
