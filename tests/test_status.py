@@ -173,11 +173,21 @@ def test_a_join_is_counted_apart_from_recoveries_everywhere(tmp_path: Path, caps
 
     summary = summarize(records, wall_s=1.0)
     assert summary["recoveries"] == 1 and summary["reform_s"] == [0.015]
+    # the group of the failure's epoch, formed after the epoch's publication (the join's is not a recovery's)
+    published = next(r["time"] for r in records if r["type"] == "membership" and r["epoch"] == 2)
+    reformed = next(r["time_reformed"] for r in records if r["type"] == "recovery")
+    assert summary["formed_after_epoch_s"] == [reformed - published]
     assert [(j["workers"], j["step"], j["epoch"]) for j in summary["rejoins"]] == [([1], 24, 3)]
     assert summary["not_rejoined"] == []
     print_summary(tmp_path, records, 1.0, 40)
     text = capsys.readouterr().out
-    assert "1 recovery: group re-formed in 15 ms at most" in text
+    row = " ".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3)
+    formed = f"{(reformed - published) * 1000:.0f} ms"
+    assert f"1 recovery: group re-formed {formed} after its epoch at most, the survivors waiting 15 ms for it" in row
+    older = [{k: v for k, v in r.items() if k != "time_reformed"} for r in records]  # records before the field
+    assert summarize(older, wall_s=1.0)["formed_after_epoch_s"] == []
+    print_summary(tmp_path, older, 1.0, 40)
+    assert "1 recovery: group re-formed in 15 ms at most" in capsys.readouterr().out
     assert "worker 1 at step 24 (epoch 3): members [0, 1, 2]" in text and "not rejoined" not in text
 
     run_dir = tmp_path / "run"
