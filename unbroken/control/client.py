@@ -376,10 +376,10 @@ class CoordinatorClient:
         coordinator per host), else, or once the relay is gone, from the store: a get of the next ``news/<n>``
         (it waits for the key, ``newsrelay.next_news``), rung by the coordinator right after it publishes an epoch
         or a stop, so either is seen as soon as it is published; the wait also ends every ``NEWS_WAIT_S`` for a
-        look anyway (rarely: c10d logs a
-        line for every store wait that times out, and a dead coordinator ends the wait at once, a hung one is
-        found by the heartbeat sender). The epoch and the stop are read after the doorbell's count (or the ring)
-        they follow, and the coordinator writes them before ringing: nothing published is missed.
+        look anyway (rarely: c10d logs a line for every store wait that times out, and a dead coordinator ends the
+        wait at once, a hung one is found by the heartbeat sender). The epoch and the stop are read after the
+        doorbell's count (or the ring) they follow, and the coordinator writes them before ringing: nothing
+        published is missed.
         """
         store = self._news_store
         try:
