@@ -86,7 +86,9 @@ def test_report_of_a_kill_and_rejoin_run_claims_bitwise_equality_with_its_refere
     row = next(line for line in md.splitlines() if f"`{KILL}`" in line)
     assert f"| {failures[0]['detection_s'] * 1000:.0f} ms |" in row, row  # the detection time, in ms
     recovery = next(r for r in read_records(runs["kill"], "recovery") if r["epoch"] >= failures[0]["epoch"])
-    assert f"| {recovery['step']} | {recovery['reform_s'] * 1000:.0f} ms |" in row, row
+    published = next(m["time"] for m in read_records(runs["kill"], "membership") if m["epoch"] == recovery["epoch"])
+    formed = f"{(recovery['time_reformed'] - published) * 1000:.0f} ms"
+    assert f"| {recovery['step']} | {recovery['reform_s'] * 1000:.0f} ms | {formed} |" in row, row
     rejoined = [m for m in read_records(runs["kill"], "membership") if m["reason"].startswith("joined")]
     assert md.count("| worker 2 |") == len(rejoined)
     assert f"2 recovered in-step, {len(rejoined)} rejoined" in md  # two kills; a rejoin is not a recovery

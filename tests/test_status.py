@@ -195,7 +195,9 @@ def test_a_join_is_counted_apart_from_recoveries_everywhere(tmp_path: Path, caps
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = render_markdown(load_run(run_dir), None)
     assert "1 recovered in-step, 1 rejoined" in report
-    assert "| worker 1 | " in report and "re-formed in |" not in report.split("| rejoined |")[1]
+    assert "| worker 1 | " in report and "survivors waited" in report.split("| rejoined |")[0]
+    rejoined_table = report.split("| rejoined |")[1]
+    assert "survivors waited" not in rejoined_table and "formed after epoch" not in rejoined_table
 
 
 @pytest.mark.timeout(10)

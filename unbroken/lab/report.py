@@ -166,7 +166,8 @@ class Failure:
     detected_at: float
     detection_s: float | None
     step: int | None  # the step during which the group re-formed without the worker
-    reform_s: float | None  # abandoning the old group and forming the new one (worker-measured)
+    reform_s: float | None  # a survivor's wait for the new group, 0 where it was formed ahead (worker-measured)
+    formed_after_epoch_s: float | None  # the epoch without the worker published -> the survivors' group on it
     committed_after_s: float | None  # from the fault (or its detection) to that step's commit
 
 
@@ -185,6 +186,18 @@ def _recovery_after(run: Run, time: float, epoch: int, join: bool = False) -> di
         if r["type"] == "recovery" and r.get("epoch", 0) >= epoch and is_join(r, members) == join:
             return r
     return None
+
+
+def _formed_after_epoch(run: Run, recovery: dict[str, Any]) -> float | None:
+    """From the publication of the recovery's epoch (the last membership record of that number before it: a
+    restart numbers the epochs from 1 again) to the group formed on it; a worker's clock against the
+    coordinator's. None for records without the group's time."""
+    if "time_reformed" not in recovery:
+        return None
+    published = [
+        r["time"] for r in run.of("membership") if r["epoch"] == recovery["epoch"] and r["time"] <= recovery["time"]
+    ]
+    return recovery["time_reformed"] - published[-1] if published else None
 
 
 def failures(run: Run) -> list[Failure]:
@@ -206,6 +219,7 @@ def failures(run: Run) -> list[Failure]:
                 detection_s=detection,
                 step=step,
                 reform_s=recovery.get("reform_s") if recovery else None,
+                formed_after_epoch_s=_formed_after_epoch(run, recovery) if recovery else None,
                 committed_after_s=commit - start if commit is not None else None,
             )
         )
@@ -331,18 +345,21 @@ def render_markdown(run: Run, reference: Run | None) -> str:
     if found:
         lines += [
             "Times are seconds since the coordinator started. *Detected after*: from the injected fault to the "
-            "coordinator publishing the epoch without the worker. *Re-formed in*: the survivors abandoning "
-            "the old group and forming the new one. *Committed after*: from the fault to the commit of the "
-            "step it interrupted.",
+            "coordinator publishing the epoch without the worker. *Survivors waited*: from a survivor's "
+            "abandoning the old group to its new group, 0 where the group was formed before it noticed. *Formed "
+            "after epoch*: from that epoch's publication to the survivors' group formed on it (a worker's clock "
+            "against the coordinator's). *Committed after*: from the fault to the commit of the step it "
+            "interrupted.",
             "",
-            "| worker | fault | at | detected after | step | re-formed in | committed after |",
-            "|---|---|---|---|---|---|---|",
+            "| worker | fault | at | detected after | step | survivors waited | formed after epoch | committed after |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for f in found:
             at = f.injected_at if f.injected_at is not None else f.detected_at
             lines.append(
                 f"| {f.worker} | `{f.what}` | {at:.2f} s | {_ms(f.detection_s)} | "
-                f"{f.step if f.step is not None else '-'} | {_ms(f.reform_s)} | {_s(f.committed_after_s)} |"
+                f"{f.step if f.step is not None else '-'} | {_ms(f.reform_s)} | {_ms(f.formed_after_epoch_s)} | "
+                f"{_s(f.committed_after_s)} |"
             )
     if joined:
         lines += ["", "| rejoined | at | members after | trains from step |", "|---|---|---|---|"]
