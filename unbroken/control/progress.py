@@ -15,7 +15,7 @@ from typing import Any
 from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.failures import parse_event
 from unbroken.core.goodput import account
-from unbroken.core.records import SpareState, WorkerError, committed_steps, is_join, sessions
+from unbroken.core.records import SpareState, WorkerError, committed_steps, formed_after_epoch, is_join, sessions
 from unbroken.core.throughput import run_throughput
 
 
@@ -199,7 +199,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     recoveries: list[dict[str, Any]] = []  # re-formations after a failure (or a stall)
     joins: list[dict[str, Any]] = []  # re-formations that admitted workers: {worker(s), step, epoch, members}
     members: dict[int, list[int]] = {}
-    published: dict[int, float] = {}  # each epoch's publication (the coordinator's clock)
+    published: dict[int, float] = {}  # each epoch's publication (the coordinator's clock), as read so far
+    formed_after: list[float] = []  # each recovery's group, after its epoch's publication
     for r in records:
         kind = r.get("type")
         if kind == "membership":
@@ -215,6 +216,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
                 )
                 continue
             recoveries.append(r)
+            if (formed := formed_after_epoch(r, published)) is not None:
+                formed_after.append(formed)
             for f in failures:  # the failures this re-formation survived: the step each interrupted
                 if f["step"] is None and r["from_epoch"] < f.get("epoch", 0) <= r["epoch"]:
                     f["step"] = r["step"]
@@ -277,13 +280,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "detection_s": [f["detection_s"] for f in failures if "detection_s" in f],
         "recoveries": len(recoveries),
         "reform_s": [r["reform_s"] for r in recoveries],
-        # From the epoch's publication to the group formed on it (a worker's clock: hosts' clocks may differ by
-        # their skew). ``reform_s`` is what the worker waited for that group, 0 where it was formed ahead.
-        "formed_after_epoch_s": [
-            r["time_reformed"] - published[r["epoch"]]
-            for r in recoveries
-            if "time_reformed" in r and r["epoch"] in published
-        ],
+        # ``reform_s`` is what a worker waited for its new group, 0 where it was formed ahead.
+        "formed_after_epoch_s": formed_after,
         "recomputed": sum(r.get("recomputed", 0) for r in ordered),
         "dropped": sum(r.get("dropped", 0) for r in ordered),
         "efficient": sum(r.get("efficient", 0) for r in ordered),

@@ -416,6 +416,16 @@ def is_join(recovery: Mapping[str, Any], members: Mapping[int, Collection[int]])
     return True
 
 
+def formed_after_epoch(recovery: Mapping[str, Any], published: Mapping[int, float]) -> float | None:
+    """From the publication of a ``recovery`` record's epoch to the group formed on it (its ``time_reformed``: a
+    worker's clock against the coordinator's, so across hosts within their skew), given each epoch's publication
+    time (the ``membership`` records' times, read in order up to the recovery: a restart numbers the epochs from 1
+    again). None for a record without the group's time or an epoch not known."""
+    if "time_reformed" not in recovery or recovery.get("epoch") not in published:
+        return None
+    return float(recovery["time_reformed"]) - published[recovery["epoch"]]
+
+
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Step -> training loss; when a resumed run repeated a step, the last record wins."""
     return {r["step"]: r["loss"] for r in read_records(run_dir, RecordKind.STEP)}

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.goodput import account
-from unbroken.core.records import Quotas, committed_steps, is_join, sessions, wall_s
+from unbroken.core.records import Quotas, committed_steps, formed_after_epoch, is_join, sessions, wall_s
 
 PLOTS = ("loss.png", "throughput.png", "membership.png", "goodput.png")
 # The fields the report reads unconditionally, per record type (metrics.py lists the types).
@@ -189,15 +189,14 @@ def _recovery_after(run: Run, time: float, epoch: int, join: bool = False) -> di
 
 
 def _formed_after_epoch(run: Run, recovery: dict[str, Any]) -> float | None:
-    """From the publication of the recovery's epoch (the last membership record of that number before it: a
-    restart numbers the epochs from 1 again) to the group formed on it; a worker's clock against the
-    coordinator's. None for records without the group's time."""
-    if "time_reformed" not in recovery:
-        return None
-    published = [
-        r["time"] for r in run.of("membership") if r["epoch"] == recovery["epoch"] and r["time"] <= recovery["time"]
-    ]
-    return recovery["time_reformed"] - published[-1] if published else None
+    """``records.formed_after_epoch`` of ``recovery``, the epochs' publications read up to it."""
+    published: dict[int, float] = {}
+    for r in run.records:
+        if r is recovery:
+            break
+        if r["type"] == "membership":
+            published[r["epoch"]] = r["time"]
+    return formed_after_epoch(recovery, published)
 
 
 def failures(run: Run) -> list[Failure]:
