@@ -25,7 +25,7 @@ from runner import (
 )
 
 from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.core.records import read_records, step_losses
+from unbroken.core.records import SpareState, read_records, step_losses
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -89,6 +89,8 @@ def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_t
     from unbroken.control.agent import MAX_SPARE_DEATHS, Agent
 
     failing = Agent([0, 1], (sys.executable, "-c", "import sys; sys.exit(3)"), dict(os.environ), tmp_path, spares=2)
+    records: list[dict] = []
+    failing._record = records.append  # what it would publish to the coordinator (there is none here)
     failing.start_all()
     starts = 2
     while failing.spares:
@@ -101,6 +103,10 @@ def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_t
         assert set(failing.spare_devices.values()) <= {2, 3}  # the devices after the workers', never another
         time.sleep(0.01)
     assert failing.spare_deaths == starts and starts == MAX_SPARE_DEATHS * 2 + 2
+    started = {r["pid"]: r["spare"] for r in records if r["state"] == SpareState.STARTED}
+    exited = [r for r in records if r["state"] == SpareState.EXITED]
+    assert len(started) == starts and len(exited) == starts  # every death said once, with how it ended
+    assert all(started[r["pid"]] == r["spare"] and r["why"] == "exited with status 3" for r in exited)
     assert sorted(failing.free_devices) == [2, 3]
 
     finished = Agent([0], (sys.executable, "-c", "pass"), dict(os.environ), tmp_path / "done", spares=1)

@@ -205,8 +205,9 @@ def test_a_promoted_spare_is_shown_on_the_page_and_named_in_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The synthetic run with warm spares: spare 0 ready from the start, promoted to worker 1 right after its
-    death (which then rejoins at step 24), and spare 1 started in its stead. The page counts 1 starting and 1
-    promoted spare and its timeline says who took whose place; the summary names the promotion, how long after
+    death (which then rejoins at step 24), and spare 1 started in its stead, killed while it waited and replaced by
+    spare 2. The page counts 1 starting and 1 promoted spare and its timeline says who took whose place and which
+    spare ended; the summary names the promotion, how long after
     the death the spare was in the group, and the step it computes from, instead of a plain rejoin."""
     records = synthetic_run()
     start = records[0]["time"]
@@ -216,13 +217,20 @@ def test_a_promoted_spare_is_shown_on_the_page_and_named_in_the_summary(
         {"type": "spare", "time": start + 0.001, "spare": 0, "state": "ready", "worker": -1, "pid": 11},
         {"type": "spare", "time": failure["time"] + 0.05, "spare": 0, "state": "promoted", "worker": 1, "pid": 11},
         {"type": "spare", "time": failure["time"] + 0.06, "spare": 1, "state": "started", "worker": -1, "pid": 12},
+        {"type": "spare", "time": failure["time"] + 0.5, "spare": 1, "state": "exited", "worker": -1, "pid": 12}
+        | {"why": "killed by SIGKILL"},
+        {"type": "spare", "time": failure["time"] + 0.51, "spare": 2, "state": "started", "worker": -1, "pid": 13},
     ]
     view = RunView(total_steps=40)
     view.extend(sorted(records, key=lambda r: r["time"]))
     s = view.snapshot()
-    assert s["run"]["spares"] == {"started": 1, "ready": 0, "promoted": 1}
-    assert [(x["spare"], x["state"], x["worker"]) for x in s["spares"]] == [(0, "promoted", 1), (1, "started", -1)]
-    assert [e["text"] for e in s["timeline"] if e["kind"] == "spare"] == ["spare 0 takes the place of worker 1"]
+    assert s["run"]["spares"] == {"started": 1, "ready": 0, "promoted": 1}  # the one that ended is not waiting
+    spares = [(x["spare"], x["state"], x["worker"]) for x in s["spares"]]
+    assert spares == [(0, "promoted", 1), (1, "exited", -1), (2, "started", -1)]
+    assert [e["text"] for e in s["timeline"] if e["kind"] == "spare"] == [
+        "spare 0 takes the place of worker 1",
+        "spare 1 ended while it waited (killed by SIGKILL)",
+    ]
     (promotion,) = summarize(records, wall_s=1.0)["promotions"]
     assert promotion["spare"] == 0 and promotion["worker"] == 1 and (promotion["step"], promotion["epoch"]) == (24, 3)
     joined = next(r for r in records if r["type"] == "membership" and r["epoch"] == 3)

@@ -311,9 +311,21 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     load_config(config, overrides)  # a bad config or override is a one-line error before any run
     out = Path(args.out) if args.out else None
     if args.churn:
+        if args.spares:
+            raise ValueError("--spares is for a campaign's runs; --churn makes its membership changes without spares")
         return run_churn(config, args.churn, args.workers, args.steps or 100000, out, overrides)
     return run_campaign(
-        config, args.trials, args.seed, args.workers, args.steps or 40, out, args.keep, overrides, args.mode, args.pace
+        config,
+        args.trials,
+        args.seed,
+        args.workers,
+        args.steps or 40,
+        out,
+        args.keep,
+        overrides,
+        args.mode,
+        args.pace,
+        args.spares,
     )
 
 
@@ -524,6 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--pace", type=float, default=0.0, metavar="SECONDS", help=pace_help)
     churn_help = "instead: one run with this many membership changes, sampling memory, threads and descriptors"
     chaos.add_argument("--churn", type=int, metavar="CHANGES", help=churn_help)
+    chaos.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="warm spares beside the workers in every run (a multiple of the replica's ranks; default 0)",
+    )
     chaos.set_defaults(func=cmd_chaos)
     simulate = sub.add_parser("simulate", help="discrete-event model of a cluster: recovery policies side by side")
     simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.toml", help="e.g. configs/sim/recover_512.toml")

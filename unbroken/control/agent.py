@@ -327,6 +327,11 @@ class Agent:
             died = {k: code for k in ranks if (code := self.spares[k].poll()) not in (None, 0)}
             if not died:
                 continue
+            for k, code in died.items():
+                pid, why = self.spares[k].pid, exit_reason(code)
+                self._record(
+                    make(RecordKind.SPARE, time.time(), spare=k, state=SpareState.EXITED, worker=-1, pid=pid, why=why)
+                )
             for k in ranks:
                 proc = self.spares.pop(k)
                 if proc.poll() is None:

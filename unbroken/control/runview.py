@@ -174,7 +174,7 @@ class RunView:
         self._checkpoints: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_CHECKPOINTS)
         self._num_checkpoints = 0
         self._final: dict[str, Any] | None = None
-        self._spares: dict[int, dict[str, Any]] = {}  # warm spare -> its state (started, ready, promoted) and worker
+        self._spares: dict[int, dict[str, Any]] = {}  # warm spare -> its state (``SpareState``) and worker
         # the goodput records (core.goodput): the account at each, badput seconds by bucket
         self._goodput = _Series(("step", "tokens_per_s", "ideal_tokens_per_s", "ratio", *map(str, Bucket)), max_points)
 
@@ -478,6 +478,8 @@ class RunView:
         self._spares[k] = {"spare": k, "state": r.get("state"), "worker": r.get("worker"), "since": t}
         if r.get("state") == "promoted":
             self._event(t, "spare", f"spare {k} takes the place of worker {r.get('worker')}", worker=r.get("worker"))
+        elif r.get("state") == "exited":
+            self._event(t, "spare", f"spare {k} ended while it waited ({r.get('why')})")
 
     def _on_gateway(self, r: Mapping[str, Any], t: float | None) -> None:
         self._event(t, "gateway", f"gateway: {r.get('admitted')} admitted, {r.get('rejected')} rejected")

@@ -105,6 +105,7 @@ class SpareState(StrEnum):
     STARTED = "started"  # its process was started
     READY = "ready"  # initialised (model, optimizer, data) and waiting outside the group
     PROMOTED = "promoted"  # it took the place of dead worker ``worker``
+    EXITED = "exited"  # it ended while it waited; ``why`` says how (``control.store.exit_reason``'s text)
 
 
 class ErrorPhase(StrEnum):

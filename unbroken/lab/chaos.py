@@ -17,7 +17,7 @@ Invariants checked after every run (a violation names the trial's seed):
   detection     every failure was detected within ``comm.heartbeat_timeout_s`` + ``DETECTION_SLACK_S``
   no crash      every failure was one the campaign caused (a SIGKILL, a lost heartbeat, a worker that left when
                 it was cut off or excluded), never a worker ending by itself: an abort (gloo's on a collective
-                mismatch), another signal, an exception raised
+                mismatch), another signal, an exception raised; nor a warm spare while it waited
   progress      no gap between consecutive committed steps longer than the heartbeat timeout + ``STALL_SLACK_S``
   counted once  every step 0..N-1 was committed, and each committed step counted each of its M microbatches
                 exactly once (the reduced count vector, recorded in the step's metrics)
@@ -28,6 +28,10 @@ Invariants checked after every run (a violation names the trial's seed):
 With replicas of several ranks (``--parallel.shard`` / ``--parallel.pipeline`` among the overrides) the faults
 hit ranks, the last replica is never touched, a double kill may take a whole replica, and each worker's
 final checksum is compared with the reference's rank of the same index (a rank holds its shard).
+
+With warm spares (``--spares N``, every run of the campaign, the reference too) a dead worker's place is taken by
+a spare rather than by a restart; in ``random-time`` the driver also hits the promoted spares (they are workers
+now) and the spares still waiting. The invariants are the same.
 
 The churn run (``unbroken chaos --churn 50``) makes workers die and rejoin until the membership changed
 that many times and samples, from /proc, the memory (RSS), threads, open file descriptors and sockets of
@@ -50,12 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.control.agent import check_spares
 from unbroken.control.store import exit_code_in, raised_headline
 from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import read_records
+from unbroken.core.records import SpareState, read_records
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.protocoldefs import EXIT_STOPPED
 
@@ -169,6 +174,7 @@ class Reference:
     run_dir: Path
     layout: ReplicaLayout = field(default_factory=ReplicaLayout)
     pace_s: float = 0.0  # the pace of the reference and of every trial compared with it (``pace_event``)
+    spares: int = 0  # warm spares beside the workers, in the reference and in every trial compared with it
 
 
 @dataclass
@@ -181,6 +187,7 @@ class Outcome:
     max_detection_s: float = 0.0
     max_stall_s: float = 0.0
     leftovers: int = 0
+    promoted: int = 0  # warm spares that took a dead worker's place
 
 
 def pace_event(workers: int, steps: int, seconds: float) -> str:
@@ -194,10 +201,19 @@ def pace_event(workers: int, steps: int, seconds: float) -> str:
 
 
 def _train_cmd(
-    config: str, out: Path, workers: int, steps: int, overrides: list[str], schedule: str, pace_s: float
+    config: str,
+    out: Path,
+    workers: int,
+    steps: int,
+    overrides: list[str],
+    schedule: str,
+    pace_s: float,
+    spares: int = 0,
 ) -> list[str]:
     schedule = "; ".join(e for e in (schedule, pace_event(workers, steps, pace_s)) if e)
     cmd = [sys.executable, "-m", "unbroken", "train", config, "--workers", str(workers), "--out", str(out)]
+    if spares:
+        cmd += ["--spares", str(spares)]
     cmd += [
         "--quiet",
         "--recovery.reduction=exact",
@@ -229,17 +245,18 @@ def _run(cmd: list[str], timeout_s: float) -> tuple[int | None, float]:
 
 
 def reference_run(
-    config: str, out: Path, workers: int, steps: int, overrides: list[str], pace_s: float = 0.0
+    config: str, out: Path, workers: int, steps: int, overrides: list[str], pace_s: float = 0.0, spares: int = 0
 ) -> Reference:
-    """The failure-free run every trial is compared with, paced as its trials are (``pace_event``)."""
-    code, wall = _run(_train_cmd(config, out, workers, steps, overrides, "", pace_s), 600)
+    """The failure-free run every trial is compared with, paced as its trials are (``pace_event``) and with their
+    spares."""
+    code, wall = _run(_train_cmd(config, out, workers, steps, overrides, "", pace_s, spares), 600)
     final = read_records(out, "final")
     if code != 0 or not final:
         raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
     losses = {r["step"]: r["loss"] for r in read_records(out, "step")}
     layout = _layout(config, overrides)
     checksums = {layout.rank_of(int(w)): digest for w, digest in final[-1]["checksums"].items()}
-    return Reference(losses, checksums, wall, out, layout, pace_s)
+    return Reference(losses, checksums, wall, out, layout, pace_s, spares)
 
 
 def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, microbatches: int) -> None:
@@ -280,6 +297,10 @@ def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, micro
             outcome.max_detection_s = max(outcome.max_detection_s, f["detection_s"])
             if f["detection_s"] > bound:
                 v.append(f"worker {f['worker']}: detected after {f['detection_s']:.2f} s (bound {bound:.1f} s)")
+    outcome.promoted = sum(r["state"] == SpareState.PROMOTED for r in by_type.get("spare", []))
+    for r in by_type.get("spare", []):
+        if r["state"] == SpareState.EXITED and exit_code_in(str(r["why"])) not in CAUSED_EXITS:
+            v.append(f"spare {r['spare']} crashed while it waited: {r['why']}")
     missing = sorted(set(range(steps)) - committed)
     if missing:
         v.append(f"steps never committed: {missing[:10]}")
@@ -345,7 +366,8 @@ def run_trial(
     trial = make_trial(seed, workers, steps, ref.layout)
     run_dir = out / f"trial-{seed}"
     timeout = 3 * ref.wall_s + 90
-    code, wall = _run(_train_cmd(config, run_dir, workers, steps, overrides, trial.schedule, ref.pace_s), timeout)
+    cmd = _train_cmd(config, run_dir, workers, steps, overrides, trial.schedule, ref.pace_s, ref.spares)
+    code, wall = _run(cmd, timeout)
     outcome = Outcome(trial, code, wall)
     check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
     return outcome
@@ -366,7 +388,14 @@ def run_random_trial(
     log_path = out / f"random-{seed}.faults.jsonl"
     log_path.unlink(missing_ok=True)
     cmd = _train_cmd(
-        config, run_dir, workers, steps, [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"], "", ref.pace_s
+        config,
+        run_dir,
+        workers,
+        steps,
+        [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"],
+        "",
+        ref.pace_s,
+        ref.spares,
     )
     t0 = time.monotonic()
     launcher_log = open(out / f"random-{seed}.launcher.log", "w")  # noqa: SIM115 - closed below
@@ -413,7 +442,8 @@ def run_random_trial(
     outcome = Outcome(trial, code, wall)
     if log_path.exists():
         for line in log_path.read_text().splitlines():
-            outcome.injected[f"random {json.loads(line)['kind']}"] += 1
+            entry = json.loads(line)
+            outcome.injected[f"random {entry['kind']}" + (" of a spare" if entry.get("spare") is not None else "")] += 1
     check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
     return outcome
 
@@ -445,9 +475,11 @@ def print_table(outcomes: list[Outcome], header: str) -> None:
     detection = max((o.max_detection_s for o in outcomes), default=0.0)
     stall = max((o.max_stall_s for o in outcomes), default=0.0)
     leftovers = sum(o.leftovers for o in outcomes)
+    promoted = sum(o.promoted for o in outcomes)
     print(
         f"runs: {len(outcomes)}, with a violation: {len(bad)}; slowest detection {detection:.2f} s; "
         f"longest wait between two commits {stall:.2f} s; partial checkpoint files left (ignored): {leftovers}"
+        + (f"; spares promoted: {promoted}" if promoted else "")
     )
     for o in bad:
         print(f"VIOLATION seed {o.trial.seed} (schedule: {o.trial.schedule}):")
@@ -469,6 +501,7 @@ def _write_summary(path: Path, outcomes: list[Outcome], workers: int, steps: int
                 "max_detection_s": o.max_detection_s,
                 "max_stall_s": o.max_stall_s,
                 "leftovers": o.leftovers,
+                "promoted": o.promoted,
             }
             for o in outcomes
         ],
@@ -492,10 +525,11 @@ def run_campaign(
     overrides: list[str],
     mode: str = "named",
     pace_s: float = 0.0,
+    spares: int = 0,
 ) -> int:
     """Run ``trials`` trials (seeds ``seed`` .. ``seed + trials - 1``); 0 if no invariant was broken. ``mode``:
     ``named`` faults at the code's named points (the failure schedule), or ``random-time`` faults from outside
-    at random instants (``lab.faultdriver``). ``pace_s``: ``pace_event``."""
+    at random instants (``lab.faultdriver``). ``pace_s``: ``pace_event``; ``spares``: warm spares in every run."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
     if not pace_s >= 0:
@@ -509,10 +543,11 @@ def run_campaign(
     layout = _layout(config, overrides)
     if layout.size > 1 and layout.replicas_in(workers) < 2:
         raise ValueError(f"chaos with replicas of {layout.size} ranks needs --workers >= {2 * layout.size}")
+    check_spares(spares, layout)
     base = Path(tempfile.mkdtemp(prefix="unbroken-chaos-")) if out is None else out
     base.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    ref = reference_run(config, base / "reference", workers, steps, overrides, pace_s)
+    ref = reference_run(config, base / "reference", workers, steps, overrides, pace_s, spares)
     print(f"reference run: {steps} steps in {ref.wall_s:.1f} s", flush=True)
     outcomes = []
     for s in range(seed, seed + trials):
@@ -532,6 +567,7 @@ def run_campaign(
     header = (
         f"chaos campaign ({mode}): {trials} runs (seeds {seed}..{seed + trials - 1}), {workers} workers, "
         f"{steps} steps, exact reduction, {time.monotonic() - t0:.0f} s"
+        + (f", {spares} warm spare{'s' * (spares > 1)}" if spares else "")
     )
     print_table(outcomes, header)
     if any(o.violations for o in outcomes):

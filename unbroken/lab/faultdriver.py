@@ -8,6 +8,8 @@ worker id) and reads the memberships and commits from the run's metrics, only to
 holds the training state (a cluster never loses every copy of the training state at once); a fault due before
 the first epoch is delivered as soon as there is one. With replicas of several ranks (the run's config.toml,
 ``[parallel]``) a whole replica is spared: a replica holds the state only while every one of its ranks runs.
+With warm spares (``unbroken train --spares``) a spare that took a dead worker's place is that worker (the
+agent's ``spare`` records name its process), and a fault may hit a spare still waiting instead (``SPARE_SHARE``).
 Every fault delivered is appended to a JSON-lines log the campaign counts.
 
     python -m unbroken.lab.faultdriver --launcher-pid PID --run-dir DIR --seed S --duration 40 --faults 5 --log F
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -27,7 +30,7 @@ from pathlib import Path
 from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import RecordKind, read_records
+from unbroken.core.records import RecordKind, SpareState, read_records
 
 STOP_RANGE_S = (0.2, 4.0)  # SIGSTOP lengths: below and beyond the default heartbeat timeout (2 s)
 BOTH_AT_ONCE = 0.25  # share of faults that hit two workers at the same moment
@@ -36,6 +39,7 @@ KILL_SHARE = 0.6
 # a loaded machine adds delays of its own): once continued it may no longer hold the training state, so it is
 # never the worker a fault spares.
 MAY_BE_EVICTED_S = 1.0
+SPARE_SHARE = 0.25  # share of faults that hit a waiting spare, while one waits
 
 
 @dataclass(frozen=True)
@@ -76,34 +80,88 @@ def process_state(pid: int) -> str:
         return ""
 
 
-def worker_processes(launcher_pid: int) -> dict[int, int]:
-    """Worker id -> pid of the launcher's worker children that are running (not stopped, not exited)."""
+def worker_processes(launcher_pid: int, promoted: dict[int, Promotion] | None = None) -> dict[int, int]:
+    """Worker id -> pid of the launcher's worker children that are running (not stopped, not exited);
+    ``promoted`` (``spare_processes``): the spares that took a worker's place."""
     out: dict[int, int] = {}
     for pid in _children(launcher_pid):
         worker = worker_of(pid)
+        if worker is None and promoted is not None and pid in promoted:
+            worker = promoted[pid].worker
         if worker is not None and process_state(pid) in ("R", "S", "D"):
             out[worker] = pid
     return out
 
 
-def state_holders(run_dir: Path) -> list[int]:
-    """The members of the newest recorded epoch that hold the training state, read from the run's metrics.
+@dataclass(frozen=True)
+class Promotion:
+    """A spare's process that took a dead worker's place (the agent's ``spare`` record)."""
+
+    worker: int
+    time: float  # when the agent gave it the worker's id (wall clock)
+
+
+def spare_processes(run_dir: Path) -> tuple[dict[int, Promotion], dict[int, int]]:
+    """From the agent's ``spare`` records: the spares promoted (pid -> its promotion) and those still waiting
+    (pid -> spare index; some may have exited since)."""
+    started: dict[int, int] = {}
+    promoted: dict[int, Promotion] = {}
+    for record in read_records(run_dir, RecordKind.SPARE):
+        if record["state"] == SpareState.STARTED:
+            started[record["pid"]] = record["spare"]
+        elif record["state"] == SpareState.PROMOTED:
+            promoted[record["pid"]] = Promotion(record["worker"], record["time"])
+    return promoted, {pid: k for pid, k in started.items() if pid not in promoted}
+
+
+def state_holders(run_dir: Path) -> dict[int, float]:
+    """The members of the newest recorded epoch that hold the training state, read from the run's metrics, each
+    with the time of the epoch's membership record that gave it the state.
 
     Every member of a ``start`` epoch builds the same initial state, and every member of an epoch in which a
     step was committed took part in that step. A worker that joined since is receiving the state, or about
     to: until a step commits with it, the state lives only in the members it joined (seeds 12031 and 12032:
-    the one worker holding the state was hit while a joiner was still receiving it from that worker)."""
-    holders: set[int] = set()
-    newest: tuple[int, list[int]] | None = None  # (epoch, members)
+    the one worker holding the state was hit while a joiner was still receiving it from that worker). A worker
+    id names a process only since it became that worker (``became_worker_at``): the metrics lag behind, and a
+    process that took a dead worker's id holds nothing of an epoch formed before it had the id."""
+    holders: dict[int, float] = {}
+    newest: tuple[int, list[int], float] | None = None  # (epoch, members, its record's time)
     for record in read_records(run_dir):
         if record["type"] == RecordKind.MEMBERSHIP:
             members = list(record["members"])
-            holders = set(members) if newest is None or record["reason"] == "start" else holders & set(members)
-            newest = (record["epoch"], members)
+            if newest is None or record["reason"] == "start":
+                holders = dict.fromkeys(members, record["time"])
+            else:
+                holders = {w: t for w, t in holders.items() if w in members}
+            newest = (record["epoch"], members, record["time"])
         elif record["type"] == RecordKind.STEP and newest is not None and record["epoch"] == newest[0]:
             if record["committed"]:
-                holders = set(newest[1])
-    return sorted(holders) if newest is not None else []
+                holders = dict.fromkeys(newest[1], newest[2])
+    return holders
+
+
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started (wall clock, to about 10 ms), or None if it is gone."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def became_worker_at(pid: int, promoted: dict[int, Promotion]) -> float:
+    """When process ``pid`` became the worker it is: its promotion for a spare, else its start (inf if gone)."""
+    if pid in promoted:
+        return promoted[pid].time
+    start = started_at(pid)
+    return math.inf if start is None else start
+
+
+def holders_running(holders: dict[int, float], running: dict[int, int], promoted: dict[int, Promotion]) -> list[int]:
+    """Of ``holders`` (``state_holders``), the workers whose running process is the one the state was given to:
+    it had the worker's id before the epoch that gave it the state was formed."""
+    return sorted(w for w, t in holders.items() if w in running and became_worker_at(running[w], promoted) < t)
 
 
 def run_layout(run_dir: Path) -> ReplicaLayout:
@@ -192,13 +250,21 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
             if process_state(launcher_pid) in ("", "Z"):
                 break
             layout = layout or run_layout(run_dir)
-            running = victims.running(worker_processes(launcher_pid))
-            for w in choose_victims(rng, running, victims.holding_state(holders, running), fault.victims, layout):
-                pid = running[w]
+            promoted, waiting = spare_processes(run_dir)
+            waiting = {pid: k for pid, k in waiting.items() if process_state(pid) in ("R", "S", "D")}
+            if waiting and rng.random() < SPARE_SHARE:
+                pid = rng.choice(sorted(waiting))
+                targets = [(pid, {"spare": waiting[pid]})]
+            else:
+                running = victims.running(worker_processes(launcher_pid, promoted))
+                keepers = victims.holding_state(holders_running(holders, running, promoted), running)
+                chosen = choose_victims(rng, running, keepers, fault.victims, layout)
+                targets = [(running[w], {"worker": w}) for w in chosen]
+            for pid, target in targets:
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
                 victims.hit(pid, fault.kind, fault.stop_s, time.monotonic())
                 delivered += 1
-                entry = {"time": time.time(), "kind": fault.kind, "worker": w, "pid": pid, "at_s": fault.at_s}
+                entry = {"time": time.time(), "kind": fault.kind, **target, "pid": pid, "at_s": fault.at_s}
                 log.write(json.dumps({**entry, "stop_s": fault.stop_s if fault.kind == "stop" else 0.0}) + "\n")
         while victims.stopped:
             _continue(victims.resume_due(time.monotonic()))
