@@ -4,6 +4,7 @@ invariant (see unbroken/chaos.py; the long campaign's figures are in docs/reliab
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -38,6 +39,7 @@ from unbroken.lab.faultdriver import (
     holders_running,
     plan_faults,
     spare_processes,
+    started_at,
     state_holders,
     worker_processes,
 )
@@ -90,31 +92,42 @@ def test_faults_back_to_back_never_take_every_copy_of_the_state() -> None:
         assert any(p not in victims.killed | long_stopped for p in seen.values()), seed
 
 
+def membership(epoch: int, members: list[int], reason: str, at: float = 0.0) -> dict:
+    return make(RecordKind.MEMBERSHIP, at, epoch=epoch, members=members, reason=reason, elapsed_s=0.0)
+
+
+def step(step: int, epoch: int, at: float = 0.0) -> dict:
+    """A committed step's record (its figures 0)."""
+    fields = dict.fromkeys(("loss", "lr", "grad_norm", "step_time_s"), 0.0)
+    fields |= dict.fromkeys(("tokens", "alive", "microbatches", "recomputed", "dropped", "recoveries"), 0)
+    return make(RecordKind.STEP, at, step=step, epoch=epoch, committed=True, efficient=0, **fields)
+
+
+def recorded_holders(run_dir: Path) -> dict[int, float]:
+    return state_holders(read_records(run_dir))
+
+
+def spare_record(k: int, state: SpareState, pid: int, worker: int = -1, at: float = 0.0) -> dict:
+    return make(RecordKind.SPARE, at, spare=k, state=state, worker=worker, pid=pid)
+
+
 @pytest.mark.timeout(30)
 def test_a_joiner_holds_the_state_only_once_a_step_commits_with_it(tmp_path: Path) -> None:
     """Seed 12031's records, in the order the run wrote them: worker 3 killed, 0 and 1 stopped past the
     heartbeat timeout, worker 2 alone commits steps, then a restarted 3 joins. Until a step commits in the
     joiner's epoch only worker 2 holds the state, and a fault must spare it, not the joiner."""
 
-    def membership(epoch: int, members: list[int], reason: str) -> dict:
-        return make(RecordKind.MEMBERSHIP, 0.0, epoch=epoch, members=members, reason=reason, elapsed_s=0.0)
-
-    def step(step: int, epoch: int) -> dict:
-        fields = dict.fromkeys(("loss", "lr", "grad_norm", "step_time_s"), 0.0)
-        fields |= dict.fromkeys(("tokens", "alive", "microbatches", "recomputed", "dropped", "recoveries"), 0)
-        return make(RecordKind.STEP, 0.0, step=step, epoch=epoch, committed=True, efficient=0, **fields)
-
-    assert sorted(state_holders(tmp_path)) == []  # nothing formed yet: nobody to spare, so no fault is delivered
+    assert sorted(recorded_holders(tmp_path)) == []  # nothing formed yet: nobody to spare, so no fault is delivered
     append_records(tmp_path, [membership(1, [0, 1, 2, 3], "start")])
-    assert sorted(state_holders(tmp_path)) == [0, 1, 2, 3]
+    assert sorted(recorded_holders(tmp_path)) == [0, 1, 2, 3]
     append_records(tmp_path, [membership(2, [0, 1, 2], "died: 3"), membership(3, [2], "died: 0, 1"), step(0, 3)])
-    assert sorted(state_holders(tmp_path)) == [2]
+    assert sorted(recorded_holders(tmp_path)) == [2]
     append_records(tmp_path, [membership(4, [2, 3], "joined: 3"), step(1, 3)])  # step 1 committed before the join
-    assert sorted(state_holders(tmp_path)) == [2]
+    assert sorted(recorded_holders(tmp_path)) == [2]
     append_records(tmp_path, [step(2, 4)])
-    assert sorted(state_holders(tmp_path)) == [2, 3]
+    assert sorted(recorded_holders(tmp_path)) == [2, 3]
     append_records(tmp_path, [membership(5, [3], "died: 2")])
-    assert sorted(state_holders(tmp_path)) == [3]
+    assert sorted(recorded_holders(tmp_path)) == [3]
 
 
 @pytest.mark.timeout(60)
@@ -125,44 +138,33 @@ def test_a_process_that_took_a_workers_id_holds_nothing_of_an_epoch_formed_befor
     of epoch 8 (1, 2) holds the training state"). A process holds the state of an epoch only if it had the id
     before the epoch was formed."""
 
-    def membership(epoch: int, members: list[int], reason: str, at: float) -> dict:
-        return make(RecordKind.MEMBERSHIP, at, epoch=epoch, members=members, reason=reason, elapsed_s=0.0)
-
-    def step(step: int, epoch: int, at: float) -> dict:
-        fields = dict.fromkeys(("loss", "lr", "grad_norm", "step_time_s"), 0.0)
-        fields |= dict.fromkeys(("tokens", "alive", "microbatches", "recomputed", "dropped", "recoveries"), 0)
-        return make(RecordKind.STEP, at, step=step, epoch=epoch, committed=True, efficient=0, **fields)
-
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     procs = [subprocess.Popen(sleeper) for _ in range(4)]  # workers 0, 1, 2 and a warm spare
     try:
-        first = time.time() + 0.05  # the start epoch, formed after the processes started (to ~10 ms)
-        append_records(tmp_path, [membership(1, [0, 1, 2], "start", first), step(0, 1, first + 0.1)])
+        # The start epoch, formed after the processes started (/proc says when, to ~10 ms).
+        first = max(started_at(p.pid) or math.inf for p in procs) + 0.03
+        append_records(tmp_path, [membership(1, [0, 1, 2], "start", first), step(0, 1, first + 0.001)])
         running = {w: procs[w].pid for w in range(3)}
-        assert holders_running(state_holders(tmp_path), running, {}) == [0, 1, 2]
+        assert holders_running(recorded_holders(tmp_path), running, {}) == [0, 1, 2]
         # Worker 2 dies; the spare takes its id before the coordinator's epoch without 2 is recorded.
-        promotion = {procs[3].pid: Promotion(worker=2, time=first + 1.0)}
-        append_records(tmp_path, [spare_record(0, SpareState.PROMOTED, procs[3].pid, worker=2, at=first + 1.0)])
+        promotion = {procs[3].pid: Promotion(worker=2, time=first + 0.002)}
+        append_records(tmp_path, [spare_record(0, SpareState.PROMOTED, procs[3].pid, worker=2, at=first + 0.002)])
         running[2] = procs[3].pid
-        assert holders_running(state_holders(tmp_path), running, promotion) == [0, 1]
-        append_records(tmp_path, [membership(2, [0, 1], "died: 2", first + 1.1)])
-        append_records(tmp_path, [membership(3, [0, 1, 2], "joined: 2", first + 1.2)])
-        assert holders_running(state_holders(tmp_path), running, promotion) == [0, 1]  # receiving, not yet holding
-        append_records(tmp_path, [step(1, 3, first + 1.3)])
-        assert holders_running(state_holders(tmp_path), running, promotion) == [0, 1, 2]
+        assert holders_running(recorded_holders(tmp_path), running, promotion) == [0, 1]
+        append_records(tmp_path, [membership(2, [0, 1], "died: 2", first + 0.003)])
+        append_records(tmp_path, [membership(3, [0, 1, 2], "joined: 2", first + 0.004)])
+        assert holders_running(recorded_holders(tmp_path), running, promotion) == [0, 1]  # receiving, not yet holding
+        append_records(tmp_path, [step(1, 3, first + 0.005)])
+        assert holders_running(recorded_holders(tmp_path), running, promotion) == [0, 1, 2]
         # Worker 1 restarted: a process started after the newest epoch holds nothing of it.
-        time.sleep(max(0.0, first + 1.3 - time.time()) + 0.1)
+        time.sleep(max(0.0, first + 0.005 + 0.03 - time.time()))  # so that it starts after that epoch
         restarted = subprocess.Popen(sleeper)
         procs.append(restarted)
-        assert holders_running(state_holders(tmp_path), {**running, 1: restarted.pid}, promotion) == [0, 2]
+        assert holders_running(recorded_holders(tmp_path), {**running, 1: restarted.pid}, promotion) == [0, 2]
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-
-
-def spare_record(k: int, state: SpareState, pid: int, worker: int = -1, at: float = 0.0) -> dict:
-    return make(RecordKind.SPARE, at, spare=k, state=state, worker=worker, pid=pid)
 
 
 @pytest.mark.timeout(60)
@@ -184,7 +186,7 @@ def test_the_driver_knows_a_promoted_spare_as_its_worker_and_a_waiting_one_as_a_
                 spare_record(0, SpareState.PROMOTED, promoted_proc.pid, worker=2, at=5.0),
             ],
         )
-        promoted, waiting = spare_processes(tmp_path)
+        promoted, waiting = spare_processes(read_records(tmp_path))
         assert promoted == {promoted_proc.pid: Promotion(worker=2, time=5.0)}
         assert waiting == {waiting_proc.pid: 1}
         # Children of this process (the "launcher"): without the records neither is a worker.

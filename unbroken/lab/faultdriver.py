@@ -26,6 +26,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from unbroken.control.zygote import worker_of
 from unbroken.core.config import load_config
@@ -101,12 +102,14 @@ class Promotion:
     time: float  # when the agent gave it the worker's id (wall clock)
 
 
-def spare_processes(run_dir: Path) -> tuple[dict[int, Promotion], dict[int, int]]:
-    """From the agent's ``spare`` records: the spares promoted (pid -> its promotion) and those still waiting
-    (pid -> spare index; some may have exited since)."""
+def spare_processes(records: list[dict[str, Any]]) -> tuple[dict[int, Promotion], dict[int, int]]:
+    """From the agent's ``spare`` records among the run's ``records``: the spares promoted (pid -> its promotion)
+    and those still waiting (pid -> spare index; some may have exited since)."""
     started: dict[int, int] = {}
     promoted: dict[int, Promotion] = {}
-    for record in read_records(run_dir, RecordKind.SPARE):
+    for record in records:
+        if record["type"] != RecordKind.SPARE:
+            continue
         if record["state"] == SpareState.STARTED:
             started[record["pid"]] = record["spare"]
         elif record["state"] == SpareState.PROMOTED:
@@ -114,8 +117,8 @@ def spare_processes(run_dir: Path) -> tuple[dict[int, Promotion], dict[int, int]
     return promoted, {pid: k for pid, k in started.items() if pid not in promoted}
 
 
-def state_holders(run_dir: Path) -> dict[int, float]:
-    """The members of the newest recorded epoch that hold the training state, read from the run's metrics, each
+def state_holders(records: list[dict[str, Any]]) -> dict[int, float]:
+    """The members of the newest recorded epoch that hold the training state, from the run's ``records``, each
     with the time of the epoch's membership record that gave it the state.
 
     Every member of a ``start`` epoch builds the same initial state, and every member of an epoch in which a
@@ -126,7 +129,7 @@ def state_holders(run_dir: Path) -> dict[int, float]:
     process that took a dead worker's id holds nothing of an epoch formed before it had the id."""
     holders: dict[int, float] = {}
     newest: tuple[int, list[int], float] | None = None  # (epoch, members, its record's time)
-    for record in read_records(run_dir):
+    for record in records:
         if record["type"] == RecordKind.MEMBERSHIP:
             members = list(record["members"])
             if newest is None or record["reason"] == "start":
@@ -242,15 +245,17 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 time.sleep(0.01)
             # A fault due before the job formed its first group waits for it: until then nobody holds the
             # training state to spare, and on a loaded machine start-up can take most of the window.
-            holders = state_holders(run_dir)
+            records = read_records(run_dir)
+            holders = state_holders(records)
             while not holders and process_state(launcher_pid) not in ("", "Z"):
                 _continue(victims.resume_due(time.monotonic()))
                 time.sleep(0.05)
-                holders = state_holders(run_dir)
+                records = read_records(run_dir)
+                holders = state_holders(records)
             if process_state(launcher_pid) in ("", "Z"):
                 break
             layout = layout or run_layout(run_dir)
-            promoted, waiting = spare_processes(run_dir)
+            promoted, waiting = spare_processes(records)
             waiting = {pid: k for pid, k in waiting.items() if process_state(pid) in ("R", "S", "D")}
             if waiting and rng.random() < SPARE_SHARE:
                 pid = rng.choice(sorted(waiting))
