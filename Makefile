@@ -37,7 +37,8 @@ demo: $(BASE)
 # one), beside the two that run the rest; in r123 each of the two ended about 3 minutes before those.
 WAITING_TESTS_NETNS := tests/test_netns.py tests/test_faults.py tests/test_zygote.py tests/test_user_errors.py
 WAITING_TESTS_CONTROL := tests/test_control.py tests/test_launchers.py tests/test_coordinator.py tests/test_comm.py \
-	tests/test_hostbeat.py tests/test_spares.py tests/test_statestore.py tests/test_status.py tests/test_alerts.py
+	tests/test_hostbeat.py tests/test_spares.py tests/test_statestore.py tests/test_status.py tests/test_alerts.py \
+	tests/test_control_decisions.py
 WAITING_TESTS := $(WAITING_TESTS_NETNS) $(WAITING_TESTS_CONTROL)
 
 test: $(STAMP)

@@ -10,6 +10,7 @@ per process (tests/launchpad.py), ended with the session."""
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,7 @@ LONGEST_FIRST = (
     "test_examples.py",
     "test_numerics.py",
     "test_chaos.py",
+    "test_baselines.py",
     "test_transforms.py",
     "test_failslow.py",
     "test_mecefo.py",
@@ -91,6 +93,15 @@ def data_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = _shared_root(tmp_path_factory) / "data-cache"
     cache.mkdir(exist_ok=True)
     return cache
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """A seed for a test's random choices: a new one each run, or ``UNBROKEN_TEST_SEED`` to replay one; a failed
+    test's report names it (its "seed" section)."""
+    value = int(os.environ.get("UNBROKEN_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    request.node.add_report_section("setup", "seed", f"UNBROKEN_TEST_SEED={value} replays this test's random choices")
+    return value
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,9 @@ from unbroken.ft.exact import FixedPointScale
 pytestmark = pytest.mark.timeout(120)
 
 GROUP_TIMEOUT_S = 6.0
+# What a retired group may be held at most in the tests of the reaper: past the test's timeout, so a group destroyed
+# within the test was destroyed because its collectives had ended.
+HELD_PAST_THE_TEST_S = 600.0
 
 
 def on_each_rank(fn: Callable[[int], None], size: int) -> None:
@@ -85,16 +88,15 @@ def test_a_group_with_a_collective_stuck_on_a_silent_peer_is_retired_without_blo
     before = retired_groups()
     stuck = [w.work for w in pending[0]]
     for r in (0, 1):
-        retire_group(groups[r], GROUP_TIMEOUT_S + 1.0)
+        retire_group(groups[r], HELD_PAST_THE_TEST_S)
     # retire_group returned while the collectives were still stuck: it did not wait for them
     assert not all(w.is_completed() for w in stuck)
     del groups[:2], pending, stuck
     assert retired_groups() >= before + 2
-    # The reaper destroys them once their collectives have ended (here: at the group timeout).
-    deadline = time.monotonic() + 3 * GROUP_TIMEOUT_S
-    while retired_groups() > before and time.monotonic() < deadline:
+    # The reaper destroys them once their collectives have ended (here: at the group timeout), the only way
+    # within the test's timeout.
+    while retired_groups() > before:
         time.sleep(0.1)
-    assert retired_groups() == before
 
 
 def test_an_idle_group_is_destroyed_promptly() -> None:
@@ -104,12 +106,10 @@ def test_an_idle_group_is_destroyed_promptly() -> None:
     assert all(g.idle() for g in groups)
     before = retired_groups()
     for g in groups:
-        retire_group(g, 60.0)
+        retire_group(g, HELD_PAST_THE_TEST_S)
     del groups, work
-    deadline = time.monotonic() + 30.0  # well before the 60 s it may be held at most
-    while retired_groups() > before and time.monotonic() < deadline:
+    while retired_groups() > before:  # destroyed because idle: it may be held longer than the test's timeout
         time.sleep(0.05)
-    assert retired_groups() == before
 
 
 def test_a_completed_collective_counts_even_after_the_membership_changed() -> None:

@@ -579,9 +579,26 @@ def test_rejects_a_block_whose_mlp_does_not_read_its_norm() -> None:
 
 
 def test_bench_microbatch_memory_matches_the_analytic_count() -> None:
-    from unbroken.lab.bench_mecefo import bench_microbatch
+    """The saved bytes, counted by the bench, are the analytic float32 count to the byte. The analytic ratios count
+    the float activations only; autograd also keeps the microbatch's int64 tokens (the embedding's indices: the
+    storage of the (batch, seq_len + 1) window the inputs are a view of), the int64 targets (cross_entropy's:
+    flattened, a copy of their own) and the loss's float32 total weight (a scalar), the same in both modes."""
+    from unbroken.lab.bench_mecefo import bench_microbatch, expected_ratios
+    from unbroken.train.model import model_args
 
-    result = bench_microbatch(flavour="tiny", seq_len=16, batch=2, rank=8, repeats=1, warmup=0, data="random")
-    assert result["block_memory_ratio"] == pytest.approx(result["expected_block_memory_ratio"], rel=1e-9)
-    assert result["memory_ratio"] == pytest.approx(result["expected_memory_ratio"], rel=0.01)
+    seq_len, batch, rank = 16, 2, 8
+    result = bench_microbatch(
+        flavour="tiny", seq_len=seq_len, batch=batch, rank=rank, repeats=1, warmup=0, data="random"
+    )
+    args = model_args("tiny", max_seq_len=max(seq_len, model_args("tiny").max_seq_len))  # the bench's model
+    expected = expected_ratios(args, seq_len, batch, rank)
+    tokens, f32, i64 = seq_len * batch, 4, 8
+    exact_block = int(expected["exact_block_floats_per_token"]) * tokens * f32
+    efficient_block = args.dim * tokens * f32  # the FFN sub-block's input, per block
+    beside = int(expected["head_floats_per_token"]) * tokens * f32 + (batch * (seq_len + 1) + tokens) * i64 + f32
+    assert result["exact_block_saved_bytes"] == args.n_layers * exact_block
+    assert result["efficient_block_saved_bytes"] == args.n_layers * efficient_block
+    assert result["exact_saved_bytes"] == args.n_layers * exact_block + beside
+    assert result["efficient_saved_bytes"] == args.n_layers * efficient_block + beside
+    assert result["block_memory_ratio"] == result["expected_block_memory_ratio"] == efficient_block / exact_block
     assert 0 < result["expected_flops_ratio"] < 1 and result["efficient_ms"] > 0

@@ -26,9 +26,9 @@ SCHEDULE = "kill:worker=2,step=4,phase=backward,rejoin=1.0; slow:worker=0,factor
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict[str, Path]:
-    """The failure-free runs in exact reduction with one intra-op thread, so that the plain one (the reference)
-    can be run by one worker and MeCeFO's by two (the exact trajectory does not depend on the number of
-    workers); the runs with a kill by 4 workers, so that a neighbour takes over while others go on."""
+    """Every run in exact reduction with one intra-op thread, so that the trajectory does not depend on the number
+    of workers: the failure-free plain one (the reference) by one worker and MeCeFO's by two; the runs with a kill
+    by 4 workers, so that a neighbour takes over while others go on."""
     base = tmp_path_factory.mktemp("mecefo")
     common = ["--train.steps=40", "--checkpoint.every=0", "--train.microbatches=8", "--mecefo.rank=8"]
     exact = [EXACT, ONE_THREAD]
@@ -36,8 +36,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache_dir: Path) -> dict
     for name, extra, workers in (
         ("recover", exact, 1),
         ("mecefo", [*exact, "--recovery.policy=mecefo"], 2),
-        ("mecefo_kill", ["--recovery.policy=mecefo", f"--failures.schedule={SCHEDULE}"], 4),
-        ("spread_kill", ["--recovery.policy=mecefo-spread", f"--failures.schedule={SCHEDULE}"], 4),
+        ("mecefo_kill", [*exact, "--recovery.policy=mecefo", f"--failures.schedule={SCHEDULE}"], 4),
+        ("spread_kill", [*exact, "--recovery.policy=mecefo-spread", f"--failures.schedule={SCHEDULE}"], 4),
     ):
         result = train(base / name, data_cache_dir, *common, *extra, workers=workers)
         assert result.returncode == 0, (name, result.stderr[-3000:])
@@ -71,10 +71,32 @@ def test_kill_and_rejoin_under_mecefo(runs: dict[str, Path], name: str) -> None:
     assert down and all(steps[s]["efficient"] == per_step for s in down), {s: steps[s]["efficient"] for s in down}
     # Exact mode resumes once worker 2 is back; the last steps run with all four workers and no approximation.
     assert steps[39]["alive"] == 4 and steps[39]["efficient"] == 0
-    # The run moved on from the failure-free trajectory (approximate gradients) but stays close to it.
-    ref = step_losses(runs["recover"])
-    losses = step_losses(run)
-    assert max(abs(losses[s] - ref[s]) for s in ref) < 0.5
+    # Exact reduction: what a step computes does not depend on who computed which microbatch, only on which ran in
+    # efficient mode. Until the first such step (the kill's) the run is the failure-free MeCeFO run, and so are its
+    # parameters entering that step: its loss, a forward that efficient mode computes bit for bit as the model does,
+    # is the reference's too. Its update is not (low-rank FFN weight gradients, no attention gradients from the
+    # efficient microbatches): from the next step on the losses differ.
+    first = min(s for s, r in steps.items() if r["efficient"])
+    assert first == 4  # the kill's step: worker 2 died in its backward
+    ref, losses = step_losses(runs["mecefo"]), step_losses(run)
+    assert [losses[s] for s in range(first + 1)] == [ref[s] for s in range(first + 1)]
+    assert losses[first + 1] != ref[first + 1]
+
+
+def test_approximate_steps_are_bitwise_the_same_whoever_takes_the_dead_worker_s_share(runs: dict[str, Path]) -> None:
+    """In exact reduction a step's update, approximate or not, depends only on the parameters and on which
+    microbatches ran in efficient mode (the bases too: a pure function of the weights and the step), not on who
+    computed them. In the kill's step both policies compute the dead worker's 2 in efficient mode (the survivors had
+    computed their own before they saw the death), one on the neighbour, the other spread over the survivors: the
+    runs stay the same bit for bit through the next step's loss, and for as long as their efficient microbatches
+    agree. They part at the first step where they do not (while worker 2 is down the neighbour computes its own 2
+    in efficient mode too): the loss after it differs."""
+    kill, spread = (committed_steps(read_records(runs[name])) for name in ("mecefo_kill", "spread_kill"))
+    assert kill[4]["efficient"] == spread[4]["efficient"] == 2
+    parted = next((s for s in sorted(kill) if kill[s]["efficient"] != spread[s]["efficient"]), None)
+    assert parted is not None and parted > 4, {s: (kill[s]["efficient"], spread[s]["efficient"]) for s in kill}
+    assert [kill[s]["loss"] for s in range(parted + 1)] == [spread[s]["loss"] for s in range(parted + 1)]
+    assert kill[parted + 1]["loss"] != spread[parted + 1]["loss"]
 
 
 def test_a_death_seen_at_a_step_s_start_gives_the_step_of_one_seen_in_its_reduction(

@@ -1,7 +1,9 @@
 """Surviving worker failures without a restart, with real processes and real SIGKILL / SIGSTOP.
 
 The oracle is the failure-free run: with ``reduction = "exact"`` a run that loses workers mid-step (and
-gets one back) must be bitwise identical to it; in fp32 within tolerance; under ``drop`` it must diverge.
+gets one back) must be bitwise identical to it at every step, before the kills and after; in fp32 bitwise up to
+and including the step of the first kill, the last step that is derivable (the test says why); under ``drop`` it
+must diverge.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import FP32_STEPS, final_params, recomputed_by_the_recoveries, train
+from runner import FP32_STEPS, RECOVERY_SCHEDULE, RECOVERY_STEPS, final_params, recomputed_by_the_recoveries, train
 
+from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +32,7 @@ def test_exact_mode_with_kills_and_rejoin_is_bitwise_the_failure_free_run(recove
     steps_recovered = {r["step"] for r in recoveries}
     assert 5 in steps_recovered and steps_recovered & {6, 7}
     ref_losses, losses = step_losses(ref), step_losses(run)
-    assert sorted(losses) == list(range(50))
+    assert sorted(losses) == sorted(ref_losses) == list(range(RECOVERY_STEPS))  # every step, those after the kills
     assert all(losses[s] == ref_losses[s] for s in ref_losses), "losses differ from the failure-free run"
     ref_params, params = final_params(ref), final_params(run)
     assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
@@ -46,12 +49,16 @@ def test_fp32_mode_with_failures_commits_every_step_once_and_agrees_up_to_the_fa
     recovery_runs: dict[str, Path],
 ) -> None:
     """fp32 sums the survivors' gradients in another order than the failure-free run, so from the first
-    failure on the two may differ in the last bits (the bound on one step's reduced gradient is checked in
-    tests/test_protocol.py); up to and including the step of the first kill, the losses are forward passes of
+    failure on the two may differ in the last bits. That difference is bounded for one step's reduced gradient
+    (the summation bound, checked in tests/test_protocol.py), but not in the steps after it: Adam divides each
+    update by the root of the gradient's second moment, which may be as small as its epsilon, so an update is not
+    a Lipschitz function of its gradient with a constant a test can derive, and each step's difference feeds the
+    next. What is derivable: up to and including the step of the first kill, the losses are forward passes of
     identical parameters and must be equal, and every step must count each microbatch exactly once."""
     ref_losses, losses = step_losses(recovery_runs["fp32_ref"]), step_losses(recovery_runs["fp32_failures"])
-    assert sorted(losses) == list(range(FP32_STEPS))
-    assert all(losses[s] == ref_losses[s] for s in range(6))
+    assert sorted(losses) == sorted(ref_losses) == list(range(FP32_STEPS))
+    first_kill = min(e.step for e in FailureSchedule.parse(RECOVERY_SCHEDULE).events if e.kind is FailureKind.KILL)
+    assert all(losses[s] == ref_losses[s] for s in range(first_kill + 1))
     steps = read_records(recovery_runs["fp32_failures"], "step")
     assert all(r["dropped"] == 0 for r in steps)
     # A step known only from its republished record (the leader took a new epoch mid-step and received the state

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_stays_bitwise(
-    tmp_path: Path, data_cache_dir: Path, control_reference: Path
+    tmp_path: Path, data_cache_dir: Path, control_reference: Path, seed: int
 ) -> None:
     """3 workers and 1 spare. Worker 1 is killed mid-backward at step 5 (the schedule) and worker 2 by an outside
     ``kill -9`` at a random step: spare 0 takes worker 1's place and spare 1, started when spare 0 was promoted,
@@ -44,8 +44,8 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
     with launched(cmd, {**os.environ, TOKEN_ENV: token}) as proc:
         # At most step 20 of 40: spare 1's join (the death's epoch, the promotion, the admission at a step
         # boundary) took 7 steps on an idle machine, and the kill lands a few steps after the step waited for.
-        at = random.Random().randint(12, 20)
-        wait_for(lambda: committed(run) >= at, 300, f"step {at}")
+        at = random.Random(seed).randint(12, 20)
+        wait_for(lambda: committed(run) >= at, 300, f"step {at} (seed {seed})")
         kill_worker(token, 2)
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -71,7 +71,7 @@ def test_spares_take_the_places_of_a_scheduled_and_an_outside_kill_and_the_run_s
     for failure in read_records(run, "failure"):
         assert any(r["from_epoch"] < failure["epoch"] <= r["epoch"] for r in recoveries), (failure, recoveries)
     joined_at = [r["step"] for r in read_records(run, "recovery") if r["epoch"] == joins[-1]["epoch"]]
-    assert joined_at, f"no step after spare 1 joined (worker 2 killed after step {at})"
+    assert joined_at, f"no step after spare 1 joined (worker 2 killed after step {at}, seed {seed})"
     last_join = max(joined_at)
     steps = [r for r in read_records(run, "step") if not r.get("republished")]
     assert all(r["alive"] == 3 for r in steps if r["step"] >= last_join)

@@ -14,6 +14,7 @@ took over; a checkpoint failed its verification on resume; the goodput (``core.g
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -151,7 +152,7 @@ class Alerter:
             try:
                 with urllib.request.urlopen(request, timeout=SEND_TIMEOUT_S):
                     pass
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:  # refused, an HTTP error, or a reply that is not HTTP
                 log.error("metrics.alert_webhook %s failed: %s", self.cfg.alert_webhook, e)
 
     def _run_command(self, body: bytes) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps
-from unbroken.lab.figures import rank_main, run_ranks, stats
+from unbroken.lab.figures import keep_final, rank_main, run_ranks, stats
 from unbroken.lab.runs import run_to_end
 
 WARMUP_STEPS = 2
@@ -63,17 +63,17 @@ def _default_config() -> str:
     return str(preset_path("default"))
 
 
-def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
+def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> list[float]:
     """Step times (s) of an unbroken run after warm-up: the periods between consecutive commits (the
     leader's step records are stamped when it publishes them, right after each commit), so everything a
     worker does per step counts, its bookkeeping between steps included. DDP's loop does nothing between
-    steps, so its loop-body time is the same measure."""
+    steps, so its loop-body time is the same measure. With ``keep`` the run's folder is ``keep``/run, kept."""
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
     from unbroken.core.records import read_records
     from unbroken.train.trainer import validate_launch
 
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = (keep or Path(tmp)) / "run"
         plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
         code = Launcher(plan, show_progress=False, show_summary=False).run()
         if code != 0:
@@ -82,12 +82,14 @@ def run_unbroken(cfg: RunConfig, workers: int) -> list[float]:
         return [b - a for a, b in zip(commits[WARMUP_STEPS - 1 : -1], commits[WARMUP_STEPS:], strict=True)]
 
 
-def run_ddp(cfg: RunConfig, workers: int) -> list[float]:
-    """Step times (s) of the DDP baseline after warm-up (rank 0's measurement)."""
-    return run_ranks("unbroken.lab.bench", "--ddp-rank", to_toml(cfg), workers, contextlib.nullcontext())[WARMUP_STEPS:]
+def run_ddp(cfg: RunConfig, workers: int, keep: Path | None = None) -> list[float]:
+    """Step times (s) of the DDP baseline after warm-up (rank 0's measurement); with ``keep``, each rank's
+    final parameters and work are written there (``figures.keep_final``)."""
+    times = run_ranks("unbroken.lab.bench", "--ddp-rank", to_toml(cfg), workers, contextlib.nullcontext(), keep)
+    return times[WARMUP_STEPS:]
 
 
-def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
+def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str, keep: str = "") -> None:
     """One rank of the DDP baseline: same model, data, M, optimizer and schedule as the trainer."""
     import torch
     import torch.distributed as dist
@@ -119,12 +121,16 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
     optimizer = build_optimizer(model, tc)
     sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
     times = []
+    work: list[list[list[int]]] = []  # per step, [id, tokens] of each microbatch trained on
+    norms = []  # per step, the clipping's gradient norm
     for step in range(tc.steps):
         t0 = time.perf_counter()
         ids = plan_step(step, range(world), tc.microbatches).ids_for(rank)
         optimizer.zero_grad(set_to_none=True)
+        work.append([])
         for k, j in enumerate(ids):
             inputs, targets = sampler.microbatch(step, j)
+            work[-1].append([j, inputs.numel()])
             # DDP averages over ranks; scaling by world/M makes the update the same SUM/M as unbroken's.
             if k < len(ids) - 1:
                 with ddp.no_sync():
@@ -136,13 +142,15 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> 
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
                 (loss * world / tc.microbatches).backward()
         if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip, foreach=True)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip, foreach=True))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
         optimizer.step()
         times.append(time.perf_counter() - t0)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
+    if keep:
+        keep_final(keep, rank, model, rank, work, norms=[float(n) for n in norms])
     dist.destroy_process_group()
 
 

@@ -17,7 +17,9 @@ about 240 s, 150 s, 175 s and 27 s):
   parameters must be bitwise those of a failure-free run of one worker.
 - ``throughput`` (d): tokens/s and MFU of ``unbroken train configs/gpu.toml`` (fp32 and exact reduction) against a
   plain PyTorch loop over the same model and data shapes (fused AdamW, ``torch.compile`` per block, bf16
-  autocast, gradient accumulation), in the same run; the targets are 0.97x (fp32) and 0.93x (exact).
+  autocast, gradient accumulation, clipping, the learning-rate schedule), in the same run; the targets are 0.97x
+  (fp32) and 0.93x (exact). On the CPU the same loop ends with the parameters of ``unbroken train``'s one worker,
+  bit for bit (tests/test_baselines.py).
 - ``mecefo`` (e): MeCeFO's efficient microbatch against an exact one (time, memory) and a basis refresh of
   LLaMA-7B's FFN shape, on the GPU (``bench_mecefo``).
 - ``nccl`` (f): with two GPUs or more, the NCCL tests of ``tests/test_gpu.py`` (kill -9, abort, re-form).
@@ -362,52 +364,98 @@ THROUGHPUT_CONFIG = "gpu"  # configs/gpu.toml: 350m, sequences of 2048, 4 microb
 THROUGHPUT = [f"--train.steps={THROUGHPUT_WARMUP + THROUGHPUT_STEPS}", "--checkpoint.every=0"]
 
 
-def plain_loop(config_toml: str) -> dict[str, Any]:
+def plain_loop(config_toml: str, keep: str = "") -> dict[str, Any]:
     """The best plain PyTorch loop over the trainer's model and data shapes, in this process: the same LLaMA,
-    fused AdamW, ``torch.compile`` per block, bf16 autocast, M microbatches of gradient accumulation, clipping;
-    tokens/s of the steps after the warm-up ones (each timed from a synchronised start to a synchronised end)."""
+    fused AdamW, ``torch.compile`` per block, bf16 autocast, M microbatches of gradient accumulation, clipping,
+    the learning-rate schedule (each as the config says: configs/gpu.toml asks for all of them, on the GPU; on
+    the CPU the same loop is what tests/test_baselines.py compares with one worker of unbroken); tokens/s of the
+    steps after the warm-up ones (each timed from a synchronised start to a synchronised end). With ``keep``, the
+    final parameters and the work are written there (``figures.keep_final``)."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
-    from unbroken.core.config import config_from_toml_text
+    from unbroken.core.config import Precision, config_from_toml_text
     from unbroken.core.flavours import flops_per_token
+    from unbroken.ft.process import check_device
     from unbroken.ft.transforms import apply_compile
     from unbroken.train.data import open_corpus, train_sampler
     from unbroken.train.model import Transformer
-    from unbroken.train.trainer import build_optimizer, model_args_of
+    from unbroken.train.trainer import build_optimizer, lr_at, model_args_of
 
     cfg = config_from_toml_text(config_toml)
+    tc = cfg.train
+    device = torch.device(check_device(str(tc.device), str(cfg.comm.backend)))  # auto: as unbroken's workers
+    if tc.threads:  # as unbroken's workers take it
+        torch.set_num_threads(tc.threads)
     corpus = open_corpus(cfg.data)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(tc.seed)
     args = model_args_of(cfg, corpus.vocab_size)
-    model = Transformer(args).cuda()
-    apply_compile(model)
-    optimizer = build_optimizer(model, cfg.train)
-    sampler = train_sampler(corpus, cfg.data, cfg.train.microbatches, cfg.train.seed)
-    M = cfg.train.microbatches
+    model = Transformer(args).to(device)
+    if tc.compile:
+        apply_compile(model)
+    optimizer = build_optimizer(model, tc)
+    sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
+    M = tc.microbatches
+    bf16 = tc.precision is Precision.BF16
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     times = []
-    for step in range(cfg.train.steps):
-        torch.cuda.synchronize()
+    work: list[list[list[int]]] = []  # per step, [id, tokens] of each microbatch trained on
+    norms = []  # per step, the clipping's gradient norm
+    for step in range(tc.steps):
+        synchronize()
         start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        work.append([])
         for j in range(M):
-            x, y = (t.cuda(non_blocking=True) for t in sampler.microbatch(step, j))
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            x, y = (t.to(device, non_blocking=True) for t in sampler.microbatch(step, j))
+            work[-1].append([j, x.numel()])
+            with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                 logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / M
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        if tc.grad_clip > 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip, foreach=True))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        synchronize()
         times.append(time.perf_counter() - start)
+    if keep:
+        from unbroken.lab.figures import keep_final
+
+        keep_final(keep, 0, model, 0, work, norms=[float(n) for n in norms])
     tokens = M * cfg.data.microbatch_size * cfg.data.seq_len
-    timed = times[THROUGHPUT_WARMUP:]
+    timed = times[THROUGHPUT_WARMUP:] or times
     return {
         "tokens_per_s": tokens / statistics.median(timed),
         "tokens_per_s_min": tokens / max(timed),
         "tokens_per_s_max": tokens / min(timed),
         "flops_per_token": flops_per_token(args, cfg.data.seq_len),
     }
+
+
+def run_plain(config_toml: str, out: Path, keep: Path | None = None) -> dict[str, Any]:
+    """``plain_loop`` in a process of its own on the config ``config_toml`` (written into ``out``): its figures,
+    or {"error": the last line it wrote} if it failed. ``keep``: as ``plain_loop``'s."""
+    config_path = out / "plain-config.toml"
+    config_path.write_text(config_toml)
+    proc = subprocess.run(
+        [sys.executable, "-m", "unbroken.lab.bench_gpu", "--plain", str(config_path)]
+        + (["--keep", str(keep)] if keep is not None else []),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=RUN_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def part_throughput(out: Path, data: Path) -> dict[str, Any]:
@@ -418,18 +466,9 @@ def part_throughput(out: Path, data: Path) -> dict[str, Any]:
 
     peak = table_peak_tflops(torch.cuda.get_device_name(0), "bf16") or math.nan
     cfg = load_config(preset_path(THROUGHPUT_CONFIG), train_overrides(data, THROUGHPUT))
-    config_path = out / "plain-config.toml"
-    config_path.write_text(to_toml(cfg))
-    proc = subprocess.run(
-        [sys.executable, "-m", "unbroken.lab.bench_gpu", "--plain", str(config_path)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=RUN_TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1], "pass": False}
-    plain = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain = run_plain(to_toml(cfg), out)
+    if "error" in plain:
+        return {"error": plain["error"], "pass": False}
     plain["mfu"] = mfu(plain["tokens_per_s"], plain["flops_per_token"], peak)
     result: dict[str, Any] = {"plain": plain, "peak_tflops": peak}
     for reduction in ("fp32", "exact"):
@@ -613,11 +652,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m unbroken.lab.bench_gpu")
     parser.add_argument("--probe", choices=("default", "deterministic", "math-sdpa"))
     parser.add_argument("--plain", metavar="CONFIG.toml")
+    parser.add_argument("--keep", metavar="FOLDER", default="", help="--plain: write its final state there")
     a = parser.parse_args(argv)
     if a.probe:
         print(json.dumps(probe(a.probe)))
     elif a.plain:
-        print(json.dumps(plain_loop(Path(a.plain).read_text())))
+        print(json.dumps(plain_loop(Path(a.plain).read_text(), a.keep)))
     else:
         parser.error("give --probe MODE or --plain CONFIG")
 

@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from unbroken.control.netif import free_port
-from unbroken.lab.figures import stats
+from unbroken.lab.figures import keep_final, stats
 
 WARMUP = 5
 
@@ -43,7 +43,9 @@ def _load_example(path: Path) -> ModuleType:
     return module
 
 
-def run_library(workers: int, steps: int, microbatches: int, exact: bool) -> list[float]:
+def run_library(workers: int, steps: int, microbatches: int, exact: bool, keep: Path | None = None) -> list[float]:
+    """Step times after warm-up of the plain loop under ``unbroken launch`` (with ``keep``: its run folder is
+    ``keep``/run, kept)."""
     from unbroken.control.launcher import Launcher, plan_launch
     from unbroken.core.config import load_config, preset_path
     from unbroken.core.records import committed_steps, read_records
@@ -52,7 +54,7 @@ def run_library(workers: int, steps: int, microbatches: int, exact: bool) -> lis
     overrides += ["--failures.schedule=", f"--recovery.reduction={'exact' if exact else 'fp32'}"]
     cfg = load_config(str(preset_path("tiny")), overrides)
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-library-") as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = (keep or Path(tmp)) / "run"
         command = (sys.executable, str(_example()))
         plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, command)
         code = Launcher(plan, show_progress=False, show_summary=False).run()
@@ -62,14 +64,16 @@ def run_library(workers: int, steps: int, microbatches: int, exact: bool) -> lis
     return [b - a for a, b in zip(commits[WARMUP - 1 : -1], commits[WARMUP:], strict=True)]
 
 
-def run_ddp(workers: int, steps: int, microbatches: int) -> list[float]:
+def run_ddp(workers: int, steps: int, microbatches: int, keep: Path | None = None) -> list[float]:
+    """Step times after warm-up of the plain loop under DDP (with ``keep``: each rank's final parameters and work
+    are written there, ``figures.keep_final``)."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ddp-bench-library-") as tmp:
         out = Path(tmp) / "times.json"
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "unbroken.lab.bench_library", str(rank), str(workers), str(port), str(steps)]
-                + [str(microbatches), str(out)]
+                + [str(microbatches), str(out), str(keep or "")]
             )
             for rank in range(workers)
         ]
@@ -79,7 +83,7 @@ def run_ddp(workers: int, steps: int, microbatches: int) -> list[float]:
         return json.loads(out.read_text())[WARMUP:]
 
 
-def ddp_rank(rank: int, world: int, port: int, steps: int, microbatches: int, out: str) -> None:
+def ddp_rank(rank: int, world: int, port: int, steps: int, microbatches: int, out: str, keep: str = "") -> None:
     """One rank of the plain loop under DDP: what a user would have written without unbroken."""
     import torch
     import torch.distributed as dist
@@ -97,21 +101,27 @@ def ddp_rank(rank: int, world: int, port: int, steps: int, microbatches: int, ou
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     times = []
+    work: list[list[list[int]]] = []  # per step, [id, tokens] of each microbatch trained on
+    norms = []  # per step, the clipping's gradient norm
     for step in range(steps):
         t0 = time.perf_counter()
         ids = plan_step(step, range(world), microbatches).ids_for(rank)
         optimizer.zero_grad(set_to_none=True)
+        work.append([])
         for k, mb in enumerate(ids):
             x, y = example.batch_for(seed, step, mb)
+            work[-1].append([mb, x.numel()])
             last = k == len(ids) - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
                 (loss * world / microbatches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         times.append(time.perf_counter() - t0)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
+    if keep:
+        keep_final(keep, rank, model, rank, work, norms=[float(n) for n in norms])
     dist.destroy_process_group()
 
 
@@ -148,5 +158,5 @@ def format_library(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    r, w, p, n, m, o = sys.argv[1:7]
-    ddp_rank(int(r), int(w), int(p), int(n), int(m), o)
+    r, w, p, n, m, o, k = sys.argv[1:8]
+    ddp_rank(int(r), int(w), int(p), int(n), int(m), o, k)

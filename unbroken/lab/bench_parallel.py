@@ -40,7 +40,7 @@ from unbroken.control.zygote import worker_of
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import committed_steps, read_records
-from unbroken.lab.figures import rank_main, run_ranks, stats
+from unbroken.lab.figures import keep_final, rank_main, run_ranks, stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 8
@@ -140,38 +140,96 @@ def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> tupl
     return times, memory, run_dir
 
 
-def run_hsdp(cfg: RunConfig, workers: int) -> tuple[list[float], PeakMemory]:
-    """Step times after warm-up (rank 0's) and the ranks' peak memory of plain FSDP2 HSDP."""
+def run_hsdp(cfg: RunConfig, workers: int, keep: Path | None = None) -> tuple[list[float], PeakMemory]:
+    """Step times after warm-up (rank 0's) and the ranks' peak memory of plain FSDP2 HSDP; with ``keep``, each
+    rank's final parameters, work and gradient norms are written there (``figures.keep_final``)."""
     memory = PeakMemory("unbroken.lab.bench_parallel")
-    times = run_ranks("unbroken.lab.bench_parallel", "--hsdp-rank", to_toml(cfg), workers, memory)
+    times = run_ranks("unbroken.lab.bench_parallel", "--hsdp-rank", to_toml(cfg), workers, memory, keep)
     return times[WARMUP_STEPS:], memory
 
 
-def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) -> None:
+def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str, keep: str = "") -> None:
     """One rank of plain torch on the replica's mesh: FSDP2 HSDP, with t > 1 tensor ranks torch's tensor
     parallelism, with p > 1 stages torch's pipelining; the trainer's model, data, M, optimizer, clipping and
     schedule."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from unbroken.core.plan import plan_step
-    from unbroken.ft.fsdp import apply_fsdp
     from unbroken.ft.hostmem import retain_freed_memory
-    from unbroken.ft.tensor import apply_tensor_parallel
     from unbroken.train.data import open_corpus, train_sampler
-    from unbroken.train.stages import pipeline_stage
     from unbroken.train.trainer import build_model, build_optimizer, cross_entropy, lr_at
 
     cfg = load_config(config_path)
-    tc, shard, stages, tensor = cfg.train, cfg.parallel.shard, cfg.parallel.pipeline, cfg.parallel.tensor
+    tc, stages, tensor = cfg.train, cfg.parallel.pipeline, cfg.parallel.tensor
     lanes = world // (stages * tensor)  # (replica, shard) pairs: each computes microbatches of its own
     if tc.retain_host_memory:  # the same allocator setting as unbroken's workers
         retain_freed_memory()
     torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     corpus = open_corpus(cfg.data)
-    model = build_model(cfg, corpus.vocab_size)
+    model, lane, stage, stage_group = _on_mesh(build_model(cfg, corpus.vocab_size), cfg, rank, world)
+    optimizer = build_optimizer(model, tc)
+    sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
+
+    def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets) * lanes / tc.microbatches  # FSDP averages over its mesh: SUM/M
+
+    schedules: dict[int, Any] = {}
+    times = []
+    work: list[list[list[int]]] = []  # per step, [id, tokens] of each microbatch this rank's lane trained on
+    norms: list[Any] = []  # per step, the clipping's gradient norm (read after the loop)
+    for step in range(tc.steps):
+        t0 = time.perf_counter()
+        ids = plan_step(step, range(lanes), tc.microbatches).ids_for(lane)
+        optimizer.zero_grad(set_to_none=True)
+        work.append([])
+        if stage_group is None:
+            for k, j in enumerate(ids):
+                model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
+                inputs, targets = sampler.microbatch(step, j)
+                work[-1].append([j, inputs.numel()])
+                scaled_loss(model(inputs), targets).backward()
+        else:  # pipelining defers FSDP's reduce-scatter and all-reduce to the last microbatch itself
+            if len(ids) not in schedules:
+                schedules[len(ids)] = _schedule(model, stage, stages, stage_group, len(ids), cfg, scaled_loss)
+            schedule = schedules[len(ids)]
+            pairs = [sampler.microbatch(step, j) for j in ids]
+            work[-1] += [[j, x.numel()] for j, (x, _) in zip(ids, pairs, strict=True)]
+            args = (torch.cat([x for x, _ in pairs]),) if stage == 0 else ()
+            if stage == stages - 1:
+                schedule.step(*args, target=torch.cat([y for _, y in pairs]))
+            else:
+                schedule.step(*args)
+        if tc.grad_clip > 0 and tensor == 1 and stage_group is None:  # one mesh: torch's own clipping
+            norms.append(torch.nn.utils.clip_grad_norm_(list(model.parameters()), tc.grad_clip, foreach=True))
+        elif tc.grad_clip > 0:
+            norms.append(clip_across_meshes(list(model.parameters()), tc.grad_clip, stage_group=stage_group))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    if keep:
+        from torch.distributed.tensor import DTensor
+
+        whole = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
+        keep_final(keep, rank, model, lane, work, norms=whole)
+    dist.destroy_process_group()
+
+
+def _on_mesh(model: Any, cfg: RunConfig, rank: int, world: int) -> tuple[Any, int, int, Any]:
+    """``model`` laid out by plain torch on the replica's mesh: this rank's part of it, its lane (its (replica,
+    shard) pair), its pipeline stage and the stages' group (None without pipelining)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from unbroken.ft.fsdp import apply_fsdp
+    from unbroken.ft.tensor import apply_tensor_parallel
+    from unbroken.train.stages import pipeline_stage
+
+    shard, stages, tensor = cfg.parallel.shard, cfg.parallel.pipeline, cfg.parallel.tensor
+    lanes = world // (stages * tensor)
     stage_group = None
     if tensor == 1 and stages == 1:
         mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
@@ -191,44 +249,7 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str) ->
             apply_tensor_parallel(model, mesh4["tensor"], cfg.parallel.sequence_parallel)
         mesh = mesh4["replicate", "shard"]
     apply_fsdp(model, mesh)  # a 2-D mesh: replicated over its first dimension, sharded over its second (HSDP)
-    optimizer = build_optimizer(model, tc)
-    sampler = train_sampler(corpus, cfg.data, tc.microbatches, tc.seed)
-
-    def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets) * lanes / tc.microbatches  # FSDP averages over its mesh: SUM/M
-
-    schedules: dict[int, Any] = {}
-    times = []
-    for step in range(tc.steps):
-        t0 = time.perf_counter()
-        ids = plan_step(step, range(lanes), tc.microbatches).ids_for(lane)
-        optimizer.zero_grad(set_to_none=True)
-        if stage_group is None:
-            for k, j in enumerate(ids):
-                model.set_requires_all_reduce(k == len(ids) - 1)  # across replicas once, after the last microbatch
-                inputs, targets = sampler.microbatch(step, j)
-                scaled_loss(model(inputs), targets).backward()
-        else:  # pipelining defers FSDP's reduce-scatter and all-reduce to the last microbatch itself
-            if len(ids) not in schedules:
-                schedules[len(ids)] = _schedule(model, stage, stages, stage_group, len(ids), cfg, scaled_loss)
-            schedule = schedules[len(ids)]
-            pairs = [sampler.microbatch(step, j) for j in ids]
-            args = (torch.cat([x for x, _ in pairs]),) if stage == 0 else ()
-            if stage == stages - 1:
-                schedule.step(*args, target=torch.cat([y for _, y in pairs]))
-            else:
-                schedule.step(*args)
-        if tc.grad_clip > 0 and tensor == 1 and stage_group is None:  # one mesh: torch's own clipping
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), tc.grad_clip, foreach=True)
-        elif tc.grad_clip > 0:
-            clip_across_meshes(list(model.parameters()), tc.grad_clip, stage_group=stage_group)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tc)
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        Path(out).write_text(json.dumps(times))
-    dist.destroy_process_group()
+    return model, lane, stage, stage_group
 
 
 def _schedule(model: Any, stage: int, stages: int, group: Any, n: int, cfg: RunConfig, loss_fn: Any) -> Any:
@@ -244,12 +265,12 @@ def _schedule(model: Any, stage: int, stages: int, group: Any, n: int, cfg: RunC
     return kind(pipeline_stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
 
 
-def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True, stage_group: Any = None) -> None:
+def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True, stage_group: Any = None) -> Any:
     """torch's ``clip_grad_norm_`` for gradients on several meshes: FSDP's (replicate, shard) mesh for what
     tensor parallelism leaves whole, the 3-D one for what it splits. DTensor's foreach ops take one mesh at a
     time, so the norm is taken per mesh, made whole and combined, and each mesh's gradients are scaled apart.
     With pipeline stages the squared norms of the stages are summed over ``stage_group`` (as torchtitan's
-    clipping does)."""
+    clipping does). Returns the norm."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -266,6 +287,7 @@ def clip_across_meshes(params: list[Any], max_norm: float, foreach: bool = True,
         total = squared.sqrt()
     for ps in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=foreach)
+    return total
 
 
 # -- the benchmark --------------------------------------------------------------------------------------

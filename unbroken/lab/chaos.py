@@ -12,18 +12,23 @@ launcher's injection (``failures``, ``launcher``), on real processes with real s
 determined by its seed (``unbroken chaos --seed S --trials 1`` reproduces trial S). Each run is compared
 with one failure-free reference run of the same configuration in exact-reduction mode.
 
-Invariants checked after every run (a violation names the trial's seed):
-  finished      the run exited 0 and published its final record, within the trial timeout (no hang)
-  detection     every failure was detected within ``comm.heartbeat_timeout_s`` + ``DETECTION_SLACK_S``
+Invariants checked after every run (a violation names the trial's seed); none depends on the machine's speed:
+  finished      the run exited 0 and published its final record, and never went longer without committing a step
+                than its configured timeouts allow (``hang_bound_s``: past it the run is hung, and stopped)
   no crash      every failure was one the campaign caused (a SIGKILL, a lost heartbeat, a worker that left when
                 it was cut off or excluded), never a worker ending by itself: an abort (gloo's on a collective
                 mismatch), another signal, an exception raised; nor a warm spare while it waited
-  progress      no gap between consecutive committed steps longer than the heartbeat timeout + ``STALL_SLACK_S``
   counted once  every step 0..N-1 was committed, and each committed step counted each of its M microbatches
-                exactly once (the reduced count vector, recorded in the step's metrics)
+                exactly once and dropped none (the reduced count vector, recorded in the step's metrics)
   identical     every live worker ended with the same parameters (the final checksum record)
-  reference     the final parameters and every step's loss equal the failure-free run's, bit for bit
+  reference     the final parameters, every step's loss and the final checkpoint (parameters, optimizer state, the
+                exact mode's scale) equal the failure-free run's, bit for bit
   checkpoints   every checkpoint with a manifest verifies (size, sha256, loads); partial files are ignored
+
+Measured, not checked (they depend on the machine and its load): each failure's detection, from the fault to the
+coordinator's decision (a named fault: from the launcher's delivery to the failure record; an outside one: from the
+driver's signal to the epoch record that removed the worker, ``outside_detections``), and the longest wait between
+two commits; the summary prints the slowest of each, ``chaos.json`` holds every detection.
 
 With replicas of several ranks (``--parallel.shard`` / ``--parallel.pipeline`` among the overrides) the faults
 hit ranks, the last replica is never touched, a double kill may take a whole replica, and each worker's
@@ -33,14 +38,17 @@ With warm spares (``--spares N``, every run of the campaign, the reference too) 
 a spare rather than by a restart; in ``random-time`` the driver also hits the promoted spares (they are workers
 now) and the spares still waiting. The invariants are the same.
 
-The churn run (``unbroken chaos --churn 50``) makes workers die and rejoin until the membership changed
-that many times and samples, from /proc, the memory (RSS), threads, open file descriptors and sockets of
-the coordinator and of a worker that lives through all of it; it stops the run once every worker is back.
+The churn run (``unbroken chaos --churn 50``) makes workers die and rejoin, in three rounds, until the membership
+changed that many times, and samples, from /proc, the memory (RSS), threads, open file descriptors and sockets of
+the coordinator and of a worker that lives through all of it, at rest after each round (``Churn``); it fails if a
+resource grew with each round (``leaks``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -55,14 +63,16 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control.agent import check_spares
+from unbroken.control.newsrelay import NEWS_WAIT_S
 from unbroken.control.store import exit_code_in, raised_headline
 from unbroken.control.zygote import worker_of
-from unbroken.core.config import load_config
+from unbroken.core.config import CommConfig, load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import SpareState, read_records
+from unbroken.core.records import RecordKind, SpareState, read_records
 from unbroken.ft import checkpoint as ckpt
 from unbroken.ft.protocoldefs import EXIT_STOPPED
+from unbroken.lab.faultdriver import worker_processes
 
 KINDS = (
     "kill",
@@ -75,8 +85,6 @@ KINDS = (
     "kill-during-checkpoint",
     "kill-during-optimizer",
 )
-DETECTION_SLACK_S = 1.5  # the coordinator's tick, the launcher's poll and a loaded 2-core machine
-STALL_SLACK_S = 10.0  # a step of 4 workers on 2 shared cores takes up to ~1-2 s under load
 CHECKPOINT_EVERY = 5
 HEARTBEAT_TIMEOUT_S = 2.0
 # How a worker's process may end in a trial: killed (by the schedule, the fault driver, or the launcher after its
@@ -176,11 +184,21 @@ class Reference:
     pace_s: float = 0.0  # the pace of the reference and of every trial compared with it (``pace_event``)
     spares: int = 0  # warm spares beside the workers, in the reference and in every trial compared with it
 
+    @classmethod
+    def of_run(
+        cls, run_dir: Path, layout: ReplicaLayout, wall_s: float, pace_s: float = 0.0, spares: int = 0
+    ) -> Reference:
+        """The reference a finished failure-free run in ``run_dir`` makes (its losses and final checksums)."""
+        final = read_records(run_dir, RecordKind.FINAL)
+        losses = {r["step"]: r["loss"] for r in read_records(run_dir, RecordKind.STEP)}
+        checksums = {layout.rank_of(int(w)): digest for w, digest in final[-1]["checksums"].items()}
+        return cls(losses, checksums, wall_s, run_dir, layout, pace_s, spares)
+
 
 @dataclass
 class Outcome:
     trial: Trial
-    code: int | None
+    code: int | None  # None: hung (``hang_bound_s``), and stopped
     wall_s: float
     injected: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
@@ -188,6 +206,9 @@ class Outcome:
     max_stall_s: float = 0.0
     leftovers: int = 0
     promoted: int = 0  # warm spares that took a dead worker's place
+    hang_bound_s: float = 0.0  # the run was hung had it gone this long without committing a step
+    outside: list[dict[str, Any]] = field(default_factory=list)  # the faults the outside driver delivered (its log)
+    detections: list[dict[str, Any]] = field(default_factory=list)  # each failure detected: worker, fault, seconds
 
 
 def pace_event(workers: int, steps: int, seconds: float) -> str:
@@ -198,6 +219,16 @@ def pace_event(workers: int, steps: int, seconds: float) -> str:
     the machine: unpaced, an idle machine can finish the run before a killed worker is back, and the faults
     planned after its return never fire."""
     return f"slow:worker={workers - 1},seconds={seconds:g},steps=0-{steps - 1}" if seconds > 0 else ""
+
+
+def _fixed_overrides(steps: int) -> list[str]:
+    """The settings every run of a campaign has (the user's overrides come after them)."""
+    return [
+        "--recovery.reduction=exact",
+        f"--train.steps={steps}",
+        f"--checkpoint.every={CHECKPOINT_EVERY}",
+        f"--comm.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+    ]
 
 
 def _train_cmd(
@@ -214,34 +245,61 @@ def _train_cmd(
     cmd = [sys.executable, "-m", "unbroken", "train", config, "--workers", str(workers), "--out", str(out)]
     if spares:
         cmd += ["--spares", str(spares)]
-    cmd += [
-        "--quiet",
-        "--recovery.reduction=exact",
-        f"--train.steps={steps}",
-        f"--checkpoint.every={CHECKPOINT_EVERY}",
-        f"--comm.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
-        *overrides,
-    ]
+    cmd += ["--quiet", *_fixed_overrides(steps), *overrides]
     if schedule:
         cmd.append(f"--failures.schedule={schedule}")
     return cmd
 
 
-def _run(cmd: list[str], timeout_s: float) -> tuple[int | None, float]:
-    """Run ``cmd``; on timeout, Ctrl-C it (the launcher stops what it started), then kill it. None: hung."""
+def hang_bound_s(comm: CommConfig) -> float:
+    """How long a run may go without committing a step (from its start, between two steps, from its last step to its
+    exit) before it is hung, from its configured timeouts alone: every wait of the protocol ends within its timeout
+    (the coordinator waits ``join_timeout_s`` for the workers at the start, a collective ``op_timeout_s`` before the
+    coordinator decides), and a worker that fell silent is declared dead within ``heartbeat_timeout_s``. There is no
+    slack for computing: a run whose steps alone took longer would be reported hung."""
+    return max(comm.join_timeout_s, comm.op_timeout_s) + comm.heartbeat_timeout_s
+
+
+def _bound(config: str, steps: int, overrides: list[str]) -> float:
+    return hang_bound_s(load_config(config, [*_fixed_overrides(steps), *overrides]).comm)
+
+
+WATCH_POLL_S = 0.5  # how often a run's metrics are read for a new commit
+
+
+def _progress(run_dir: Path) -> tuple[int, int]:
+    """What a run has done so far: its step records and its final records."""
+    records = read_records(run_dir)
+    return sum(r["type"] == RecordKind.STEP for r in records), sum(r["type"] == RecordKind.FINAL for r in records)
+
+
+def watch(proc: subprocess.Popen[Any], run_dir: Path, bound_s: float) -> int | None:
+    """Wait for the run ``proc`` writes into ``run_dir``: its exit status, or None once it has gone ``bound_s``
+    (``hang_bound_s``) without a new step record (or, after the last, its final record or its exit): it is hung,
+    and stopped (Ctrl-C, so the launcher stops what it started; then SIGKILL)."""
+    seen, since = _progress(run_dir), time.monotonic()
+    while proc.poll() is None:
+        time.sleep(WATCH_POLL_S)
+        now = _progress(run_dir)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > bound_s:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return None
+    return proc.returncode
+
+
+def _run(cmd: list[str], run_dir: Path, bound_s: float) -> tuple[int | None, float]:
+    """Run ``cmd`` (a run into ``run_dir``) to its end, or until it is hung (``watch``): (its exit status or None,
+    seconds)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        proc.communicate(timeout=timeout_s)
-        return proc.returncode, time.monotonic() - t0
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        return None, time.monotonic() - t0
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return watch(proc, run_dir, bound_s), time.monotonic() - t0
 
 
 def reference_run(
@@ -249,76 +307,130 @@ def reference_run(
 ) -> Reference:
     """The failure-free run every trial is compared with, paced as its trials are (``pace_event``) and with their
     spares."""
-    code, wall = _run(_train_cmd(config, out, workers, steps, overrides, "", pace_s, spares), 600)
-    final = read_records(out, "final")
-    if code != 0 or not final:
+    cmd = _train_cmd(config, out, workers, steps, overrides, "", pace_s, spares)
+    code, wall = _run(cmd, out, _bound(config, steps, overrides))
+    if code != 0 or not read_records(out, RecordKind.FINAL):
         raise RuntimeError(f"the failure-free reference run failed (exit {code}); see {out / 'logs'}")
-    losses = {r["step"]: r["loss"] for r in read_records(out, "step")}
-    layout = _layout(config, overrides)
-    checksums = {layout.rank_of(int(w)): digest for w, digest in final[-1]["checksums"].items()}
-    return Reference(losses, checksums, wall, out, layout, pace_s, spares)
+    return Reference.of_run(out, _layout(config, overrides), wall, pace_s, spares)
 
 
 def check_run(run_dir: Path, outcome: Outcome, ref: Reference, steps: int, microbatches: int) -> None:
-    """Fill ``outcome`` with what was injected and every invariant the run broke (see the module doc)."""
+    """Fill ``outcome`` with what was injected, what was measured (detections, waits between commits) and every
+    invariant the run broke (see the module doc)."""
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for r in read_records(run_dir):
+        by_kind.setdefault(str(r.get("type")), []).append(r)
     v = outcome.violations
     if outcome.code is None:
-        v.append(f"hang: no exit within the trial timeout ({outcome.wall_s:.0f} s)")
+        v.append(f"hang: no step committed for {outcome.hang_bound_s:.0f} s (the longest wait its timeouts allow)")
     elif outcome.code != 0:
         v.append(f"exit status {outcome.code}")
-    records = read_records(run_dir)
-    by_type: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        by_type.setdefault(str(r.get("type")), []).append(r)
-    for r in by_type.get("injected", []):
-        outcome.injected[outcome.trial.labels.get(r["event"], "other")] += 1
-    committed = {r["step"] for r in by_type.get("step", [])}
-    for text, label in outcome.trial.labels.items():
-        if label == "slow":
-            first, last = (int(x) for x in text.rsplit("=", 1)[1].split("-"))
-            if any(first <= s <= last for s in committed):
-                outcome.injected[label] += 1
-    final = by_type.get("final", [])
-    if not final:
-        v.append("the run did not finish (no final record)")
-    else:
-        checksums = final[-1]["checksums"]
-        if not final[-1]["identical"]:
-            v.append(f"live workers hold different parameters: {checksums}")
-        if any(digest != ref.checksums.get(ref.layout.rank_of(int(w))) for w, digest in checksums.items()):
-            v.append("final parameters differ from the failure-free reference")
-    bound = HEARTBEAT_TIMEOUT_S + DETECTION_SLACK_S
-    for f in by_type.get("failure", []):
-        why = str(f["why"])
-        code = exit_code_in(why)
-        if raised_headline(why) is not None or (code is not None and code not in CAUSED_EXITS):
-            v.append(f"worker {f['worker']} crashed: {why}")
-        if "detection_s" in f:
-            outcome.max_detection_s = max(outcome.max_detection_s, f["detection_s"])
-            if f["detection_s"] > bound:
-                v.append(f"worker {f['worker']}: detected after {f['detection_s']:.2f} s (bound {bound:.1f} s)")
-    outcome.promoted = sum(r["state"] == SpareState.PROMOTED for r in by_type.get("spare", []))
-    for r in by_type.get("spare", []):
-        if r["state"] == SpareState.EXITED and exit_code_in(str(r["why"])) not in CAUSED_EXITS:
-            v.append(f"spare {r['spare']} crashed while it waited: {r['why']}")
-    missing = sorted(set(range(steps)) - committed)
-    if missing:
-        v.append(f"steps never committed: {missing[:10]}")
-    times = sorted(r["time"] for r in by_type.get("step", []) if not r.get("republished"))
-    stalls = [b - a for a, b in zip(times, times[1:], strict=False)]
-    outcome.max_stall_s = max(stalls, default=0.0)
-    if outcome.max_stall_s > HEARTBEAT_TIMEOUT_S + STALL_SLACK_S:
-        v.append(f"no step committed for {outcome.max_stall_s:.1f} s")
-    for r in by_type.get("step", []):
-        if "counted" in r and (r["counted"] != microbatches or not r["counted_once"] or r["dropped"]):
-            v.append(f"step {r['step']}: microbatches counted {r['counted']} (once each: {r['counted_once']})")
-        if r["step"] in ref.losses and r["loss"] != ref.losses[r["step"]]:
-            v.append(f"step {r['step']}: loss {r['loss']!r} != failure-free {ref.losses[r['step']]!r}")
+    _count_injected(outcome, by_kind)
+    final = by_kind.get(RecordKind.FINAL, [])
+    v += _final_violations(final, ref)
+    v += _crashes(by_kind)
+    v += _step_violations(by_kind.get(RecordKind.STEP, []), ref, steps, microbatches)
     problems, leftovers = ckpt.verify_all(run_dir)
     v += [f"damaged checkpoint {p}" for p in problems]
     outcome.leftovers = len(leftovers)
     if final:
         v += _final_checkpoint_differences(run_dir, ref.run_dir, steps)
+    _measure(outcome, by_kind)
+
+
+def _count_injected(outcome: Outcome, by_kind: dict[str, list[dict[str, Any]]]) -> None:
+    """The faults that fired, by kind (a slow fault fired if a step it slows was committed); spares promoted."""
+    for r in by_kind.get(RecordKind.INJECTED, []):
+        outcome.injected[outcome.trial.labels.get(r["event"], "other")] += 1
+    committed = {r["step"] for r in by_kind.get(RecordKind.STEP, [])}
+    for text, label in outcome.trial.labels.items():
+        if label == "slow":
+            first, last = (int(x) for x in text.rsplit("=", 1)[1].split("-"))
+            if any(first <= s <= last for s in committed):
+                outcome.injected[label] += 1
+    outcome.promoted = sum(r["state"] == SpareState.PROMOTED for r in by_kind.get(RecordKind.SPARE, []))
+
+
+def _final_violations(final: list[dict[str, Any]], ref: Reference) -> list[str]:
+    if not final:
+        return ["the run did not finish (no final record)"]
+    v = []
+    checksums = final[-1]["checksums"]
+    if not final[-1]["identical"]:
+        v.append(f"live workers hold different parameters: {checksums}")
+    if any(digest != ref.checksums.get(ref.layout.rank_of(int(w))) for w, digest in checksums.items()):
+        v.append("final parameters differ from the failure-free reference")
+    return v
+
+
+def _crashes(by_kind: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Workers, and spares while they waited, that ended by themselves (not by a fault the campaign caused)."""
+    v = []
+    for f in by_kind.get(RecordKind.FAILURE, []):
+        why = str(f["why"])
+        code = exit_code_in(why)
+        if raised_headline(why) is not None or (code is not None and code not in CAUSED_EXITS):
+            v.append(f"worker {f['worker']} crashed: {why}")
+    for r in by_kind.get(RecordKind.SPARE, []):
+        if r["state"] == SpareState.EXITED and exit_code_in(str(r["why"])) not in CAUSED_EXITS:
+            v.append(f"spare {r['spare']} crashed while it waited: {r['why']}")
+    return v
+
+
+def _step_violations(records: list[dict[str, Any]], ref: Reference, steps: int, microbatches: int) -> list[str]:
+    """Steps never committed, microbatches not counted exactly once (or dropped), losses not the reference's."""
+    v = []
+    missing = sorted(set(range(steps)) - {r["step"] for r in records})
+    if missing:
+        v.append(f"steps never committed: {missing[:10]}")
+    for r in records:
+        if "counted" in r and (r["counted"] != microbatches or not r["counted_once"] or r["dropped"]):
+            v.append(
+                f"step {r['step']}: microbatches counted {r['counted']} of {microbatches} "
+                f"(once each: {r['counted_once']}, dropped: {r['dropped']})"
+            )
+        if r["step"] in ref.losses and r["loss"] != ref.losses[r["step"]]:
+            v.append(f"step {r['step']}: loss {r['loss']!r} != failure-free {ref.losses[r['step']]!r}")
+    return v
+
+
+def _measure(outcome: Outcome, by_kind: dict[str, list[dict[str, Any]]]) -> None:
+    """Each failure's detection (a named fault's from its record, an outside one's from the driver's log) and the
+    longest wait between two commits: measurements, which depend on the machine's speed and load."""
+    failures = by_kind.get(RecordKind.FAILURE, [])
+    outcome.detections = [
+        {"worker": f["worker"], "fault": f["event"], "detection_s": f["detection_s"]}
+        for f in failures
+        if "detection_s" in f
+    ] + outside_detections(outcome.outside, failures, by_kind.get(RecordKind.MEMBERSHIP, []))
+    outcome.max_detection_s = max((d["detection_s"] for d in outcome.detections), default=0.0)
+    times = sorted(r["time"] for r in by_kind.get(RecordKind.STEP, []) if not r.get("republished"))
+    outcome.max_stall_s = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def outside_detections(
+    faults: list[dict[str, Any]], failures: list[dict[str, Any]], memberships: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The detection of each outside fault that hit a worker (``faults``: the driver's log, in the order it sent
+    them): from its signal to the coordinator's decision that the worker failed, whose first trace is the epoch
+    record that removed it (the coordinator publishes that epoch, then writes the failure record, which names the
+    epoch). The failure is the worker's first after the signal and before the driver's next signal to the same
+    worker; a stop too short to be noticed has none."""
+    removed_at = {m["epoch"]: m["time"] for m in memberships}
+    out = []
+    for i, fault in enumerate(faults):
+        if "worker" not in fault:
+            continue  # a waiting spare: not a member, no failure record
+        worker, sent = fault["worker"], fault["time"]
+        until = min((f["time"] for f in faults[i + 1 :] if f.get("worker") == worker), default=math.inf)
+        found = [f for f in failures if f["worker"] == worker and sent <= f["time"] < until]
+        if found:
+            first = min(found, key=lambda f: f["time"])
+            detected = min(first["time"], removed_at.get(first["epoch"], math.inf))
+            out.append(
+                {"worker": worker, "fault": f"outside {fault['kind']}", "sent": sent, "detection_s": detected - sent}
+            )
+    return out
 
 
 def _final_checkpoint_differences(run_dir: Path, reference: Path, steps: int) -> list[str]:
@@ -365,10 +477,10 @@ def run_trial(
 ) -> Outcome:
     trial = make_trial(seed, workers, steps, ref.layout)
     run_dir = out / f"trial-{seed}"
-    timeout = 3 * ref.wall_s + 90
     cmd = _train_cmd(config, run_dir, workers, steps, overrides, trial.schedule, ref.pace_s, ref.spares)
-    code, wall = _run(cmd, timeout)
-    outcome = Outcome(trial, code, wall)
+    bound = _bound(config, steps, overrides)
+    code, wall = _run(cmd, run_dir, bound)
+    outcome = Outcome(trial, code, wall, hang_bound_s=bound)
     check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
     return outcome
 
@@ -387,63 +499,29 @@ def run_random_trial(
     run_dir = out / f"random-{seed}"
     log_path = out / f"random-{seed}.faults.jsonl"
     log_path.unlink(missing_ok=True)
-    cmd = _train_cmd(
-        config,
-        run_dir,
-        workers,
-        steps,
-        [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"],
-        "",
-        ref.pace_s,
-        ref.spares,
-    )
+    overrides = [*overrides, f"--failures.mttr_s={RANDOM_MTTR_S}"]
+    cmd = _train_cmd(config, run_dir, workers, steps, overrides, "", ref.pace_s, ref.spares)
+    bound = _bound(config, steps, overrides)
     t0 = time.monotonic()
-    launcher_log = open(out / f"random-{seed}.launcher.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=launcher_log, text=True)
-    driver = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "unbroken.lab.faultdriver",
-            "--launcher-pid",
-            str(proc.pid),
-            "--run-dir",
-            str(run_dir),
-            "--seed",
-            str(seed),
-            "--duration",
-            f"{0.8 * ref.wall_s:.2f}",
-            "--faults",
-            str(count),
-            "--log",
-            str(log_path),
-        ]
-    )
-    timeout = 3 * ref.wall_s + 90
-    try:
-        proc.communicate(timeout=timeout)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        code = None
+    with open(out / f"random-{seed}.launcher.log", "w") as launcher_log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=launcher_log)
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.lab.faultdriver", "--launcher-pid", str(proc.pid)]
+            + ["--run-dir", str(run_dir), "--seed", str(seed), "--duration", f"{0.8 * ref.wall_s:.2f}"]
+            + ["--faults", str(count), "--log", str(log_path)]
+        )
+        code = watch(proc, run_dir, bound)
     wall = time.monotonic() - t0
-    launcher_log.close()
     try:
         driver.wait(timeout=10)
     except subprocess.TimeoutExpired:
         driver.kill()
         driver.wait()
-    trial = Trial(seed, [], {}, "random-time")
-    outcome = Outcome(trial, code, wall)
+    outcome = Outcome(Trial(seed, [], {}, "random-time"), code, wall, hang_bound_s=bound)
     if log_path.exists():
-        for line in log_path.read_text().splitlines():
-            entry = json.loads(line)
-            outcome.injected[f"random {entry['kind']}" + (" of a spare" if entry.get("spare") is not None else "")] += 1
+        outcome.outside = [json.loads(line) for line in log_path.read_text().splitlines()]
+    for entry in outcome.outside:
+        outcome.injected[f"random {entry['kind']}" + (" of a spare" if entry.get("spare") is not None else "")] += 1
     check_run(run_dir, outcome, ref, steps, _microbatches(config, overrides))
     return outcome
 
@@ -476,10 +554,11 @@ def print_table(outcomes: list[Outcome], header: str) -> None:
     stall = max((o.max_stall_s for o in outcomes), default=0.0)
     leftovers = sum(o.leftovers for o in outcomes)
     promoted = sum(o.promoted for o in outcomes)
+    detected = sum(len(o.detections) for o in outcomes)
     print(
-        f"runs: {len(outcomes)}, with a violation: {len(bad)}; slowest detection {detection:.2f} s; "
-        f"longest wait between two commits {stall:.2f} s; partial checkpoint files left (ignored): {leftovers}"
-        + (f"; spares promoted: {promoted}" if promoted else "")
+        f"runs: {len(outcomes)}, with a violation: {len(bad)}; measured: slowest detection {detection:.2f} s "
+        f"(of {detected} failures detected), longest wait between two commits {stall:.2f} s; "
+        f"partial checkpoint files left (ignored): {leftovers}" + (f"; spares promoted: {promoted}" if promoted else "")
     )
     for o in bad:
         print(f"VIOLATION seed {o.trial.seed} (schedule: {o.trial.schedule}):")
@@ -500,6 +579,8 @@ def _write_summary(path: Path, outcomes: list[Outcome], workers: int, steps: int
                 "wall_s": o.wall_s,
                 "max_detection_s": o.max_detection_s,
                 "max_stall_s": o.max_stall_s,
+                "detections": o.detections,
+                "hang_bound_s": o.hang_bound_s,
                 "leftovers": o.leftovers,
                 "promoted": o.promoted,
             }
@@ -626,64 +707,124 @@ def default_config() -> str:
     return str(preset_path("tiny"))
 
 
-def churn_schedule(changes: int, workers: int) -> str:
-    """Workers 1..W-1 are killed at step 2, then again each time they receive the state to rejoin, until the
-    membership changed about ``changes`` times; worker 0 lives through all of it. Each kill while receiving
-    is two changes (joined, died)."""
-    victims = list(range(1, workers))
-    per_victim = -(-changes // len(victims))  # first death and last join, then 2 per kill while rejoining
-    rekills = max(0, -(-(per_victim - 2) // 2)) + 1  # +1: two joins in one epoch are one change
-    events = [f"kill:worker={w},step=2,phase=start,rejoin=0.2" for w in victims]
-    for k in range(rekills):
-        events += [f"kill:worker={w},step={k},phase=receive,rejoin=0.2" for w in victims]
-    return "; ".join(events)
+CHURN_ROUNDS = 3  # a leak is a resource higher after each round of changes than after the one before
+CHURN_RESTART_S = 0.2  # a killed victim is restarted this long after its exit (the launcher's ``failures.mttr_s``)
+
+
+def leaks(quiet: list[dict[str, int]], state_kib: int) -> list[str]:
+    """The resources of one process that grew with the membership changes, from its samples at the quiet point after
+    each round of changes (``run_churn``: every worker back, and every wait a change abandoned timed out). A bounded
+    resource comes back to the same level after each round; a leaked one is higher after every round than after the
+    one before: a count (threads, descriptors, sockets) by any amount, the resident memory by more than ``state_kib``
+    (one training state: caches filling, a buffer kept, are no leak). It takes two rises: something created once and
+    kept (a pool, a lazily built group) rises once."""
+    found = []
+    for key in ("rss_kib", "threads", "fds", "sockets"):
+        margin = state_kib if key == "rss_kib" else 0
+        values = [q[key] for q in quiet]
+        if len(values) >= 3 and all(b > a + margin for a, b in itertools.pairwise(values)):
+            found.append(f"{key} grew with each round of changes: {' -> '.join(map(str, values))}")
+    return found
+
+
+def _state_kib(run_dir: Path) -> int:
+    """The size of the run's newest checkpoint, in KiB: one training state."""
+    steps = ckpt.list_checkpoints(run_dir)
+    return ckpt.checkpoint_path(run_dir, max(steps)).stat().st_size // 1024 if steps else 0
+
+
+Row = tuple[float, int, int, dict[str, int]]  # seconds, membership changes so far, members, ``proc_sample``
+
+
+class Churn:
+    """The rounds of a churn run, driven from outside by ``tick`` (every half second): in a round, workers 1..W-1 are
+    killed (SIGKILL) as soon as the newest epoch lists them, so most die while they receive the state to rejoin, and
+    the launcher restarts them; once the round made its changes the victims come back, and when every worker is a
+    member and nothing changed for ``settle_s`` (every wait a change abandoned has timed out) the coordinator and
+    worker 0 (which lives through all of it) are sampled at rest. Then the next round. Stuck: a worker still not back
+    when nothing changed for ``stuck_s``."""
+
+    def __init__(
+        self, launcher_pid: int, run_dir: Path, workers: int, per_round: int, settle_s: float, stuck_s: float
+    ) -> None:
+        self.launcher_pid, self.run_dir, self.workers = launcher_pid, run_dir, workers
+        self.per_round, self.settle_s, self.stuck_s = per_round, settle_s, stuck_s
+        self.rows: dict[str, list[Row]] = {"coordinator": [], "worker 0": []}
+        self.quiet: dict[str, list[dict[str, int]]] = {"coordinator": [], "worker 0": []}
+        self.round_start = 1  # memberships recorded when the round began
+        self.killed: set[int] = set()
+        self.t0 = time.monotonic()
+
+    @property
+    def rounds(self) -> int:
+        return min(len(q) for q in self.quiet.values())
+
+    def tick(self) -> bool:
+        """Sample, kill or wait; False once stuck."""
+        memberships = read_records(self.run_dir, RecordKind.MEMBERSHIP)
+        if not memberships:
+            return True
+        newest = memberships[-1]
+        for child in _children(self.launcher_pid):
+            # Forked by the launcher's zygote, both have the zygote's command line: the coordinator is named by its
+            # address file, a worker by its process name (``worker_of``).
+            coordinator = child == _coordinator_pid(self.run_dir)
+            name = "coordinator" if coordinator else "worker 0" if worker_of(child) == 0 else ""
+            sample = proc_sample(child) if name else None
+            if sample is not None:
+                row = (time.monotonic() - self.t0, len(memberships) - 1, len(newest["members"]), sample)
+                self.rows[name].append(row)
+        still, back = time.time() - newest["time"], len(newest["members"]) == self.workers
+        if len(memberships) - self.round_start < self.per_round:
+            for worker, pid in worker_processes(self.launcher_pid).items():
+                if worker != 0 and worker in newest["members"] and pid not in self.killed:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.add(pid)
+        elif back and still > self.settle_s and all(self.rows.values()):
+            for name, rows in self.rows.items():
+                self.quiet[name].append(rows[-1][3])
+            self.round_start = len(memberships)
+        return back or still <= self.stuck_s
 
 
 def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | None, overrides: list[str]) -> int:
-    """One run with about ``changes`` membership changes; samples the coordinator and worker 0 every 0.5 s
-    and stops the run (Ctrl-C) once every worker is back after the last change."""
+    """One run with about ``changes`` membership changes in ``CHURN_ROUNDS`` rounds (``Churn``), sampled every 0.5 s;
+    stopped (Ctrl-C) after the last round. 1 if a round never came to rest (a worker still not back when the
+    membership had not changed for the run's ``hang_bound_s``) or a resource leaked (``leaks``)."""
     base = Path(tempfile.mkdtemp(prefix="unbroken-churn-")) if out is None else out
     run_dir = base / "churn"
-    schedule = churn_schedule(changes, workers)
-    cmd = _train_cmd(config, run_dir, workers, steps, overrides, schedule, 0.0)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    samples: dict[str, list[tuple[float, int, dict[str, int]]]] = {"coordinator": [], "worker 0": []}
-    t0 = time.monotonic()
-    settled_at: float | None = None
-    while proc.poll() is None:
-        time.sleep(0.5)
-        memberships = read_records(run_dir, "membership")
-        for child in _children(proc.pid):
-            # Forked by the launcher's zygote, both have the zygote's command line: the coordinator is named by its
-            # address file, a worker by its process name (``worker_of``).
-            name = "coordinator" if child == _coordinator_pid(run_dir) else "worker 0" if worker_of(child) == 0 else ""
-            if name:
-                sample = proc_sample(child)
-                if sample is not None:
-                    samples[name].append((time.monotonic() - t0, len(memberships), sample))
-        if memberships and len(memberships[-1]["members"]) == workers and len(memberships) > 1:
-            quiet = time.time() - memberships[-1]["time"]
-            if settled_at is None and (len(memberships) > changes or quiet > 30.0):
-                settled_at = time.monotonic()
-        if settled_at is not None and time.monotonic() > settled_at + 10.0:
-            proc.send_signal(signal.SIGINT)  # enough: every worker is back, 10 s of samples after the last change
-            break
-    proc.communicate(timeout=120)
-    memberships = read_records(run_dir, "membership")
-    steps_done = len({r["step"] for r in read_records(run_dir, "step")})
+    overrides = [f"--failures.mttr_s={CHURN_RESTART_S}", *overrides]
+    comm = load_config(config, [*_fixed_overrides(steps), *overrides]).comm
+    # Every wait a change abandoned has ended by then: the protocol's longest (``hang_bound_s``), a wait for news.
+    settle_s = max(hang_bound_s(comm), NEWS_WAIT_S + comm.heartbeat_timeout_s)
+    cmd = _train_cmd(config, run_dir, workers, steps, overrides, "", 0.0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    churn = Churn(proc.pid, run_dir, workers, -(-changes // CHURN_ROUNDS), settle_s, hang_bound_s(comm))
+    going = True
+    try:
+        while proc.poll() is None and churn.rounds < CHURN_ROUNDS and going:
+            time.sleep(0.5)
+            going = churn.tick()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    memberships = read_records(run_dir, RecordKind.MEMBERSHIP)
+    steps_done = len({r["step"] for r in read_records(run_dir, RecordKind.STEP)})
     print(
-        f"churn run: {len(memberships) - 1} membership changes, {steps_done} steps, "
-        f"{time.monotonic() - t0:.0f} s (exit {proc.returncode})"
+        f"churn run: {len(memberships) - 1} membership changes in {churn.rounds} of {CHURN_ROUNDS} rounds, "
+        f"{steps_done} steps, {time.monotonic() - churn.t0:.0f} s (exit {proc.returncode})"
     )
-    report: dict[str, Any] = {"changes": len(memberships) - 1, "steps": steps_done, "schedule": schedule}
-    for name, rows in samples.items():
-        if not rows:
-            continue
-        warm = [r for r in rows if r[1] >= 5] or rows  # after the first changes, when everything is loaded
-        first, last = warm[0][2], rows[-1][2]
-        peak = {k: max(r[2][k] for r in rows) for k in first}
-        report[name] = {"after_first_changes": first, "peak": peak, "at_end": last, "samples": rows}
-        print(f"{name:<12} " + "; ".join(f"{k} {first[k]} -> {last[k]} (peak {peak[k]})" for k in first))
+    report: dict[str, Any] = {"changes": len(memberships) - 1, "steps": steps_done, "rounds": churn.rounds}
+    found = []
+    for name, quiet in churn.quiet.items():
+        leaked = leaks(quiet, _state_kib(run_dir))
+        found += [f"{name}: {line}" for line in leaked]
+        rows = churn.rows[name]
+        peak = {k: max(r[3][k] for r in rows) for k in rows[0][3]} if rows else {}
+        report[name] = {"at_rest_after_each_round": quiet, "peak": peak, "leaks": leaked, "samples": rows}
+        at_rest = "; ".join(f"{k} {' -> '.join(str(q[k]) for q in quiet)} (peak {peak[k]})" for k in peak)
+        print(f"{name:<12} at rest after each round: {at_rest}")
+    print("leaks: " + ("; ".join(found) if found else "none (no resource grew with each round of changes)"))
     (base / "churn.json").write_text(json.dumps(report, indent=1))
     print(f"samples in {base / 'churn.json'}")
-    return 0 if settled_at is not None else 1
+    return 0 if churn.rounds == CHURN_ROUNDS and not found else 1

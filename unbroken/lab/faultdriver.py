@@ -10,7 +10,8 @@ the first epoch is delivered as soon as there is one. With replicas of several r
 ``[parallel]``) a whole replica is spared: a replica holds the state only while every one of its ranks runs.
 With warm spares (``unbroken train --spares``) a spare that took a dead worker's place is that worker (the
 agent's ``spare`` records name its process), and a fault may hit a spare still waiting instead (``SPARE_SHARE``).
-Every fault delivered is appended to a JSON-lines log the campaign counts.
+Every fault delivered is appended to a JSON-lines log (with the wall-clock time its signal was sent) that the campaign
+counts and measures each detection from.
 
     python -m unbroken.lab.faultdriver --launcher-pid PID --run-dir DIR --seed S --duration 40 --faults 5 --log F
 """
@@ -199,16 +200,26 @@ class Victims:
     ``SIGKILL`` or ``SIGSTOP`` can still read as running, and a dead member stays in the newest membership
     until the group re-forms. Faults delivered back to back (those that waited for the first epoch all fire at
     once) would then take the last running copy of the state, so the driver counts every worker it killed, and
-    every one it stopped until it sends ``SIGCONT``, as not running, whatever ``/proc`` says yet."""
+    every one it stopped until it sends ``SIGCONT``, as not running, whatever ``/proc`` says yet; and so every spare
+    it hit (a spare killed twice, or stopped again while stopped, was counted as two faults)."""
 
     def __init__(self) -> None:
         self.killed: set[int] = set()  # pids
         self.stopped: dict[int, float] = {}  # pid -> monotonic time of its SIGCONT
         self.maybe_evicted: set[int] = set()  # pids stopped for MAY_BE_EVICTED_S or longer
 
+    def untouched(self, pid: int) -> bool:
+        """Neither killed by this driver nor held stopped by it, whatever ``/proc`` says yet."""
+        return pid not in self.killed and pid not in self.stopped
+
     def running(self, seen: dict[int, int]) -> dict[int, int]:
         """``seen`` (worker id -> pid, from ``/proc``) less the workers this driver has killed or holds stopped."""
-        return {w: p for w, p in seen.items() if p not in self.killed and p not in self.stopped}
+        return {w: p for w, p in seen.items() if self.untouched(p)}
+
+    def waiting(self, spares: dict[int, int]) -> dict[int, int]:
+        """Of ``spares`` (pid -> spare index, from the records), those a fault may hit: running, and not hit by this
+        driver already (a spare just killed can still read as running; it was hit again and counted twice)."""
+        return {pid: k for pid, k in spares.items() if process_state(pid) in ("R", "S", "D") and self.untouched(pid)}
 
     def holding_state(self, holders: list[int], running: dict[int, int]) -> list[int]:
         """Of the workers that held the training state when last recorded, those that still may."""
@@ -256,7 +267,7 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 break
             layout = layout or run_layout(run_dir)
             promoted, waiting = spare_processes(records)
-            waiting = {pid: k for pid, k in waiting.items() if process_state(pid) in ("R", "S", "D")}
+            waiting = victims.waiting(waiting)
             if waiting and rng.random() < SPARE_SHARE:
                 pid = rng.choice(sorted(waiting))
                 targets = [(pid, {"spare": waiting[pid]})]
@@ -266,10 +277,11 @@ def drive(launcher_pid: int, run_dir: Path, seed: int, duration_s: float, count:
                 chosen = choose_victims(rng, running, keepers, fault.victims, layout)
                 targets = [(running[w], {"worker": w}) for w in chosen]
             for pid, target in targets:
+                sent = time.time()  # taken before the signal: whatever notices it comes after
                 os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
                 victims.hit(pid, fault.kind, fault.stop_s, time.monotonic())
                 delivered += 1
-                entry = {"time": time.time(), "kind": fault.kind, **target, "pid": pid, "at_s": fault.at_s}
+                entry = {"time": sent, "kind": fault.kind, **target, "pid": pid, "at_s": fault.at_s}
                 log.write(json.dumps({**entry, "stop_s": fault.stop_s if fault.kind == "stop" else 0.0}) + "\n")
         while victims.stopped:
             _continue(victims.resume_due(time.monotonic()))
