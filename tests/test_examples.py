@@ -8,6 +8,7 @@ claim is not about how a script's worker starts forks its workers (``--fork``) i
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,8 +189,9 @@ SCRIPT_LOOP = """for step in ctx.steps():
 
 
 def test_the_leader_s_output_is_on_the_console_and_every_worker_s_in_its_log(tmp_path: Path) -> None:
-    """As torchrun --tee: the console shows what the group's leader prints, and follows the leader when it
-    changes (worker 0 killed: worker 1 leads); every worker's prints stay in its log."""
+    """As torchrun --tee: the console shows what the group's leader prints, tagged with the worker that printed
+    it, and follows the leader when it changes (worker 0 killed: worker 1 leads); every worker's prints stay in
+    its log."""
     script = tmp_path / "tee.py"
     script.write_text(
         SCRIPT_HEAD
@@ -202,7 +204,10 @@ def test_the_leader_s_output_is_on_the_console_and_every_worker_s_in_its_log(tmp
     # Started cold (no --fork), as a script's workers are by default: the output of that start is the claim.
     result = launch(out, script, ONE_THREAD, "--train.steps=5", "--checkpoint.every=0", kill, workers=3)
     assert result.returncode == 0, result.stderr[-3000:]
-    console = [line for line in result.stdout.splitlines() if line.startswith(("hello", "committed"))]
+    tagged = [re.match(r"^\[worker (\d)\] ((hello|committed) .*)$", line) for line in result.stdout.splitlines()]
+    console = [m[2] for m in tagged if m]
+    for m in filter(None, tagged):
+        assert m[2].endswith(f"worker {m[1]}"), m[0]  # tagged with the worker that printed it
     logs = {w: (out / "logs" / f"worker-{w}.log").read_text() for w in range(3)}
     for w in range(3):
         assert f"hello from worker {w}\n" in logs[w]  # each worker's prints are in its log

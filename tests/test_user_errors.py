@@ -36,10 +36,11 @@ def _line_of(text: str) -> int:
     return number
 
 
-def launch(out: Path, *args: str, workers: int) -> subprocess.CompletedProcess[str]:
+def launch(out: Path, *args: str, workers: int, quiet: bool = True) -> subprocess.CompletedProcess[str]:
     """``unbroken launch --fork``: how a worker starts is not what these tests are about, so each is forked from
-    the launcher's zygote instead of importing torch (seconds of CPU)."""
-    cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out), "--quiet"]
+    the launcher's zygote instead of importing torch (seconds of CPU). ``quiet``: no progress lines."""
+    cmd = [sys.executable, "-m", "unbroken", "launch", "--workers", str(workers), "--out", str(out)]
+    cmd += ["--quiet"] if quiet else []
     return run_command([*cmd, "--fork", *COMMON, *args], capture_output=True, text=True, timeout=280)
 
 
@@ -142,10 +143,11 @@ def test_a_bug_that_raises_again_where_its_microbatch_is_replanned_stops_the_job
 ) -> None:
     """Microbatch 3 of step 5 raises in its backward on whichever worker computes it: the first worker is
     survived like a kill, the one the microbatch is re-planned to raises the same, and the job stops with one
-    line. No periodic checkpoint is due in 10 steps (checkpoint.every = 0): a worker that did not raise saves
-    the state of the last committed step, which must be the failure-free run's state there."""
+    line, printed once (with the progress lines on), which names the last good checkpoint by the steps the
+    console shows (from 0). No periodic checkpoint is due in 10 steps (checkpoint.every = 0): a worker that did
+    not raise saves the state of the last committed step, which must be the failure-free run's state there."""
     out = tmp_path / "run"
-    result = launch(out, "--checkpoint.every=0", str(SCRIPT), "--raise", "microbatch", workers=3)
+    result = launch(out, "--checkpoint.every=0", str(SCRIPT), "--raise", "microbatch", workers=3, quiet=False)
     assert result.returncode == 1, result.stderr[-3000:]
     raised = read_records(out, "error")
     assert [(e["exception"], e["step"], e["microbatch"], e["phase"]) for e in raised] == [
@@ -162,14 +164,18 @@ def test_a_bug_that_raises_again_where_its_microbatch_is_replanned_stops_the_job
         assert f"worker {e['worker']} raised RuntimeError at raising_loop.py:{line_number} in backward" in console
     assert console.count('raise RuntimeError("corrupt microbatch: its gradient cannot be computed")') == 2
     assert console.count("\n  RuntimeError: corrupt microbatch: its gradient cannot be computed\n") == 2
-    # One line says what, where and why the job stopped, and which checkpoint is the last good one.
+    # One line says what, where and why the job stopped, and which checkpoint is the last good one: once, on
+    # stderr (the progress lines on stdout tell the story up to it, and do not say it again).
+    assert (result.stdout + console).count(VERDICT) == 1, result.stdout[-3000:]
     (line,) = [x for x in console.splitlines() if VERDICT in x]
     assert line.startswith(f"unbroken: error: RuntimeError (corrupt microbatch: its gradient cannot be computed) at "
                            f"raising_loop.py:{line_number} in backward, step 5, microbatch 3")  # fmt: skip
-    found = re.search(r"the last good checkpoint is step (\d+)$", line)
+    found = re.search(r"the last good checkpoint is the state after step (\d+) \(--resume continues at step (\d+)\)$",
+                      line)  # fmt: skip
     assert found is not None, line
-    saved = int(found[1])
-    assert saved == max(committed_steps(read_records(out))) + 1 == 5  # steps 0-4 committed, step 5 never
+    last, saved = int(found[1]), int(found[2])
+    assert last == max(committed_steps(read_records(out))) == 4 and saved == 5  # steps 0-4 committed, step 5 never
+    assert re.search(r"^step 5 goes on with 2 workers \(epoch 2\)", result.stdout, re.M), result.stdout[-3000:]
     assert same_model(ckpt.verify(out, saved)["model"], ckpt.verify(reference, saved)["model"])
     assert read_records(out, "stopped")[-1]["reason"] == line.removeprefix("unbroken: error: ")
     assert not read_records(out, "final")
@@ -219,7 +225,7 @@ def test_a_bug_in_code_that_rank_0_runs_stops_the_job_when_the_next_rank_0_reach
     (line,) = [x for x in result.stderr.splitlines() if VERDICT in x]
     assert line == (
         f"unbroken: error: KeyError ('val_loss') at raising_loop.py:{line_number} in log_progress, after step 7, "
-        f"on workers 0, 1: {VERDICT}; the last good checkpoint is step 8"
+        f"on workers 0, 1: {VERDICT}; the last good checkpoint is the state after step 7 (--resume continues at step 8)"
     )
     assert max(committed_steps(read_records(out))) == 7
     assert same_model(ckpt.verify(out, 8)["model"], ckpt.verify(reference, 8)["model"])
@@ -276,7 +282,8 @@ def test_under_per_host_agents_the_coordinator_judges_and_records_the_errors(tmp
     raised = read_records(run, "error")
     assert sorted(e["worker"] for e in raised) == [0, 1] and {e["microbatch"] for e in raised} == {3}
     reason = read_records(run, "stopped")[-1]["reason"]
-    assert VERDICT in reason and reason.endswith("; the last good checkpoint is step 5")
+    saved = "the last good checkpoint is the state after step 4 (--resume continues at step 5)"
+    assert VERDICT in reason and reason.endswith(f"; {saved}")
     console = (tmp_path / "coordinator.log").read_text()
     assert console.count("\n  RuntimeError: corrupt microbatch: its gradient cannot be computed\n") == 2
     assert f"stopped: {reason}" in console

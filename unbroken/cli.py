@@ -11,8 +11,8 @@ Tokenize a corpus once, in parallel, into shards that training reads in place (d
     unbroken train configs/default.toml --workers 4 --data.source=data/corpus
 Check a launch without starting it (config, schedule, data, checkpoint, devices, port; nothing written):
     unbroken train configs/tiny.toml --workers 4 --failures.schedule="kill:worker=1,step=5" --dry-run
-Continue an interrupted run (reproduces the uninterrupted losses):
-    unbroken train --resume runs/default-20261122-101500
+Continue an interrupted run (reproduces the uninterrupted losses), or extend it (its LR schedule kept):
+    unbroken train --resume runs/default-20261122-101500 [--train.steps=400]
 Plots and a markdown summary of a run, optionally against a reference run (written to RUN_DIR/report):
     unbroken report runs/default-20261122-101500 [REFERENCE_RUN_DIR]
 Simulate a cluster (no torch; policies side by side; tables printed, plots written with --out):
@@ -41,7 +41,19 @@ from typing import TYPE_CHECKING, NoReturn
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from unbroken import __version__
-from unbroken.core.config import TRAINER_ONLY, RunConfig, describe, dump_config, load_config, preset_path
+from unbroken.core.config import (
+    TRAINER_ONLY,
+    KeyChange,
+    RunConfig,
+    config_changes,
+    describe,
+    describe_changes,
+    dump_config,
+    dump_resumed_config,
+    load_config,
+    preset_path,
+    resume_config,
+)
 from unbroken.core.ending import run_then_exit
 
 if TYPE_CHECKING:
@@ -57,6 +69,11 @@ FORK_HELP = (
     "fork each worker of SCRIPT.py from a process that has imported torch and unbroken (a start or restart then "
     "costs a fork, not seconds of imports); the workers of a host then share Python's string-hash seed, so data "
     "seeded with hash() looks pure on one host and the data check cannot see it (default: started cold)"
+)
+
+WITH_CHANGES_HELP = (
+    "with --resume: accept changes of keys that alter what the run computes (lr, the model, the data, M, ...); "
+    "they are recorded in metrics.jsonl and the earlier config is kept as config.N.toml (default: refused)"
 )
 
 SPARES_HELP = "warm spares to take a dead worker's place (default 0; whole replicas if a replica has several ranks)"
@@ -83,7 +100,11 @@ def _config_path(config: str) -> Path:
         return path  # load_config names the missing file
 
 
-def _load(config: str | None, extra: list[str], resume: str | None) -> tuple[RunConfig, str]:
+def _load(
+    config: str | None, extra: list[str], resume: str | None, with_changes: bool = False
+) -> tuple[RunConfig, str, RunConfig | None]:
+    """The session's config, the run's name, and on ``--resume`` the run's stored config (the session's is that
+    with the overrides, checked by ``resume_config``: ValueError, nothing written, for a change it refuses)."""
     overrides = _split_overrides(extra)
     if resume is not None:
         if config is not None:
@@ -91,10 +112,36 @@ def _load(config: str | None, extra: list[str], resume: str | None) -> tuple[Run
         path = Path(resume) / "config.toml"
         if not path.is_file():
             raise ValueError(f"--resume {resume}: not a run directory (no config.toml)")
-        return load_config(path, overrides), Path(resume).name
+        stored = load_config(path)
+        cfg = resume_config(
+            stored, load_config(path, overrides), _steps_done(Path(resume)), with_changes, f"--resume {resume}"
+        )
+        return cfg, Path(resume).name, stored
+    if with_changes:
+        raise ValueError("--resume-with-changes goes with --resume RUN_DIR; a new run takes any config")
     if config is None:
-        return load_config(None, overrides), "default"
-    return load_config(_config_path(config), overrides), Path(config).stem
+        return load_config(None, overrides), "default", None
+    return load_config(_config_path(config), overrides), Path(config).stem, None
+
+
+def _steps_done(run_dir: Path) -> int:
+    """The steps a run has done: its newest checkpoint's (0 without one)."""
+    from unbroken.core.ckptfiles import list_checkpoints
+
+    saved = list_checkpoints(run_dir)
+    return saved[0] if saved else 0
+
+
+def _resumed_coordinator(args: argparse.Namespace, cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[KeyChange]]:
+    """``unbroken coordinator --resume``: the config it was given, checked against the run's (``resume_config``), and
+    what it changes; as given where the run directory has no config yet."""
+    if not (args.resume and (run_dir / "config.toml").is_file()):
+        if args.resume_with_changes and not args.resume:
+            raise ValueError("--resume-with-changes goes with --resume; a new run takes any config")
+        return cfg, []
+    stored = load_config(run_dir / "config.toml")
+    cfg = resume_config(stored, cfg, _steps_done(run_dir), args.resume_with_changes, f"--resume {run_dir}")
+    return cfg, config_changes(stored, cfg)
 
 
 def _run_dir(args: argparse.Namespace, cfg: RunConfig, name: str) -> Path:
@@ -109,19 +156,24 @@ def _run_dir(args: argparse.Namespace, cfg: RunConfig, name: str) -> Path:
     return default_run_dir(name)
 
 
-def _dry_run(plan: LaunchPlan, what: str) -> int:
-    """``--dry-run``: the launch is valid (``plan_launch`` checked it); say what would run, start nothing."""
+def _dry_run(plan: LaunchPlan, what: str, changes: list[KeyChange]) -> int:
+    """``--dry-run``: the launch is valid (``plan_launch`` checked it); say what would run (and what a resume would
+    change), start nothing."""
     from unbroken.core.failures import FailureSchedule
+    from unbroken.core.launchcheck import launch_warnings
 
     plan.sock.close()
     cfg = plan.cfg
+    for warning in launch_warnings(cfg, plan.workers, plan.spares):  # what the launch would warn of
+        print(warning, file=sys.stderr)
     events = len(FailureSchedule.parse(cfg.failures.schedule).events)
     spares = f" and {plan.spares} warm spare{'s' if plan.spares != 1 else ''}" if plan.spares else ""
     into = f"continuing {plan.run_dir}" if plan.resume else f"into {plan.run_dir}"
+    changing = f", its config changed: {describe_changes(changes)}" if changes else ""
     print(
         f"dry run: would {what} on {plan.workers} worker{'s' if plan.workers != 1 else ''}{spares} for "
         f"{cfg.train.steps} steps of {cfg.train.microbatches} microbatches, {into}, {events} failure "
-        f"event{'s' if events != 1 else ''} scheduled; nothing started or written"
+        f"event{'s' if events != 1 else ''} scheduled{changing}; nothing started or written"
     )
     return 0
 
@@ -132,17 +184,18 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.ft.process import check_host_devices
     from unbroken.train.trainer import validate_launch
 
-    cfg, name = _load(args.config, extra, args.resume)
+    cfg, name, stored = _load(args.config, extra, args.resume, args.resume_with_changes)
     run_dir = _run_dir(args, cfg, name)
     check_host_devices(cfg, args.workers, args.spares)
     check_alert_command(cfg.metrics)
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch, args.spares
     )
+    changes = config_changes(stored, plan.cfg) if stored is not None else []
     if args.dry_run:
-        return _dry_run(plan, f"train model {plan.cfg.model.hf_config or plan.cfg.model.flavour}")
-    if args.resume is not None and extra:
-        dump_config(cfg, run_dir)  # the overrides (e.g. more steps) become part of the run
+        return _dry_run(plan, f"train model {plan.cfg.model.hf_config or plan.cfg.model.flavour}", changes)
+    if changes:
+        dump_resumed_config(plan.cfg, run_dir, changes)  # the overrides (e.g. more steps) become part of the run
     return Launcher(plan, show_progress=not args.quiet).run()
 
 
@@ -157,7 +210,7 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.control.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
 
-    cfg, name = _load(args.config, extra, args.resume)
+    cfg, name, stored = _load(args.config, extra, args.resume, args.resume_with_changes)
     run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
     check_host_devices(cfg, args.workers, args.spares)
     check_alert_command(cfg.metrics)
@@ -165,10 +218,11 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     plan = plan_launch(
         cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command, spares=args.spares
     )
+    changes = config_changes(stored, plan.cfg) if stored is not None else []
     if args.dry_run:
-        return _dry_run(plan, f"run {args.script}")
-    if args.resume is not None and extra:
-        dump_config(cfg, run_dir)
+        return _dry_run(plan, f"run {args.script}", changes)
+    if changes:
+        dump_resumed_config(plan.cfg, run_dir, changes)
     return Launcher(plan, show_progress=not args.quiet).run()
 
 
@@ -195,12 +249,13 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         from unbroken.control.alerts import check_alert_command
 
-        cfg, name = _load(args.config, extra, None)
+        cfg, name, _ = _load(args.config, extra, None)
         check_alert_command(cfg.metrics)
         run_dir = Path(args.run_dir or cfg.train.out_dir or f"runs/{name}").resolve()
         shared = cfg.coordinator.state.startswith("etcd://")  # a standby shares the run directory
         if run_dir.exists() and any(run_dir.iterdir()) and not (args.resume or shared):
             raise ValueError(f"run directory {run_dir} exists and is not empty; choose another or use --resume")
+        cfg, changes = _resumed_coordinator(args, cfg, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         state = open_state_store(cfg.coordinator.state, run_dir, f"{args.host}:{args.port}", cfg.coordinator.lease_s)
         if shared:
@@ -210,11 +265,13 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         sock = bind_listen_socket(args.host, args.port)  # only once leading: a standby does not listen
         if not (run_dir / "config.toml").exists():
             dump_config(cfg, run_dir)
+        elif changes:
+            dump_resumed_config(cfg, run_dir, changes)
         print(f"coordinator listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", flush=True)
     if args.listen_fd is None:
-        from unbroken.control.launcher import idle_warning
+        from unbroken.core.launchcheck import launch_warnings
 
-        if warning := idle_warning(cfg, args.workers):
+        for warning in launch_warnings(cfg, args.workers):
             print(warning, file=sys.stderr, flush=True)
     restore = args.restore or (args.listen_fd is None and not args.resume)  # a standby taking over restores
     coordinator = Coordinator(
@@ -380,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     train.add_argument("--spares", type=int, default=0, help=SPARES_HELP)
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train.add_argument("--resume-with-changes", action="store_true", help=WITH_CHANGES_HELP)
     train.add_argument("--out", help="run directory (default: train.out_dir or runs/<config>-<time>)")
     train.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
     train.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
@@ -398,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--spares", type=int, default=0, help=SPARES_HELP)
     launch.add_argument("--config", help="TOML config for the run (default: the defaults)")
     launch.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    launch.add_argument("--resume-with-changes", action="store_true", help=WITH_CHANGES_HELP)
     launch.add_argument("--out", help="run directory (default: train.out_dir or runs/<script>-<time>)")
     launch.add_argument("--host", default="127.0.0.1", help="coordinator bind address (default 127.0.0.1)")
     launch.add_argument("--port", type=int, default=0, help="coordinator port (default: any free port)")
@@ -425,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--port", type=int, default=29400, help="port to listen on (default 29400)")
     coord.add_argument("--run-dir", help="run directory (default: train.out_dir or runs/<config>)")
     coord.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    coord.add_argument("--resume-with-changes", action="store_true", help=WITH_CHANGES_HELP)
     _with_keys(coord)
     coord.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     coord.add_argument("--restore", action="store_true", help=argparse.SUPPRESS)  # replaces a dead coordinator

@@ -239,11 +239,7 @@ class Coordinator:
         self.workload_override = ""
         self.rebalance_due: str | None = None  # the override to publish at the next look ("" switches it off)
         if cfg.recovery.slow is not SlowPolicy.OFF:
-            rule = SlowRule(cfg.recovery.slow_window, cfg.recovery.slow_windows, cfg.recovery.slow_ratio)
-            recorder = SlowRecorder(
-                self.metrics, rule, records, cfg.recovery.slow, cfg.train.steps, self._exclude_slow, self._rebalance
-            )
-            self.metrics.sinks.append(recorder)
+            self.metrics.sinks.append(self._slow_recorder(cfg, records))
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self.stall: Stall | None = None
@@ -371,17 +367,29 @@ class Coordinator:
         self.deaths_count, self.timeouts_count = int(raw[-2]), int(raw[-1])
         return [int(r) for r in raw[:-3]], int(raw[-3])
 
+    def _slow_recorder(self, cfg: RunConfig, records: list[dict[str, Any]]) -> SlowRecorder:
+        """The fail-slow rule's sink (``recovery.slow``), which hands this coordinator the workers to exclude and the
+        workload's switches; ``records``: the run's so far."""
+        r = cfg.recovery
+        rule = SlowRule(r.slow_window, r.slow_windows, r.slow_ratio)
+        act = (self._exclude_slow, self._rebalance, r.workload, self.layout.size)
+        return SlowRecorder(self.metrics, rule, records, r.slow, cfg.train.steps, *act)
+
     def _rebalance(self, on: bool) -> None:
         """Switch the throughput workload on (a worker is fail-slow) or off (none is any more), from the next
         epoch on: published at the next look (``SlowRecorder``, on this thread while draining)."""
         self.rebalance_due = str(Workload.THROUGHPUT) if on else ""
 
-    def _exclude_slow(self, wid: int, why: str) -> None:
-        """A fail-slow worker to remove like a failed one (``SlowRecorder``, on this thread while draining)."""
-        if wid in self.members:
+    def _exclude_slow(self, unit: int, why: str) -> None:
+        """A fail-slow worker (of replicas of several ranks, replica ``unit``: its first rank, whose removal takes
+        the replica down) to remove like a failed one (``SlowRecorder``, on this thread while draining). Never the
+        group's leader: the recorder rebalances around it instead, and this holds whatever the recorder saw."""
+        wid = self.layout.workers_of(unit)[0]
+        if wid in self.members and wid != min(self.members):
             self.slow_exclusions[wid] = why
             if not self.slow_rejoin:
-                self.barred[wid] = f"worker {wid} was excluded as fail-slow and recovery.slow_rejoin = false"
+                for w in self.layout.workers_of(unit):
+                    self.barred[w] = f"worker {w} was excluded as fail-slow and recovery.slow_rejoin = false"
 
     def _dead(self, counts: list[int], reported: bool) -> dict[int, str]:
         """Members that died: reported by the launcher (looked up only when ``reported`` may have news) or
@@ -722,6 +730,7 @@ class Coordinator:
             while not self.stopping.is_set():
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.stop("the launcher died")
+                    self.drain_until_members_quiet()  # the members read the stop before the store goes away
                     break
                 # Everything but silence is announced by the bell; a full pass once per heartbeat timeout
                 # anyway, in case a ringer died between writing its news and ringing.
@@ -827,15 +836,14 @@ class Coordinator:
         gone = [w for w in self.restored if w not in back]
         self.restored = ()
         members = (*back, *joined)
-        if not members:
-            self.stop("no worker came back to the restarted coordinator")
-            return
         reason = "coordinator restarted: " + (", ".join(map(str, back)) or "nobody") + " came back"
         if gone:
             reason += "; " + ", ".join(map(str, gone)) + " did not"
-        self.publish(members, reason)
+        self.publish(members, reason)  # with nobody, an epoch of no members (as when every worker died)
         for wid in gone:
             self._failure_record(wid, "did not come back to the restarted coordinator")
+        if not members:
+            self.stop("no worker came back to the restarted coordinator")
 
 
 START_TIMEOUT_S = 60.0

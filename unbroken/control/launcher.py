@@ -43,8 +43,8 @@ from unbroken.control.store import bind_listen_socket
 from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, Reduction, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
+from unbroken.core.launchcheck import launch_warnings
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.plan import plan_step
 from unbroken.core.records import METRICS_FILE, Quotas, RecordKind, append_records, decode, make, wall_s
 from unbroken.train.hf import worker_imports
 
@@ -65,28 +65,6 @@ class LaunchPlan:
     host: str = "127.0.0.1"
     restart_after_s: float = 0.0  # restart a worker that died (scheduled or not) after this long; 0 = never
     spares: int = 0  # warm spares kept ready beside the workers (control.agent)
-
-
-def idle_warning(cfg: RunConfig, workers: int) -> str:
-    """The one line that says which replicas compute nothing in a step without failures (more replicas than
-    ``train.microbatches``; the planner's own split says which), or "" when each has microbatches."""
-    layout = ReplicaLayout.of(cfg.parallel)
-    replicas = list(range(workers // layout.size))
-    M = cfg.train.microbatches
-    idle = [r for r, ids in plan_step(0, replicas, M).ids.items() if not ids]
-    if not idle:
-        return ""
-    if layout.size == 1:
-        who = f"worker{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))}"
-    else:
-        ranks = ", ".join(f"{r} (workers {layout.workers_of(r)[0]}-{layout.workers_of(r)[-1]})" for r in idle)
-        who = f"replica{'s' if len(idle) > 1 else ''} {ranks}"
-    verb = "computes" if len(idle) == 1 else "compute"
-    return (
-        f"unbroken: warning: {len(replicas)} {'workers' if layout.size == 1 else 'replicas'} for train.microbatches "
-        f"= {M}: {who} {verb} nothing in a step without failures (a step has M microbatches however many work on "
-        f"it; the idle stand by to take a failed one's); set train.microbatches >= {len(replicas)} to use them"
-    )
 
 
 def default_run_dir(config_name: str) -> Path:
@@ -167,6 +145,7 @@ class Launcher:
         self._earlier: list[dict[str, Any]] = []  # the records of the run's earlier sessions (--resume)
         self._quotas = Quotas()  # the file's step records with their quotas in full, read in file order
         self._records: list[dict[str, Any]] = []  # this launch's
+        self._unshown: list[dict[str, Any]] = []  # of those, the records the progress view has not had yet
         self._failures_seen = 0  # failure records among _records (counted as they arrive)
         self._final_seen = False
         self._stopped_seen = False
@@ -260,15 +239,32 @@ class Launcher:
         complete = chunk[: chunk.rfind("\n") + 1]
         self._metrics_offset += len(complete.encode())
         records = [self._quotas.expand(r) for r in map(decode, complete.splitlines()) if r is not None]  # torn: skipped
-        for record in records:
-            if record.get("type") == RecordKind.ERROR:  # shown at once, --quiet or not, whatever happens next
-                print(describe_error(record, self.run_dir / "logs"), file=sys.stderr, flush=True)
         self._records += records
+        self._unshown += records
         self._failures_seen += sum(1 for r in records if r.get("type") == RecordKind.FAILURE)
         self._final_seen = self._final_seen or any(r.get("type") == RecordKind.FINAL for r in records)
         self._stopped_seen = self._stopped_seen or any(r.get("type") == RecordKind.STOPPED for r in records)
         self.agent.finished = self._final_seen
         return records
+
+    def _show(self, progress: ProgressView) -> None:
+        """The records read and what the leader printed, to the progress view, in the order of the run. The pipe
+        is drained after the records were read: every line the leader printed before a record it published is
+        then in hand when that record is, and goes first."""
+        records, self._unshown = self._unshown, []
+        for line in self.console.drain_lines():
+            progress.show(line)
+        for record in records:
+            progress.update(record)
+        progress.tick()
+
+    def _show_errors(self) -> None:
+        """After the progress view: the errors among the records it never had (a worker's error is shown, --quiet
+        or not, whatever happens)."""
+        records, self._unshown = self._unshown, []
+        for record in records:
+            if record.get("type") == RecordKind.ERROR:
+                print(describe_error(record, self.run_dir / "logs"), file=sys.stderr, flush=True)
 
     def _skip_earlier_records(self) -> None:
         """On ``--resume``: the records already in metrics.jsonl are the earlier sessions'. They count in the
@@ -292,19 +288,18 @@ class Launcher:
             ckptfiles.clean_partial(self.run_dir)  # temporary files of saves that were killed half-way
             self._skip_earlier_records()
         previous = signal.signal(signal.SIGINT, self._on_sigint)
-        if warning := idle_warning(self.cfg, self.plan.workers):
+        for warning in launch_warnings(self.cfg, self.plan.workers, self.plan.spares):
             print(warning, file=sys.stderr, flush=True)
         try:
             self.agent.warm()  # the zygote forks the coordinator and the workers once it has imported torch
             self.start_coordinator()
             self.agent.start_all()
-            with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches) as progress:
+            logs = self.run_dir / "logs"
+            with ProgressView(self.cfg.train.steps, self.show_progress, self.cfg.train.microbatches, logs) as progress:
                 progress.earlier(self._earlier)
                 while True:
-                    for line in self.console.drain():
-                        progress.show(line)
-                    for record in self._new_records():
-                        progress.update(record)
+                    self._new_records()
+                    self._show(progress)
                     self._kill_coordinator_if_due()
                     self.agent.tick()
                     if self._needs_restart():
@@ -314,6 +309,7 @@ class Launcher:
                         progress.note("interrupted: stopping every process (the last checkpoint is kept)")
                         self.stop_all(self.interrupt_reason)
                         self._new_records()
+                        self._show(progress)
                         return 130
                     assert self.coordinator is not None
                     if self.coordinator.poll() is not None:
@@ -326,10 +322,8 @@ class Launcher:
                     procs = [*self.agent.processes(), self.coordinator]
                     readable = (self.console.read_fd, *self._interrupts.fds(), *self.agent.wake_fds())
                     wait_for_exit(procs, self.agent.wait_s(), readable)
-                for record in self._new_records():
-                    progress.update(record)
-                for line in self.console.drain():
-                    progress.show(line)
+                self._new_records()
+                self._show(progress)
             return self._finish()
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -348,6 +342,7 @@ class Launcher:
         t0 = time.monotonic()
         self.stop_all("restarting after a failure (restart policy)")
         self._new_records()
+        self._show(progress)
         self.failures_handled = self._failures_seen
         self.restarts += 1
         self.sock.close()
@@ -388,6 +383,7 @@ class Launcher:
         for line in self.console.drain():  # what the leader printed last, after its final step
             print(line, flush=True)
         self._new_records()  # what the workers wrote themselves if the coordinator died
+        self._show_errors()
         done = self._final_seen
         assert self.coordinator is not None
         died = self.coordinator.returncode is not None and self.coordinator.returncode < 0

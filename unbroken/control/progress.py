@@ -9,13 +9,25 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from unbroken.control.console import Channel, LeaderLine, Story
+from unbroken.core.config import config_change_lines
 from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.failures import parse_event
 from unbroken.core.goodput import account
-from unbroken.core.records import SpareState, WorkerError, committed_steps, formed_after_epoch, is_join, sessions
+from unbroken.core.records import (
+    RecordKind,
+    SpareState,
+    WorkerError,
+    committed_steps,
+    formed_after_epoch,
+    is_join,
+    sessions,
+)
 from unbroken.core.throughput import run_throughput
 
 
@@ -26,6 +38,26 @@ def format_step(record: dict[str, Any], total_steps: int) -> str:
         f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.1e} | "
         f"{record['step_time_s'] * 1000:.0f} ms | {record['tokens_per_s']:,.0f} tok/s | "
         f"alive {record['alive']} | {record['step'] + 1}/{total_steps} done"
+    )
+
+
+def format_steps(records: list[dict[str, Any]], total_steps: int) -> str:
+    """The line of consecutive steps: ``format_step`` for one; for several, ``steps 10-19 | mean loss 4.1234 | lr
+    3.0e-04 | 812 ms/step | 40,210 tok/s | alive 4 | 20/200 done``: the mean loss of the steps with a finite one,
+    the mean step time, the tokens over the time, the last step's learning rate and members."""
+    if len(records) == 1:
+        return format_step(records[0], total_steps)
+    first, last = records[0], records[-1]
+    losses = [r["loss"] for r in records if math.isfinite(r["loss"])]
+    loss = sum(losses) / len(losses) if losses else math.nan
+    timed = [r for r in records if math.isfinite(r["step_time_s"])]
+    seconds = sum(r["step_time_s"] for r in timed)
+    rate = sum(r["tokens"] for r in timed) / seconds if seconds > 0 else 0.0
+    per_step = seconds / len(timed) * 1000 if timed else math.nan
+    return (
+        f"steps {first['step']}-{last['step']} | mean loss {loss:.4f} | lr {last['lr']:.1e} | "
+        f"{per_step:.0f} ms/step | {rate:,.0f} tok/s | "
+        f"alive {last['alive']} | {last['step'] + 1}/{total_steps} done"
     )
 
 
@@ -42,10 +74,25 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-class ProgressView:
-    """A live rich progress bar on a terminal; plain periodic lines otherwise (CI, pipes)."""
+# Records said in a line of their own, where they stand in the file (the leader's in its order; a stall and a
+# refusal when the coordinator decides them).
+_SAID = frozenset(
+    {RecordKind.RESUME, RecordKind.CHECKPOINT_REJECTED, RecordKind.NONFINITE_SKIP, RecordKind.STALL, RecordKind.REFUSED}
+)
 
-    def __init__(self, total_steps: int, enabled: bool, microbatches: int | None = None) -> None:
+
+class ProgressView:
+    """A live rich progress bar on a terminal; plain periodic lines otherwise (CI, pipes). Every line, the
+    launcher's and the leader's, goes out through a ``Story`` (``control.console``): in the order of the run."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        enabled: bool,
+        microbatches: int | None = None,
+        log_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.total = total_steps
         self.enabled = enabled
         self.live = enabled and sys.stdout.isatty()
@@ -54,6 +101,10 @@ class ProgressView:
         self.alive: int | None = None  # members of the newest epoch (a step record's count lags a rejoin)
         self.members: dict[int, list[int]] = {}  # epoch -> its members (a re-formation: a join or a recovery?)
         self.microbatches = microbatches  # a step's (train.microbatches)
+        self.log_dir = log_dir  # the workers' logs (named under a worker's error)
+        self.story = Story(self._emit, clock)
+        self._session: dict[int, list[int]] = {}  # this session's epochs and their members
+        self._range: list[dict[str, Any]] = []  # plain lines: the steps since the last step line, not said yet
         self._bar: Any = None
 
     def __enter__(self) -> ProgressView:
@@ -75,19 +126,37 @@ class ProgressView:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.story.release_all()
+        self._say_range()
         if self._bar is not None:
             self._bar.stop()
 
-    def note(self, text: str) -> None:
-        if self._bar is not None:
+    def _emit(self, text: str, channel: Channel) -> None:
+        """Print one line of the story (the steps done before it first: never a silent gap)."""
+        self._say_range()
+        if channel is Channel.ERROR:
+            print(text, file=sys.stderr, flush=True)
+        elif channel is Channel.SCRIPT and self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        elif channel is Channel.SCRIPT:
+            print(text, flush=True)
+        elif self._bar is not None:
             self._bar.console.print(text)
         elif self.enabled:
             print(text, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of the launcher's (not under ``--quiet``), in the story's order."""
+        self.story.say(text)
+
+    def tick(self) -> None:
+        """Called between looks at the records: what was held too long without a record is shown."""
+        self.story.tick()
+
     def earlier(self, records: list[dict[str, Any]]) -> None:
         """The records of the run's earlier sessions (``--resume``): folded, not shown again line by line."""
         for r in records:
-            if r.get("type") == "membership":
+            if r.get("type") == RecordKind.MEMBERSHIP:
                 self.members[int(r["epoch"])] = list(r["members"])
         steps = sorted(committed_steps(records))
         if steps:
@@ -96,45 +165,88 @@ class ProgressView:
             done = f"committed steps {_steps(steps)}"
             self.note(f"continuing the run: its earlier sessions {done} (not shown again; metrics.jsonl has them)")
 
-    def show(self, line: str) -> None:
-        """A line the script printed (the group leader's): above the bar, as written; shown under ``--quiet``
-        too (the script's output is not progress)."""
-        if self._bar is not None:
-            self._bar.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, flush=True)
+    def show(self, line: LeaderLine) -> None:
+        """A line the script printed (the group leader's): above the bar, as ``[worker N] text``, once the
+        records of its step were shown; shown under ``--quiet`` too (the script's output is not progress)."""
+        self.story.script(line)
 
     def update(self, record: dict[str, Any]) -> None:
+        """The next record of metrics.jsonl (in the file's order)."""
+        self.story.heard()
         kind = record.get("type")
-        if kind == "eval":
+        if kind == RecordKind.COORDINATOR and not record.get("restored_epoch"):
+            self.story.new_session()
+            self._session = {}
+        elif kind == RecordKind.STEP:
+            self._step(record)
+        elif kind in (RecordKind.MEMBERSHIP, RecordKind.FAILURE, RecordKind.RECOVERY, RecordKind.ERROR):
+            self._reformation(record)
+        elif kind == RecordKind.SPARE and record["state"] == SpareState.PROMOTED:
+            # before the join that brings it in (the newest epoch seen is the death's)
+            line = f"spare {record['spare']} takes the place of worker {record['worker']}"
+            self.story.say(line, epoch=max(self._session, default=0) + 1, rank=1)
+        elif kind in (RecordKind.STOPPED, RecordKind.FINAL):
+            self.story.release_all()  # the story's end; a stop's reason is the launcher's last line (once)
+        elif kind == RecordKind.EVAL:
             self.val = f" | val {record['val_loss']:.3f}"
             self.note(
                 f"eval after step {record['step']}: val loss {record['val_loss']:.4f}, ppl {record['val_ppl']:.1f}"
             )
-        elif kind == "recovery":
-            self.note(describe_recovery(record, self.members, self.microbatches))
-        elif kind in (
-            *("membership", "failure", "resume", "checkpoint_rejected", "nonfinite_skip", "stall", "stopped"),
-            "refused",
-        ):
-            if kind == "membership":
-                self.alive = len(record["members"])
-                self.members[int(record["epoch"])] = list(record["members"])
+        elif kind in _SAID:
             self.note(describe(record))
-        elif kind == "spare" and record["state"] == SpareState.PROMOTED:
-            self.note(f"spare {record['spare']} takes the place of worker {record['worker']}")
-        elif kind == "impure_data":  # a warning, shown under --quiet too
-            print(f"unbroken: warning: {record['reason']}", file=sys.stderr, flush=True)
-        elif kind == "step":
-            if self._bar is not None:
-                alive = self.alive if self.alive is not None else record["alive"]
-                info = (
-                    f"step {record['step']} | loss {record['loss']:.3f}{self.val} | "
-                    f"{record['tokens_per_s']:,.0f} tok/s | alive {alive}"
-                )
-                self._bar.update(self._task, completed=record["step"] + 1, info=info)
-            elif self.enabled and ((record["step"] + 1) % self.every == 0 or record["step"] == 0):
-                print(format_step(record, self.total), flush=True)
+        elif kind == RecordKind.IMPURE_DATA:  # a warning, shown under --quiet too
+            self.story.say(f"unbroken: warning: {record['reason']}", Channel.ERROR)
+        elif kind == RecordKind.START_STATE and record["differed"]:
+            if record.get("warn"):  # exact mode: shown under --quiet too
+                self.story.say(f"unbroken: warning: {record['reason']}", Channel.ERROR)
+            else:
+                self.note(record["reason"])
+
+    def _reformation(self, record: dict[str, Any]) -> None:
+        """A worker's error, a failure, a new epoch, the group re-formed: a new epoch's lines wait until the
+        group's records reach it (the coordinator writes its records at once, the leader's come later), the
+        error first, then the failure, then the epoch."""
+        kind = record["type"]
+        if kind == RecordKind.RECOVERY:
+            self.story.reached(epoch=int(record["epoch"]))
+            self.note(describe_recovery(record, self.members, self.microbatches))
+        elif kind == RecordKind.ERROR:
+            # Shown under --quiet too, before the re-formation it causes, or once its step is done without one.
+            text = describe_error(record, self.log_dir or Path("logs"))
+            self.story.say(text, Channel.ERROR, epoch=max(self._session, default=0) + 1, step=record["step"])
+        elif kind == RecordKind.FAILURE:
+            self.story.say(describe(record), epoch=int(record["epoch"]), rank=1)
+        else:
+            epoch, members = int(record["epoch"]), list(record["members"])
+            before = [m for e, m in self._session.items() if e < epoch]
+            changed = bool(before) and set(before[-1]) != set(members)  # the group must re-form
+            self.alive = len(members)
+            self.members[epoch] = self._session[epoch] = members
+            self.story.say(describe(record), epoch=epoch if changed else None, rank=2)
+
+    def _step(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if self._bar is not None:
+            alive = self.alive if self.alive is not None else record["alive"]
+            info = (
+                f"step {step} | loss {record['loss']:.3f}{self.val} | "
+                f"{record['tokens_per_s']:,.0f} tok/s | alive {alive}"
+            )
+            self._bar.update(self._task, completed=step + 1, info=info)
+        elif self.enabled and not record.get("republished"):  # a new leader's copy of a step already said
+            if self._range and step != self._range[-1]["step"] + 1:
+                self._say_range()  # not the next step (a relaunch from a checkpoint): its own line
+            first = not self._range and step == 0
+            self._range.append(record)
+            if first or (step + 1) % self.every == 0:
+                self._say_range()
+        self.story.reached(step=step, epoch=record.get("epoch"))
+
+    def _say_range(self) -> None:
+        """The plain line of the steps since the last one said (``step 9 | ...`` or ``steps 1-9 | ...``)."""
+        if self._range:
+            records, self._range = self._range, []
+            print(format_steps(records, self.total), flush=True)
 
 
 def describe(record: dict[str, Any]) -> str:
@@ -331,6 +443,8 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, t
         at = f"resumed at step {', '.join(map(str, s['resumed_at']))}" if s["resumed_at"] else "relaunched"
         again = f"; steps {_steps(s['retrained'])} trained again count once" if s["retrained"] else ""
         table.add_row("sessions", f"{s['sessions']} ({at}{again})")
+    for line in config_change_lines(records):  # what a resume changed (--resume: train.steps; or with changes)
+        table.add_row("config changed", line)
     if s["skipped"]:
         table.add_row("skipped steps", f"{s['skipped']} (a non-finite gradient: no optimizer step)")
     table.add_row("tokens", f"{s['tokens']:,}")

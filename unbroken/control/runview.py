@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.core.config import SlowPolicy
-from unbroken.core.failslow import SlowDecision, SlowDetector, SlowRule, SlowState, exclusion
+from unbroken.core.config import SlowPolicy, Workload
+from unbroken.core.failslow import Exclusion, SlowDecision, SlowDetector, SlowRule, SlowState, Verdict, exclusion
 from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.goodput import Bucket, Tracker
 from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
@@ -637,8 +637,11 @@ class SlowRecorder:
     does; under ``"rebalance"`` it calls ``rebalance(True)`` at a worker's verdict and ``rebalance(False)`` when
     no worker is fail-slow any more (the coordinator switches the throughput workload on and off); under
     ``"exclude"`` a fail-slow worker whose exclusion pays off (``core.failslow.exclusion``, with the steps left
-    of ``total_steps``) is handed to ``exclude`` (the coordinator removes it like a failed one).
-    ``records``: the run's so far, replayed without records (a restarted coordinator goes on where it was)."""
+    of ``total_steps``) is handed to ``exclude`` (the coordinator removes it like a failed one), unless it leads
+    the group (the lowest member, of replicas of ``replica_size`` ranks the lowest replica: it publishes the
+    records and writes the checkpoints): that one is rebalanced around instead, as under ``"rebalance"``, until
+    it recovers or leaves (kept, where ``workload`` is already throughput). ``records``: the run's so far,
+    replayed without records (a restarted coordinator goes on where it was)."""
 
     def __init__(
         self,
@@ -649,6 +652,8 @@ class SlowRecorder:
         total_steps: int = 0,
         exclude: Callable[[int, str], None] | None = None,
         rebalance: Callable[[bool], None] | None = None,
+        workload: Workload = Workload.EVEN,
+        replica_size: int = 1,
     ) -> None:
         self.tee = tee
         self.detector = SlowDetector(rule)
@@ -656,35 +661,85 @@ class SlowRecorder:
         self.total_steps = total_steps
         self.exclude = exclude
         self.rebalance = rebalance
+        self.workload = workload
+        self.replica_size = replica_size
+        self.members: tuple[int, ...] = ()  # the newest membership record's
+        self.leader_rebalanced: set[int] = set()  # leaders rebalanced around under "exclude", not yet recovered
         for r in records:
             if r.get("type") == RecordKind.STEP:
                 self.detector.observe(r)
+            elif r.get("type") == RecordKind.MEMBERSHIP:
+                self.members = tuple(r.get("members") or ())
+
+    def leader(self, step: Mapping[str, Any]) -> int | None:
+        """The unit (worker, or replica) that leads the group now: the newest membership's lowest, else the
+        lowest of the step's own members."""
+        if self.members:
+            return min(self.members) // self.replica_size
+        units = [int(w) for w in (step.get("quotas") or step.get("speeds") or {})]
+        return min(units) if units else None
 
     def write(self, record: Mapping[str, Any]) -> None:
         if record.get("type") == RecordKind.MEMBERSHIP:
-            gone = [w for w in self.detector.slow if w not in (record.get("members") or ())]
+            self.members = tuple(record.get("members") or ())
+            units = {w // self.replica_size for w in self.members}
+            gone = [w for w in self.detector.slow if w not in units]
             for worker in gone:  # it died or was excluded: should it come back, it is judged afresh
                 self.detector.forget(worker)
             if gone and not self.detector.slow and self.policy is SlowPolicy.REBALANCE and self.rebalance:
                 self.rebalance(False)
+            self._leader_well({w for w in self.leader_rebalanced if w not in units})
             return
         if record.get("type") != RecordKind.STEP:
             return
         for v in self.detector.observe(record):
-            fields = {"worker": v.worker, "state": str(v.state), "step": v.step, "relative": v.relative}
-            fields |= {"threshold": v.threshold, "windows": v.windows, "decision": str(SlowDecision.REPORT)}
-            if self.policy is SlowPolicy.REBALANCE:
-                fields["decision"] = str(SlowDecision.REBALANCE)
+            estimate = None
             if self.policy is SlowPolicy.EXCLUDE and v.state is SlowState.SLOW:
                 estimate = exclusion(record, v.worker, self.total_steps - 1 - v.step)
-                worth = estimate is not None and estimate.pays_off
-                fields["decision"] = str(SlowDecision.EXCLUDE if worth else SlowDecision.KEEP)
-                fields |= estimate.fields() if estimate is not None else {}
+            decision, leader = self._decide(v, record, estimate)
+            fields = {**v.fields(), "decision": str(decision), "floor_s": self.detector.rule.floor_s}
+            fields |= estimate.fields() if estimate is not None else {}
+            fields |= {"leader": True} if leader else {}
             slow = make(RecordKind.SLOW, time.time(), **fields)
             log.log(logging.WARNING if v.state is SlowState.SLOW else logging.INFO, "%s", describe_slow(slow))
             self.tee.write(slow)
-            if self.policy is SlowPolicy.REBALANCE and self.rebalance is not None:
-                if v.state is SlowState.SLOW or not self.detector.slow:
-                    self.rebalance(v.state is SlowState.SLOW)
-            if fields["decision"] == SlowDecision.EXCLUDE and self.exclude is not None:
-                self.exclude(v.worker, f"fail-slow: {v.relative:.2f}x the others' time per microbatch")
+            self._act(v, decision)
+
+    def _decide(self, v: Verdict, record: Mapping[str, Any], estimate: Exclusion | None) -> tuple[SlowDecision, bool]:
+        """What the policy does about verdict ``v`` (the step record ``record`` decided it; ``estimate``: what
+        excluding the worker would save, under "exclude"), and whether it is the leader that exclude spared."""
+        if self.policy is SlowPolicy.REBALANCE:
+            return SlowDecision.REBALANCE, False
+        if self.policy is not SlowPolicy.EXCLUDE:
+            return SlowDecision.REPORT, False
+        if v.state is SlowState.RECOVERED:
+            return (SlowDecision.REBALANCE if v.worker in self.leader_rebalanced else SlowDecision.REPORT), False
+        if estimate is None or not estimate.pays_off:
+            return SlowDecision.KEEP, False
+        if v.worker != self.leader(record):
+            return SlowDecision.EXCLUDE, False
+        # The leader publishes the records and writes the checkpoints; the leadership moves only when it leaves.
+        # Rather than make a failure of the group's leader out of a slowness, the work is routed around it.
+        usable = self.rebalance is not None and self.workload is not Workload.THROUGHPUT
+        return (SlowDecision.REBALANCE if usable else SlowDecision.KEEP), True
+
+    def _act(self, v: Verdict, decision: SlowDecision) -> None:
+        if self.policy is SlowPolicy.REBALANCE and self.rebalance is not None:
+            if v.state is SlowState.SLOW or not self.detector.slow:
+                self.rebalance(v.state is SlowState.SLOW)
+        elif self.policy is SlowPolicy.EXCLUDE and decision is SlowDecision.REBALANCE and self.rebalance is not None:
+            if v.state is SlowState.SLOW:
+                if not self.leader_rebalanced:
+                    self.rebalance(True)
+                self.leader_rebalanced.add(v.worker)
+            else:
+                self._leader_well({v.worker})
+        if decision is SlowDecision.EXCLUDE and self.exclude is not None:
+            self.exclude(v.worker, f"fail-slow: {v.relative:.2f}x the others' time per microbatch")
+
+    def _leader_well(self, workers: set[int]) -> None:
+        """Leaders rebalanced around that recovered or left: the config's workload again once none is left."""
+        if workers & self.leader_rebalanced:
+            self.leader_rebalanced -= workers
+            if not self.leader_rebalanced and self.rebalance is not None:
+                self.rebalance(False)

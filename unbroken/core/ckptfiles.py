@@ -260,9 +260,13 @@ def list_checkpoints(run_dir: Path) -> list[int]:
 
 
 def last_checkpoint_words(run_dir: Path) -> str:
-    """The words a stop line ends with: which checkpoint a ``--resume`` would continue from."""
+    """The words a stop line ends with: which checkpoint a ``--resume`` would continue from, by the step numbers
+    the console shows (from 0): ``step_00000005`` holds the state after step 4, and a resume trains step 5 next."""
     saved = list_checkpoints(run_dir)
-    return f"the last good checkpoint is step {saved[0]}" if saved else "no checkpoint was written yet"
+    if not saved:
+        return "no checkpoint was written yet"
+    state = f"the state after step {saved[0] - 1}" if saved[0] > 0 else "the starting state"
+    return f"the last good checkpoint is {state} (--resume continues at step {saved[0]})"
 
 
 def read_verified(run_dir: Path, step: int) -> bytes:

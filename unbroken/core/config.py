@@ -1,8 +1,9 @@
 """Run configuration: a frozen dataclass tree loaded from TOML with ``--section.key=value`` overrides.
 
 Owns the schema (every section, its fields and their validation), loading, overriding and writing the
-resolved config. Each component receives only its own section (``Trainer(cfg.train, ...)``), never the
-root. User mistakes raise ``ValueError`` with a one-line message naming the key and what is allowed.
+resolved config, and what a ``--resume`` may change of a run's config (``RESUME_FREE``, ``resume_config``).
+Each component receives only its own section (``Trainer(cfg.train, ...)``), never the root. User mistakes
+raise ``ValueError`` with a one-line message naming the key and what is allowed.
 
 Precedence: command-line overrides > TOML file > dataclass defaults.
 """
@@ -11,15 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import json
 import os
 import shlex
+import time
 import tomllib
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
+
+from unbroken.core.records import RecordKind, append_records, make
 
 FLAVOURS = ("tiny", "small", "60m", "130m", "350m", "1b", "7b")  # core.flavours.FLAVOURS (test_model checks)
 
@@ -187,6 +193,11 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = option(200, "optimizer steps")
+    schedule_steps: int = option(
+        0,
+        "the steps the LR warm-up and cosine span (0: train.steps); past them the final LR is held, so a run "
+        "extended by --resume --train.steps=N keeps its schedule (--resume sets it)",
+    )
     microbatches: int = option(8, "M: microbatches per step, fixed whatever the number of workers")
     lr: float = option(3e-3, "peak learning rate")
     warmup_fraction: float = option(0.1, "linear warm-up over this share of the steps")
@@ -230,10 +241,17 @@ class TrainConfig:
     )
     out_dir: str = option("", '"" = runs/<config name>-<timestamp>')
 
+    @property
+    def schedule_length(self) -> int:
+        """The steps the LR schedule spans (``schedule_steps``, 0: ``steps``)."""
+        return self.schedule_steps or self.steps
+
     def __post_init__(self) -> None:
         _enum_fields(self)
         if self.steps < 1:
             raise ValueError(f"train.steps = {self.steps} must be >= 1")
+        if self.schedule_steps < 0:
+            raise ValueError(f"train.schedule_steps = {self.schedule_steps} must be >= 0 (0 = train.steps)")
         if self.microbatches < 1:
             raise ValueError(f"train.microbatches = {self.microbatches} must be >= 1 (M microbatches per step)")
         if not self.lr > 0:
@@ -676,13 +694,34 @@ def _toml_value(value: Any) -> str:
     raise AssertionError(f"cannot write {value!r} as TOML")
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def dump_config(cfg: RunConfig, out_dir: str | os.PathLike[str]) -> Path:
     """Write the resolved config to ``out_dir/config.toml`` atomically and return its path."""
     path = Path(out_dir) / "config.toml"
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(to_toml(cfg))
-    os.replace(tmp, path)
+    _write_atomic(path, to_toml(cfg))
     return path
+
+
+def dump_resumed_config(cfg: RunConfig, out_dir: str | os.PathLike[str], changes: list[KeyChange]) -> str:
+    """A resumed session's ``changes`` (``config_changes``), written before its coordinator starts: its config
+    becomes ``out_dir/config.toml`` (every reader gets the config in force), the one it replaces is kept as
+    ``config.N.toml`` (N = 1, 2, ... numbers the run's configs in order: ``config.1.toml`` is the first session's,
+    nothing is lost), and a ``config_change`` record in metrics.jsonl lists the changes. Returns the kept name."""
+    out = Path(out_dir)
+    n = 1
+    while (out / f"config.{n}.toml").exists():
+        n += 1
+    kept = out / f"config.{n}.toml"
+    _write_atomic(kept, (out / "config.toml").read_text())
+    dump_config(cfg, out)
+    record = make(RecordKind.CONFIG_CHANGE, time.time(), changes=[c.as_json() for c in changes], kept=kept.name)
+    append_records(out, [record])
+    return kept.name
 
 
 def replace(section: Any, **changes: Any) -> Any:
@@ -713,8 +752,129 @@ def _type_name(tp: Any) -> str:
 TRAINER_ONLY = frozenset(
     {"model", "data"}
     | {f"train.{k}" for k in ("lr", "warmup_fraction", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps")}
-    | {"train.grad_clip", "train.eval_every", "train.eval_microbatches"}
+    | {"train.grad_clip", "train.eval_every", "train.eval_microbatches", "train.schedule_steps"}
 )
+
+
+# What a resumed session may change freely (``resume_config``): the keys that decide where and how fast the same
+# computation runs (workers and their layout, threads, kernels, device), how it is watched and saved (evaluation,
+# metrics, checkpoints, the control plane) and which faults are injected. Every other key changes what the run
+# computes, its trajectory: the model, the data, the optimizer and the LR schedule, M (train.microbatches), the
+# seed, the reduction, the precision, the recovery policy and MeCeFO's approximation. train.steps is neither: a
+# resume may change it, the schedule kept (train.schedule_steps). Sections, or ``section.key``.
+RESUME_FREE = frozenset(
+    {"comm", "failures", "checkpoint", "coordinator", "parallel", "metrics"}
+    | {"data.cache_dir", "data.verify"}
+    | {f"train.{k}" for k in ("eval_every", "eval_microbatches", "threads", "deterministic", "retain_host_memory")}
+    | {f"train.{k}" for k in ("nonfinite", "max_nonfinite_skips", "activation_checkpointing", "compile", "device")}
+    | {"train.workers_per_gpu", "train.peak_tflops", "train.out_dir"}
+    | {f"recovery.{k}" for k in ("workload", "slow", "slow_rejoin", "slow_window", "slow_windows", "slow_ratio")}
+)
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """A key to which a resumed session gives another value than the run's config (``config_changes``): the
+    values as JSON holds them, and whether the change alters what the run computes (``RESUME_FREE``)."""
+
+    key: str  # section.key
+    old: Any
+    new: Any
+    trajectory: bool
+
+    def words(self) -> str:
+        """``train.lr = 0.003 -> 0.001``."""
+        return f"{self.key} = {json.dumps(self.old)} -> {json.dumps(self.new)}"
+
+    def as_json(self) -> dict[str, Any]:
+        """Its form in a ``config_change`` record (``core.records``)."""
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> KeyChange:
+        return KeyChange(str(data["key"]), data["old"], data["new"], bool(data["trajectory"]))
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON holds it (an enum by its value, a tuple as a list)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _changes_trajectory(key: str, old: RunConfig, new: RunConfig) -> bool:
+    if key == "train.steps":
+        return False  # the schedule's own length is train.schedule_steps
+    if key == "train.schedule_steps":
+        return old.train.schedule_length != new.train.schedule_length
+    return key not in RESUME_FREE and key.split(".", 1)[0] not in RESUME_FREE
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> list[KeyChange]:
+    """Every key whose value differs between ``old`` and ``new``, in the schema's order."""
+    changes = []
+    for section in fields(old):
+        before, after = getattr(old, section.name), getattr(new, section.name)
+        for f in fields(before):
+            a, b = getattr(before, f.name), getattr(after, f.name)
+            if a != b:
+                key = f"{section.name}.{f.name}"
+                changes.append(KeyChange(key, _plain(a), _plain(b), _changes_trajectory(key, old, new)))
+    return changes
+
+
+def describe_changes(changes: list[KeyChange]) -> str:
+    """One line: ``train.steps = 8 -> 12, train.lr = 0.003 -> 0.001 (changing what the run computes)``."""
+    return ", ".join(c.words() + (" (changing what the run computes)" if c.trajectory else "") for c in changes)
+
+
+def config_change_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line for each ``config_change`` record of a run's records (every session, in file order): the step its
+    session resumed at (its ``resume`` record), the changes, and the file that keeps the config it replaced."""
+    lines = []
+    for i, r in enumerate(records):
+        if r.get("type") != RecordKind.CONFIG_CHANGE:
+            continue
+        at = next((x.get("step") for x in records[i + 1 :] if x.get("type") == RecordKind.RESUME), None)
+        where = f"at step {at}" if at is not None else "at a resume"
+        changes = describe_changes([KeyChange.from_json(c) for c in r.get("changes", [])])
+        lines.append(f"{where}: {changes}; the earlier config is {r.get('kept')}")
+    return lines
+
+
+def resume_config(
+    stored: RunConfig, requested: RunConfig, steps_done: int, allow_changes: bool, where: str
+) -> RunConfig:
+    """The config a resumed session runs with: ``requested`` (the run's ``stored`` config with the session's
+    overrides, or the config a coordinator was given) with the LR schedule kept: where ``requested`` leaves
+    ``train.schedule_steps`` at 0 and the run's length or schedule differs, it is set to the run's schedule length,
+    so more (or fewer) ``train.steps`` continue the same schedule and hold its final LR past its end.
+
+    Raises:
+        ValueError (one line, naming ``where``): ``train.steps`` is below ``steps_done``; or a key outside
+            ``RESUME_FREE`` changes (listed with its old and new value) and not ``allow_changes``.
+    """
+    tc = requested.train
+    if tc.steps < steps_done:
+        raise ValueError(
+            f"{where}: train.steps = {tc.steps} is fewer than the {steps_done} steps the run has done (its newest "
+            f"checkpoint); give train.steps >= {steps_done}"
+        )
+    if tc.schedule_steps == 0 and (stored.train.schedule_steps or tc.steps != stored.train.steps):
+        requested = dataclasses.replace(
+            requested, train=dataclasses.replace(tc, schedule_steps=stored.train.schedule_length)
+        )
+    refused = [c for c in config_changes(stored, requested) if c.trajectory]
+    if refused and not allow_changes:
+        raise ValueError(
+            f"{where}: {', '.join(c.words() for c in refused)} would change what the run computes; a resume keeps "
+            "the run's config but for train.steps and the keys that leave its trajectory alone (README.md, "
+            '"Resuming a run"); add --resume-with-changes to change it anyway (recorded in metrics.jsonl, the '
+            "earlier config kept)"
+        )
+    return requested
 
 
 def describe(

@@ -12,8 +12,9 @@ Step numbers: a record's ``step`` is the step's index, from 0 (step 0 is the fir
 schedule and ``Step.index``; a checkpoint (and ``resume``, ``final``, ``coordinator_lost``) names the steps
 done, which is the step the run continues at. One file holds every session of a run: a ``--resume`` or a
 restart-policy relaunch appends to it, starting at a ``coordinator`` record with ``restored_epoch`` 0
-(``sessions``); steps trained again after a resume are recorded again, and ``committed_steps`` counts each
-step once (its last record). ``is_join`` tells a re-formation that admitted workers from a recovery.
+(``sessions``; a resume that changed the config writes a ``config_change`` record just before it); steps
+trained again after a resume are recorded again, and ``committed_steps`` counts each step once (its last
+record). ``is_join`` tells a re-formation that admitted workers from a recovery.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class RecordKind(StrEnum):
     SPARE = "spare"  # a warm spare started, ready (initialised, outside the group) or promoted to a dead worker
     GOODPUT = "goodput"  # the run's goodput account so far (core.goodput), every metrics.goodput_every steps
     SLOW = "slow"  # a worker found fail-slow, or recovered from it (core.failslow), and what was decided
+    CONFIG_CHANGE = "config_change"  # a resume changed the config: each key (core.config.KeyChange), the kept file
+    START_STATE = "start_state"  # before the first step: whether the members' starting states differed (healed)
 
 
 FIELDS: dict[RecordKind, frozenset[str]] = {
@@ -92,6 +95,10 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
     ),
     RecordKind.IMPURE_DATA: frozenset({"step", "microbatch", "workers", "reason"}),
     RecordKind.SPARE: frozenset({"spare", "state", "worker", "pid"}),
+    RecordKind.CONFIG_CHANGE: frozenset({"changes", "kept"}),
+    RecordKind.START_STATE: frozenset(
+        {"step", "epoch", "members", "differed", "source", "state_bytes", "warn", "reason"}
+    ),
     RecordKind.SLOW: frozenset({"worker", "state", "step", "relative", "threshold", "windows", "decision"}),
     RecordKind.GOODPUT: frozenset(
         {"step", "wall_s", "tokens", "tokens_per_s", "ideal_tokens_per_s", "ratio", "buckets"}
@@ -380,13 +387,17 @@ def committed_steps(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, An
 
 def sessions(records: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """The records split by session: each begins where a coordinator started from disk (a launch, a
-    ``--resume``, a restart-policy relaunch: a ``coordinator`` record with ``restored_epoch`` 0); a coordinator
-    that replaced a dead one continues its session. Records before the first such record (an older file)
-    belong to the first session."""
+    ``--resume``, a restart-policy relaunch: a ``coordinator`` record with ``restored_epoch`` 0), or at the
+    ``config_change`` record a resume wrote just before that; a coordinator that replaced a dead one continues its
+    session. Records before the first such record (an older file) belong to the first session."""
     out: list[list[dict[str, Any]]] = [[]]
     for r in records:
         if r.get("type") == RecordKind.COORDINATOR and not r.get("restored_epoch") and out[-1]:
-            out.append([])
+            head = [out[-1].pop()] if out[-1][-1].get("type") == RecordKind.CONFIG_CHANGE else []
+            if out[-1]:
+                out.append(head)
+            else:
+                out[-1] = head
         out[-1].append(r)
     return out if out[0] else []
 

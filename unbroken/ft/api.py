@@ -112,7 +112,7 @@ class Context:
         self._pipeline: Pipeline | None = None
         self._current: Step | None = None  # the step the user's loop is in (or has just committed)
         self._evaluating = False  # inside evaluate()'s loss function
-        install_tee(self._speaks_for_job)  # under a launcher: the leader's prints reach its console too
+        install_tee(self._speaks_for_job, self._console_place)  # under a launcher: the leader's prints on its console
         atexit.register(self._at_exit)
         if job.exit_process and threading.current_thread() is threading.main_thread():
             crash.install(self._report_crash)
@@ -122,6 +122,11 @@ class Context:
         records (the leader), or before it has joined, when the launcher said so (worker 0's first start)."""
         proto = self._proto
         return before_joining if proto is None else proto.publisher
+
+    def _console_place(self) -> tuple[int | None, int]:
+        """What a line this worker prints is tagged with on the launcher's console: its id, and the step it is in
+        or has just committed (-1 before the first): the console shows it after that step's records."""
+        return self._job.worker_id, self._current.index if self._current is not None else -1
 
     # -- a replica of several ranks -------------------------------------------------------------------
     def _join_replica(self) -> Replica:
@@ -624,11 +629,6 @@ class Step:
         self._probing = False  # the current microbatch is the data check's probe: its forward only
         self._probed = False
         self._saved: tuple[Any, ...] = ()  # what the probe's forward must not change: RNG states, buffers
-
-    @property
-    def efficient(self) -> bool:
-        """Whether the current microbatch runs in MeCeFO's efficient mode (set by the library)."""
-        return self._awaiting is not None and not self._probing and self._proto.is_efficient(self._awaiting)
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids this worker computes in this step: its share of the plan, then, if a member died

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.control.client import CoordinatorClient, Epoch
+from unbroken.core.config import Reduction
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, append_records, make
@@ -78,6 +79,7 @@ class Membership:
         self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
         self.workload = ""  # the current epoch's workload when the coordinator switched it (else the config's)
         self.recovering = False
+        self.start_checked = False  # the members' starting states were compared (``_one_start``)
         self.former = GroupFormer(
             client.new_connection,
             client.worker_id,
@@ -215,7 +217,11 @@ class Membership:
         """The newest epoch after ``after`` that includes this worker; the ranks of a replica take the newest
         any of them has seen. StopRun if there is none (the run stops, or this worker was excluded)."""
         client = self.client
-        epoch = client.wait_for_epoch(self.cfg.join_timeout_s, after=after)
+        # The first epoch: the coordinator decides when the start has waited long enough (its join deadline began
+        # before this worker registered) and its stop says who joined; this worker's own bound is later by the time
+        # a coordinator's decision takes to reach it, so that its vaguer line never races the coordinator's.
+        slack = self.cfg.heartbeat_timeout_s if after == 0 else 0.0
+        epoch = client.wait_for_epoch(self.cfg.join_timeout_s + slack, after=after)
         if self.replica is not None:
             number = torch.tensor([float(epoch.epoch) if epoch is not None else 0.0], dtype=torch.float64)
             self.replica.all_reduce(number, torch.distributed.ReduceOp.MAX)
@@ -238,8 +244,9 @@ class Membership:
         """On a new group: agree on the step; whoever is behind (a joiner, or a worker whose reduction was cut
         short while others committed) receives the state of the lowest-ranked member that is ahead, as the
         checkpoint schema's bytes (a rank of a replica: its shard of the state, from the rank of the same
-        index). True if this worker was behind: its local step state is stale then (the caller begins the
-        step afresh)."""
+        index). Before the run's first step, every member starts from the leader's state (``_one_start``).
+        True if this worker was behind: its local step state is stale then (the caller begins the step
+        afresh)."""
         assert self.group is not None
         steps = torch.zeros(self.group.size, dtype=torch.float64)
         steps[self.group.rank] = self.state.step
@@ -254,15 +261,60 @@ class Membership:
                 shared=True,
             )
         if float(steps.min()) == ahead:
+            if ahead == 0:
+                self._one_start()
             return False
         src = int((steps == ahead).nonzero()[0])
         behind = self.state.step < ahead
+        self._send_state(src, behind)
+        return behind
+
+    def _one_start(self) -> None:
+        """No step committed yet: the members compare what they start from (``TrainingState.start_digest``) and,
+        if any differs from the leader's, the leader's state is broadcast and loaded by those (as DDP does at
+        construction). A ``start_state`` record says which; in exact mode a difference is also a warning (each
+        worker initialising its own model is then the likely mistake: an unseeded model)."""
+        group = self.group
+        assert group is not None
+        digests = torch.zeros(group.size, 32, dtype=torch.float64)
+        digests[group.rank] = torch.tensor(list(self.state.start_digest()), dtype=torch.float64)
+        self.wait([allreduce_async(group, digests)])
+        differ = [group.members[r] for r in range(1, group.size) if not torch.equal(digests[r], digests[0])]
+        if not differ and self.start_checked:
+            return  # a re-formation before the first commit: checked and recorded already
+        self.start_checked = True
+        warn = bool(differ) and self.cfg.reduction is Reduction.EXACT
+        reason = ""
+        if differ:
+            self._send_state(0, not torch.equal(digests[group.rank], digests[0]))
+            reason = (
+                f"step 0: the starting state of worker(s) {', '.join(map(str, differ))} differs from the leader's "
+                f"(worker {group.members[0]}); every worker now starts from the leader's. Likely cause: the model is "
+                "built without a fixed seed (call torch.manual_seed(ctx.config.train.seed) before building it)"
+            )
+            log.log(logging.WARNING if warn else logging.INFO, "%s", reason)
+        self.publish(
+            RecordKind.START_STATE,
+            step=0,
+            epoch=group.epoch,
+            members=list(group.members),
+            differed=differ,
+            source=group.members[0],
+            state_bytes=self.state_bytes,
+            warn=warn,
+            reason=reason,
+        )
+
+    def _send_state(self, src: int, receive: bool) -> None:
+        """Broadcast member ``src``'s state to the group; load it here if ``receive``, and check that the
+        parameters' checksum is then the sender's."""
+        assert self.group is not None
         local = self.replica is not None
         payload = ckpt.encode(self.state.snapshot(local=local)) if self.group.rank == src else b""
         checksum = self.state.checksum() if self.group.rank == src else ""
         header = torch.zeros(2 + 64, dtype=torch.float64)
         if self.group.rank == src:
-            header[0], header[1] = len(payload), ahead
+            header[0], header[1] = len(payload), self.state.step
             header[2:] = torch.tensor(list(bytes.fromhex(checksum)) + [0] * 32, dtype=torch.float64)
         self.wait([broadcast_async(self.group, header, src)])
         self.state_bytes = int(header[0])  # what one member sent to those behind (a rank: its shard)
@@ -272,17 +324,17 @@ class Membership:
         if self.group.rank == src:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.wait([broadcast_async(self.group, data, src)])
-        if behind:
-            state = ckpt.decode(data.numpy().tobytes())
-            self.state.restore(state, local=local)
-            expected = bytes(int(x) for x in header[2:34].tolist()).hex()
-            if self.state.checksum() != expected:
-                raise InvariantViolation(
-                    f"step {self.state.step}: after receiving the state from member {self.group.members[src]} "
-                    f"the parameters' checksum is {self.state.checksum()[:12]}, the sender's {expected[:12]}",
-                    shared=False,
-                )
-        return behind
+        if not receive:
+            return
+        state = ckpt.decode(data.numpy().tobytes())
+        self.state.restore(state, local=local)
+        expected = bytes(int(x) for x in header[2:34].tolist()).hex()
+        if self.state.checksum() != expected:
+            raise InvariantViolation(
+                f"step {self.state.step}: after receiving the state from member {self.group.members[src]} "
+                f"the parameters' checksum is {self.state.checksum()[:12]}, the sender's {expected[:12]}",
+                shared=False,
+            )
 
     # -- the group's records ------------------------------------------------------------------------
     def publish(self, kind: RecordKind, **fields: Any) -> None:

@@ -48,9 +48,13 @@ from unbroken.core.config import (
     CoordinatorConfig,
     Reduction,
     RunConfig,
+    config_changes,
     config_from_toml_text,
     deterministic_kernels,
     dump_config,
+    dump_resumed_config,
+    load_config,
+    resume_config,
 )
 from unbroken.core.logs import init_logger
 from unbroken.core.records import RecordKind, SpareState, WorkerError, make
@@ -299,6 +303,12 @@ class Job:
         resume = (run_dir / "config.toml").is_file() and bool(ckpt.list_checkpoints(run_dir))
         if not resume:
             dump_config(config, run_dir)
+        else:  # run again in its run directory: a resume, its config checked as ``unbroken launch --resume`` does
+            stored = load_config(run_dir / "config.toml")
+            where = f"{run_dir} (a script run again in its run directory resumes it; see unbroken launch --resume)"
+            config = resume_config(stored, config, ckpt.list_checkpoints(run_dir)[0], False, where)
+            if changes := config_changes(stored, config):
+                dump_resumed_config(config, run_dir, changes)
         token = os.environ.get(TOKEN_ENV) or new_token()
         sock = bind_listen_socket("127.0.0.1", 0)
         proc, address = spawn_coordinator(sock, run_dir, 1, resume, {**os.environ, TOKEN_ENV: token})

@@ -58,6 +58,7 @@ class ProtocolConfig:
     checkpoint_every: int
     checkpoint_keep: int
     workers_per_gpu: int = 1
+    heartbeat_timeout_s: float = 2.0
 
     @staticmethod
     def of(cfg: RunConfig) -> ProtocolConfig:
@@ -75,4 +76,5 @@ class ProtocolConfig:
             checkpoint_every=cfg.checkpoint.every,
             checkpoint_keep=cfg.checkpoint.keep,
             workers_per_gpu=cfg.train.workers_per_gpu,
+            heartbeat_timeout_s=cfg.comm.heartbeat_timeout_s,
         )

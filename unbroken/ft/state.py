@@ -4,7 +4,8 @@ Owns ``TrainingState``: the registered model, optimizer and extra objects, the m
 replicated state (the next step, the exact mode's scale, the agreed per-worker speeds, the run of
 consecutive non-finite skips, the last step's outcome, MeCeFO's bases). ``snapshot()`` is the state in
 the checkpoint schema (``checkpoint.build_state``), used both for checkpoints and for the bytes a live
-member sends a rejoining one; ``restore()`` is its inverse; ``checksum()`` fingerprints the parameters.
+member sends a rejoining one; ``restore()`` is its inverse; ``checksum()`` fingerprints the parameters,
+``start_digest()`` everything a run starts from (parameters, buffers, optimizer state).
 
 A rank of a replica of several ranks holds its part of the model and optimizer (FSDP shards as ``DTensor``s,
 or a pipeline stage): its snapshot holds the local tensors, and restoring one writes them back into the local
@@ -50,7 +51,7 @@ def param_checksum(model: nn.Module) -> str:
     reshard(model)
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(local_tensor(p.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(_tensor_bytes(p))
     return digest.hexdigest()
 
 
@@ -215,3 +216,27 @@ class TrainingState:
     def checksum(self) -> str:
         assert self.model is not None
         return param_checksum(self.model)
+
+    def start_digest(self) -> bytes:
+        """sha256 over what a run starts from: the model's parameters and buffers, the optimizer's state tensors
+        and its groups' settings, in order (a rank of a replica: its shards). Equal on two members iff they would
+        train the same run from here."""
+        assert self.model is not None
+        reshard(self.model)
+        digest = hashlib.sha256()
+        for name, tensor in self.model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(_tensor_bytes(tensor))
+        if self.optimizer is not None:
+            opt = self.optimizer.state_dict()
+            for group in opt["param_groups"]:
+                digest.update(repr(sorted((k, v) for k, v in group.items() if k != "params")).encode())
+            for index in sorted(opt["state"]):
+                for key, value in sorted(opt["state"][index].items()):
+                    digest.update(f"{index}.{key}".encode())
+                    digest.update(_tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+        return digest.digest()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return local_tensor(tensor.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.config import config_change_lines
 from unbroken.core.goodput import account
 from unbroken.core.records import Quotas, committed_steps, formed_after_epoch, is_join, sessions, wall_s
 
@@ -331,6 +332,7 @@ def render_markdown(run: Run, reference: Run | None) -> str:
             f"| sessions | {s['sessions']} (resumed at step {at}); a step trained again is counted once, "
             "with its later record |"
         )
+    lines += [f"| config changed | {line} |" for line in config_change_lines(run.records)]
     if s["identical"] is not None:
         lines.append(f"| workers' parameters at the end | {'identical' if s['identical'] else 'DIFFERENT'} |")
     if run.torn_last_line:

@@ -38,11 +38,14 @@ from unbroken.train.stages import pipeline_stage, stage_layers
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over the first ``warmup_fraction`` of the steps, then cosine to ``lr * min_lr_ratio``."""
-    warmup = int(cfg.warmup_fraction * cfg.steps)
+    """Linear warm-up over the first ``warmup_fraction`` of the schedule's steps (``train.schedule_steps``, 0:
+    ``train.steps``), then cosine to ``lr * min_lr_ratio``, held past the schedule's end (a run extended by
+    ``--resume --train.steps=N`` keeps its schedule)."""
+    length = cfg.schedule_length
+    warmup = int(cfg.warmup_fraction * length)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    progress = (step - warmup) / max(1, length - warmup)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
