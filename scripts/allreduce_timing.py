@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unbroken.lab.figures import free_port
+from unbroken.lab.harness import free_port
 
 VALUES = 7_400_000
 

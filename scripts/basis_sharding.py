@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from unbroken.ft.efficient import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, randomized_basis  # noqa: E402
+from unbroken.ft.mecefo import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, randomized_basis  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, shape: tuple[int, int], r: int, repeats: int, out: dict) -> None:

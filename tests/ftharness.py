@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.coordinator import Coordinator
-from unbroken.control.gateway import new_token
-from unbroken.control.store import bind_listen_socket, connect_store, report_death
+from unbroken.control.coordinator.loop import Coordinator
+from unbroken.control.store.connect import bind_listen_socket, connect_store, report_death
+from unbroken.control.store.gateway import new_token
 from unbroken.core.config import RunConfig, dump_config
 from unbroken.ft.api import Context
 from unbroken.ft.process import Job, WorkerLeft

@@ -4,7 +4,7 @@ a few hundred runs a suite).
 
     python tests/launchpad.py SOCKET_PATH       # started by tests/runner.py, one per test process
 
-It imports what ``unbroken train`` and its zygote import (``unbroken.control.zygote.PRELOAD``, the CLI, the exact
+It imports what ``unbroken train`` and its zygote import (``unbroken.control.host.zygote.PRELOAD``, the CLI, the exact
 fold's kernels), starts no thread, and listens on a Unix socket. Each request (one connection: a JSON line with
 argv, cwd and the environment, and the three standard descriptors as ``SCM_RIGHTS``) is served by a forked
 reporter, which forks the command's process, sends ``{"pid": N}``, waits for it and sends ``{"status": S}`` (as
@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 
-from unbroken.control.zygote import _PR_SET_PDEATHSIG, MESSAGE_BYTES, PRELOAD, _prctl
+from unbroken.control.host.zygote import _PR_SET_PDEATHSIG, MESSAGE_BYTES, PRELOAD, _prctl
 from unbroken.core.ending import run_then_exit
 
 

@@ -15,17 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from unbroken.control.client import Epoch
+from unbroken.control.member.client import Epoch
 from unbroken.core.config import RunConfig
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
-from unbroken.ft.protocoldefs import ProtocolConfig
 from unbroken.ft.reduction import StepReduction
 from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import TrainingState
 from unbroken.ft.stepplan import StepPlan
+from unbroken.ft.stops import ProtocolConfig
 
 M = 4  # the microbatches of a step in these tests
 

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.control.netif import free_port  # noqa: F401 - the tests take it from here
-from unbroken.control.zygote import worker_of
+from unbroken.control.host.zygote import worker_of
+from unbroken.control.store.netif import free_port  # noqa: F401 - the tests take it from here
 from unbroken.core.records import read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "tests" / "tiny.toml")  # configs/tiny.toml with a smaller vocabulary (read it)
@@ -464,8 +464,8 @@ def worker_pids(token: str) -> dict[int, int]:
 def in_process_coordinator(tmp_path: Path, token: str) -> Iterator[Any]:
     """A ``Coordinator`` object in this process (its store, gateway and metrics file; no loop running) for a run
     of ``tests/tiny.toml`` in ``tmp_path / "run"``, closed at the end."""
-    from unbroken.control.coordinator import Coordinator
-    from unbroken.control.store import bind_listen_socket
+    from unbroken.control.coordinator.loop import Coordinator
+    from unbroken.control.store.connect import bind_listen_socket
     from unbroken.core.config import dump_config, load_config
 
     run = tmp_path / "run"

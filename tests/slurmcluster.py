@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from unbroken.control.netif import free_port
+from unbroken.control.store.netif import free_port
 
 NODES = ("n1", "n2")
 # Attempts at starting the Slurm daemons, each on other ports: a port found free can be taken before the

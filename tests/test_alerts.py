@@ -1,4 +1,4 @@
-"""Alerts (unbroken.control.alerts): what raises one, the command and the webhook that receive them in order,
+"""Alerts (unbroken.control.status.alerts): what raises one, the command and the webhook that receive them in order,
 the goodput alert's hold and re-arm, and a bad alert setting refused at launch in one line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from runner import TINY, run_command, train_cmd
 
-from unbroken.control.alerts import Alerter, AlertKind
+from unbroken.control.status.alerts import Alerter, AlertKind
 from unbroken.core.config import MetricsConfig
 from unbroken.core.records import RecordKind, make
 

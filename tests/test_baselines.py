@@ -59,7 +59,7 @@ from runner import ROOT, RUN_TIMEOUT_S, TINY
 from unbroken.core.config import load_config, to_toml
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import committed_steps, read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.lab import bench, bench_gpu, bench_library, bench_parallel
 
 STEPS = 3

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from unbroken.control.store import exit_reason, process_failure, raised_failure
+from unbroken.control.store.connect import exit_reason, process_failure, raised_failure
 from unbroken.core.config import CommConfig
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import METRICS_FILE, RecordKind, SpareState, make, read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.lab.chaos import (
     Outcome,
     Reference,

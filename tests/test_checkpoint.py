@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(30)
 

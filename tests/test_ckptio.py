@@ -10,10 +10,10 @@ import torch
 from protoparts import Client, member, mlp_state, no_faults, protocol_config
 
 from unbroken.core import ckptfiles
-from unbroken.ft import checkpoint as ckpt
-from unbroken.ft.ckptio import Checkpoints, checkpoint_due
-from unbroken.ft.protocoldefs import StopRun
+from unbroken.ft.checkpoint import schema as ckpt
+from unbroken.ft.checkpoint.policy import Checkpoints, checkpoint_due
 from unbroken.ft.state import TrainingState
+from unbroken.ft.stops import StopRun
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -209,7 +209,6 @@ import datetime, sys, tempfile
 import torch, torch.distributed as dist
 from unbroken.ft.comm import GradientReducer, Group
 from unbroken.ft.exact import FixedPointScale
-
 exact = sys.argv[1] == "exact"
 store = dist.FileStore(tempfile.mktemp(), 1)
 group = Group(1, (0,), 0, dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=30)), torch.device("cpu"))
@@ -433,7 +432,6 @@ _SETTLE_IN_A_FRESH_PROCESS = """
 import os, sys, threading, torch
 from torch.distributed import TCPStore
 from unbroken.ft.comm import WaitStatus, form_group, settle
-
 server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
 clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(2)]
 before = len(os.listdir("/proc/self/fd"))

@@ -12,10 +12,10 @@ import torch
 from protoparts import Client, M, OneWorker, no_faults, protocol_config
 
 from unbroken.core.config import NonfinitePolicy
-from unbroken.ft.commit import StepCommit
-from unbroken.ft.protocoldefs import EXIT_NONFINITE, ProtocolConfig, StopRun
 from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import StepOutcome
+from unbroken.ft.stops import EXIT_NONFINITE, ProtocolConfig, StopRun
+from unbroken.ft.update import StepCommit
 
 pytestmark = pytest.mark.timeout(60)
 

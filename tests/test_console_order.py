@@ -27,7 +27,7 @@ from unbroken.control.console import (
     decode_line,
     encode_line,
 )
-from unbroken.control.progress import ProgressView
+from unbroken.control.status.progress import ProgressView
 from unbroken.core.records import RecordKind, make, read_records
 
 # -- the checker ---------------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from runner import (
     wait_for,
 )
 
-from unbroken.control.client import STALL_HEADER, CoordinatorClient
-from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.member.client import STALL_HEADER, CoordinatorClient
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)
@@ -122,7 +122,7 @@ def test_with_etcd_a_standby_coordinator_takes_over(tmp_path: Path, data_cache_d
     leader is killed; when its lease expires the standby leads, restores the state from etcd, the workers
     (given both addresses) register with it, and the run ends bitwise the failure-free one."""
     pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed (make test installs it)")
-    from unbroken.control.etcd import LocalEtcdCluster, find_etcd
+    from unbroken.control.store.etcd import LocalEtcdCluster, find_etcd
 
     if find_etcd() is None:
         pytest.skip(
@@ -236,4 +236,4 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
         assert len(dump) == 2, f"worker {wid} logged no stacks for its late heartbeats"
         sender = next(t for t in dump[1].split("\n\n") if " in _send" in t)
         innermost = sender.splitlines()[1]  # in a store call: the beat's add, or a record's publication
-        assert beat in innermost or "unbroken/control/store.py" in innermost, sender
+        assert beat in innermost or "unbroken/control/store/connect.py" in innermost, sender

@@ -44,15 +44,15 @@ from runner import (
     worker_pids,
 )
 
-from unbroken.control import keys
-from unbroken.control.alerts import Alerter, AlertKind
-from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.control.store import connect_store, report_timeout
+from unbroken.control.status.alerts import Alerter, AlertKind
+from unbroken.control.store import keys
+from unbroken.control.store.connect import connect_store, report_timeout
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.config import MetricsConfig
 from unbroken.core.goodput import Bucket, account
 from unbroken.core.records import RecordKind, make, read_records, sessions, step_losses
-from unbroken.ft import checkpoint as ckpt
-from unbroken.ft.protocoldefs import EXIT_COORDINATOR_LOST, EXIT_STOPPED
+from unbroken.ft.checkpoint import schema as ckpt
+from unbroken.ft.stops import EXIT_COORDINATOR_LOST, EXIT_STOPPED
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -408,7 +408,7 @@ def test_a_webhook_that_fails_is_logged_and_the_next_alert_still_goes_out(
 ) -> None:
     """The webhook refuses the first alert's connection, or answers it with an error status, with something that is
     not HTTP, or not at all: the failure is logged (one line), and the next alert still goes out."""
-    caplog.set_level(logging.ERROR, logger="unbroken.control.alerts")
+    caplog.set_level(logging.ERROR, logger="unbroken.control.status.alerts")
     hook = Hook(ANSWERS.get(first, NO_CONTENT))
     failed = FAILED.format(url=hook.url)
     alerter = Alerter(MetricsConfig(alert_webhook=hook.url), "/runs/z")

@@ -20,10 +20,10 @@ import torch
 from runner import ROOT, TINY, final_params, in_process_coordinator, popen, reference_run, run_command
 from torch.distributed import TCPStore
 
-from unbroken.control.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
-from unbroken.control.store import exit_code_in, exit_reason, process_failure, raised_failure, raised_headline
+from unbroken.control.store.connect import exit_code_in, exit_reason, process_failure, raised_failure, raised_headline
+from unbroken.control.store.gateway import MAGIC, NONCE_BYTES, Tunnel, TunnelError, new_token
 from unbroken.core.records import read_records, step_losses
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -227,9 +227,9 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
     metrics.jsonl, so the finished run looked unfinished and the launcher restarted its coordinator). The
     coordinator waits a moment for the number, then goes on without it, and still takes the record if it
     comes late (a writer that was only stopped)."""
-    from unbroken.control import coordinator as coordinator_module
-    from unbroken.control import keys
-    from unbroken.control.store import publish_record
+    from unbroken.control.coordinator import loop as coordinator_module
+    from unbroken.control.store import keys
+    from unbroken.control.store.connect import publish_record
     from unbroken.core.records import RecordKind, encode, make
 
     run = tmp_path / "run"
@@ -260,8 +260,8 @@ def test_after_a_stop_the_members_records_are_taken_until_their_heartbeats_end(t
     have stopped (r60: the records of a step committed and a checkpoint written after a Ctrl-C were lost, and the
     run's records lacked a step). Here member 0 beats and publishes for a while after the stop; member 1 is quiet
     from the start. The limit is far past this test's bound: only the heartbeats' end can end the wait."""
-    from unbroken.control import keys
-    from unbroken.control.store import connect_store, publish_record
+    from unbroken.control.store import keys
+    from unbroken.control.store.connect import connect_store, publish_record
     from unbroken.core.records import RecordKind, make
 
     token = new_token()
@@ -295,8 +295,8 @@ def test_a_ring_whose_key_never_came_holds_no_watcher(tmp_path: Path) -> None:
     that had read the count before it waited on that key for NEWS_WAIT_S while epochs were published: the
     survivors of a cut-off host never took its restarted workers in (tests/test_netns.py). The coordinator's
     next ring gives every count since its last one its key."""
-    from unbroken.control import keys
-    from unbroken.control.store import connect_store, get_int, wait_key
+    from unbroken.control.store import keys
+    from unbroken.control.store.connect import connect_store, get_int, wait_key
 
     token = new_token()
     with in_process_coordinator(tmp_path, token) as coordinator:
@@ -316,8 +316,8 @@ def test_the_ring_of_an_epoch_holds_its_record_and_every_other_ring_nothing(tmp_
     """A watcher's get of the next ring waits for it and takes the ring's value for the epoch's record
     (``newsrelay.next_news``): it must be the published record itself. A stop's ring, and a count whose key the
     coordinator fills in, hold nothing, so a watcher woken by one looks at the store and reads the stop flag."""
-    from unbroken.control import keys
-    from unbroken.control.store import connect_store, get_int
+    from unbroken.control.store import keys
+    from unbroken.control.store.connect import connect_store, get_int
 
     token = new_token()
     with in_process_coordinator(tmp_path, token) as coordinator:
@@ -339,8 +339,8 @@ def test_a_promoted_spare_is_taken_in_at_once_and_a_joiner_at_the_last_call(tmp_
     once. A joiner and a promoted spare register in the same look of the coordinator's loop (both requests are
     written before the count that announces them): the spare's epoch must not wait for the joiner's last call,
     and the joiner is taken in at its own, in a later epoch."""
-    from unbroken.control import keys
-    from unbroken.control.store import connect_store, get_int, ring, wait_key
+    from unbroken.control.store import keys
+    from unbroken.control.store.connect import connect_store, get_int, ring, wait_key
 
     def request(worker_id: int, **extra: object) -> str:
         return json.dumps({"worker_id": worker_id, "host": "h", "pid": 1, "returning": False, **extra})
@@ -405,8 +405,8 @@ def test_a_store_call_that_is_not_answered_is_cut_by_its_guard(tmp_path: Path) -
     """A store call whose peer does not answer (here a coordinator stopped with SIGSTOP; a host cut off from
     the network is the same to the caller) waits for as long as the peer is silent, whatever the store's
     timeout: the agent's ``CallGuard`` cuts its tunnel past the limit, and the call fails instead."""
-    from unbroken.control.coordinator import spawn_coordinator
-    from unbroken.control.store import CallGuard, bind_listen_socket, open_store
+    from unbroken.control.coordinator.loop import spawn_coordinator
+    from unbroken.control.store.connect import CallGuard, bind_listen_socket, open_store
     from unbroken.core.config import dump_config, load_config
 
     run = tmp_path / "run"
@@ -457,8 +457,8 @@ def test_the_store_alone_owns_its_listening_descriptor(tmp_path: Path) -> None:
     thread job: a tunnel's store connection cut during its validation, a selector left with a stale entry)."""
     import gc
 
-    from unbroken.control import coordinator as coordinator_module
-    from unbroken.control.store import bind_listen_socket
+    from unbroken.control.coordinator import loop as coordinator_module
+    from unbroken.control.store.connect import bind_listen_socket
     from unbroken.core.config import dump_config, load_config
 
     cfg = load_config(TINY)
@@ -482,8 +482,8 @@ def test_the_first_reason_to_stop_is_the_one_kept() -> None:
     """Every worker stops for one reason (an op without a deterministic implementation) and exits; the launcher,
     seeing nobody left, asks for a stop too before the coordinator read the first: the run's line must stay the
     workers' reason (CI: "every worker exited and none is due to restart" replaced it)."""
-    from unbroken.control import keys
-    from unbroken.control.agent import Agent
+    from unbroken.control.host.agent import Agent
+    from unbroken.control.store import keys
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
     agent = Agent([0], ("true",), {}, Path("."))
@@ -498,7 +498,7 @@ def test_a_worker_stopped_after_the_run_finished_is_no_failure_of_its_agent(tmp_
     """Real processes, no coordinator. Once the run finished (its last members known), a worker that has not
     ended within the grace (one cut off from the coordinator as the run ended cannot learn that it did) is
     stopped and counted with the latecomers, not as a failure; after a stop (no finished run) it still counts."""
-    from unbroken.control.agent import Agent
+    from unbroken.control.host.agent import Agent
 
     for finished in (True, False):
         agent = Agent([0, 1], (sys.executable, "-c", "import time; time.sleep(60)"), dict(os.environ), tmp_path)
@@ -514,7 +514,7 @@ def test_the_agents_wait_ends_when_a_restart_or_the_end_of_a_pause_falls_due() -
     """Between looks the launcher and the agent sleep ``Agent.wait_s`` (unless an exit wakes them). A restart due
     sooner than the idle wait must shorten it: a worker killed with ``rejoin=0.1`` was restarted up to 0.25 s
     late, after a short run had ended without it (CI: its "restarted too late" line missing)."""
-    from unbroken.control.agent import IDLE_WAIT_S, POLL_S, Agent
+    from unbroken.control.host.agent import IDLE_WAIT_S, POLL_S, Agent
 
     agent = Agent([0, 1], ("true",), {}, Path("."))
     assert agent.wait_s() == IDLE_WAIT_S
@@ -543,7 +543,7 @@ def test_waiting_for_workers_wakes_once_at_an_exit_then_sleeps_on_the_rest() -> 
     It used to wake at once on every call for as long as an exited worker was not reaped (its pidfd stays
     readable): after a run's final record, when the agent stops reaping, the launcher's loop spun through
     thousands of looks a second until the coordinator exited."""
-    from unbroken.control.agent import wait_for_exit
+    from unbroken.control.host.agent import wait_for_exit
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -566,8 +566,8 @@ def test_a_stop_is_asked_for_once_whoever_asks() -> None:
     """Workers, agents and the coordinator all stop the job through ``request_stop``: the first caller is told its
     reason is kept, a later one with another reason that it is not (the same reason again is still the one kept: two
     workers that saw the same thing), and the stored reason never changes."""
-    from unbroken.control import keys
-    from unbroken.control.store import request_stop
+    from unbroken.control.store import keys
+    from unbroken.control.store.connect import request_stop
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
     assert request_stop(store, "worker 1: the loss is not finite")
@@ -579,7 +579,7 @@ def test_a_stop_is_asked_for_once_whoever_asks() -> None:
 def test_a_late_heartbeat_s_stacks_show_each_thread_innermost_call_first() -> None:
     """What a worker logs when its heartbeat is late (``thread_stacks``, read under the GIL): one block per thread,
     named, its innermost call on the line after the name and the thread's start on the last."""
-    from unbroken.control.client import thread_stacks
+    from unbroken.control.member.client import thread_stacks
 
     release = threading.Event()
 

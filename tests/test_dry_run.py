@@ -17,9 +17,9 @@ from doccommands import extract
 from runner import ROOT, TINY, run_command
 
 from unbroken.cli import parse_command
+from unbroken.control.coordinator.failslow import SlowRule
+from unbroken.control.launchcheck import launch_warnings
 from unbroken.core.config import load_config, preset_path
-from unbroken.core.failslow import SlowRule
-from unbroken.core.launchcheck import launch_warnings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,7 +102,7 @@ def test_what_a_launch_refuses_a_dry_run_refuses(
     assert result.stdout == "" and list(tmp_path.iterdir()) == []
 
 
-# -- warnings: settings that are valid but cannot act (unbroken.core.launchcheck) ---------------------------------
+# -- warnings: settings that are valid but cannot act (unbroken.control.launchcheck) ---------------------------------
 README_SLOW = "slow:worker=1,factor=3,steps=5-20"  # README.md's slow example: 30 steps, worker 1 slow in 5-20
 
 

@@ -1,4 +1,4 @@
-"""Tests for unbroken.ft.efficient: MeCeFO's efficient mode on our model and on a Hugging Face LlamaForCausalLM."""
+"""Tests for unbroken.ft.mecefo: MeCeFO's efficient mode on our model and on a Hugging Face LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unbroken.ft.efficient import EfficientBackward, EfficientConfig, apply_efficient_backward, basis_seed
+from unbroken.ft.mecefo import EfficientBackward, EfficientConfig, apply_efficient_backward, basis_seed
 from unbroken.train.model import FLAVOURS, Transformer
 
 pytestmark = pytest.mark.timeout(60)
@@ -354,7 +354,7 @@ def test_bases_computed_in_the_background_are_those_of_the_calling_thread(thread
     bitwise ``randomized_basis`` of its weight called on the training thread, whatever the block's place in
     the model (a pipeline stage holds other blocks first) and whatever the host's core count. On a new thread
     the first LAPACK calls otherwise run with OpenMP's default thread count (this machine's 2 cores)."""
-    from unbroken.ft.efficient import randomized_basis
+    from unbroken.ft.mecefo import randomized_basis
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -399,7 +399,7 @@ def test_the_computation_is_joined_before_the_weights_change() -> None:
 
 def test_the_forward_does_not_wait_for_the_bases(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bases are used in the backward only: an efficient forward runs while they are still computed."""
-    from unbroken.ft import efficient
+    from unbroken.ft import mecefo as efficient
 
     release, computing = threading.Event(), threading.Event()
     compute = efficient.randomized_basis

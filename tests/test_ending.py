@@ -11,7 +11,6 @@ import pytest
 ENDING = """
 import atexit, os, sys, threading, time
 from unbroken.core.ending import run_then_exit
-
 def program(how):
     atexit.register(lambda: sys.stdout.write("left in the buffer\\n"))  # the last handler: the end must flush it
     atexit.register(lambda: print("atexit ran", flush=True))

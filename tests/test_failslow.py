@@ -1,9 +1,9 @@
-"""The fail-slow rule (unbroken.core.failslow) on step records with seeded noise: a persistent slow-down is found
-within its documented window and only then, one-off slow steps and short slow spells never are, a recovered
+"""The fail-slow rule (unbroken.control.coordinator.failslow) on step records with seeded noise: a persistent slow-down
+is found within its documented window and only then, one-off slow steps and short slow spells never are, a recovered
 worker is said to be, the threshold rises with the members' noise, and an excess time per microbatch within one
 preemption is never slow (each bound shown at its derived boundary). The policies on real runs: report, rebalance,
-exclude (the group's leader rebalanced around instead), and examples/plain_loop.py's millisecond microbatches,
-idle and on a loaded machine."""
+exclude (the group's leader rebalanced around instead), and examples/plain_loop.py's millisecond microbatches, idle
+and on a loaded machine."""
 
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ from pathlib import Path
 import pytest
 from runner import CONTROL_COMMON, CONTROL_STEPS, ROOT, reference_run, run_command, same_final, train
 
-from unbroken.control.runview import SlowRecorder
-from unbroken.core.config import SlowPolicy, Workload
-from unbroken.core.failslow import (
+from unbroken.control.coordinator.failslow import (
     MAD_TO_SIGMA,
     SlowDecision,
     SlowDetector,
@@ -31,6 +29,8 @@ from unbroken.core.failslow import (
     exclusion,
     relative_times,
 )
+from unbroken.control.status.model import SlowRecorder
+from unbroken.core.config import SlowPolicy, Workload
 from unbroken.core.plan import agreed_speed, plan_step
 from unbroken.core.records import read_records, step_losses
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.control.agent import Agent, wait_for_exit
+from unbroken.control.host.agent import Agent, wait_for_exit
 from unbroken.core.failures import (
     FailureKind,
     FailureSchedule,

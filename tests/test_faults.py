@@ -22,11 +22,11 @@ import pytest
 import torch
 from runner import EXACT, ONE_THREAD, TINY, final_params, popen, reference_run, run_command, train, train_cmd
 
-from unbroken.control.progress import summarize
+from unbroken.control.status.progress import summarize
 from unbroken.core.config import load_config
 from unbroken.core.plan import plan_step
 from unbroken.core.records import read_records, step_losses
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.control import keys
+from unbroken.control.store import keys
 from unbroken.core.records import (
     FIELDS,
     QUOTAS_AT,
@@ -26,7 +26,7 @@ from unbroken.core.records import (
     make,
     read_records,
 )
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.exact import MAX_BOUND_EXP, MIN_BOUND_EXP, FixedPointScale
 from unbroken.ft.sidevec import WORKER_SLOTS, SideVector
 from unbroken.ft.state import StepOutcome, TrainingState
@@ -145,7 +145,7 @@ def test_a_worker_error_round_trips_through_the_store_and_metrics() -> None:
 
 
 def test_the_key_schema_lists_every_key_it_defines() -> None:
-    """control/keys.py's table names each key it builds (one place a key is spelled)."""
+    """control/store/keys.py's table names each key it builds (one place a key is spelled)."""
     table = keys.__doc__
     builders = [getattr(keys, n) for n in dir(keys) if callable(getattr(keys, n)) and not n.startswith("_")]
     for build in builders:

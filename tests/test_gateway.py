@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import pytest
 from torch.distributed import TCPStore
 
-from unbroken.control.gateway import (
+from unbroken.control.store.connect import end_wait, serve_store
+from unbroken.control.store.gateway import (
     MAGIC,
     MAX_PENDING,
     NONCE_BYTES,
@@ -32,7 +33,6 @@ from unbroken.control.gateway import (
     _Loop,
     new_token,
 )
-from unbroken.control.store import end_wait, serve_store
 
 pytestmark = pytest.mark.timeout(60)
 

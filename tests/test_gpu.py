@@ -88,7 +88,7 @@ def ffn_grads(model: torch.nn.Module, h: torch.Tensor, g: torch.Tensor, autocast
 def test_efficient_backward_on_cuda_matches_cpu_and_bf16_is_within_rounding() -> None:
     """The same FFN gradients on CUDA as on the CPU (float32, the same bases loaded into both), and under bf16
     autocast within 15 bf16 roundings of float32 (the derivation is in tests/test_efficient.py)."""
-    from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
+    from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
 
     cpu, gpu = tiny_model("cpu"), tiny_model("cuda")
     eb_cpu = apply_efficient_backward(cpu, EfficientConfig(rank=8))
@@ -114,7 +114,7 @@ def test_efficient_backward_on_cuda_matches_cpu_and_bf16_is_within_rounding() ->
 def test_bases_on_cuda_are_deterministic_and_read_before_the_optimizer_writes() -> None:
     """``refresh`` computes on a side stream from a background thread; an optimizer step issued right after
     must wait for it: the bases equal those of an untouched copy of the weights, bit for bit."""
-    from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
+    from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
 
     model, copy = tiny_model("cuda"), tiny_model("cuda")
     eb = apply_efficient_backward(model, EfficientConfig(rank=16))

@@ -30,10 +30,8 @@ from runner import (
     wait_for,
 )
 
-from unbroken.control import keys
-from unbroken.control.client import CoordinatorClient
-from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.control.hostbeat import (
+from unbroken.control.member.client import CoordinatorClient
+from unbroken.control.member.hostbeat import (
     BEHIND_INTERVALS,
     HOST_BEAT_ENV,
     NO_WORKER,
@@ -42,7 +40,9 @@ from unbroken.control.hostbeat import (
     WorkerBeat,
     pass_stamp,
 )
-from unbroken.control.store import open_store
+from unbroken.control.store import keys
+from unbroken.control.store.connect import open_store
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
 from unbroken.lab.faultdriver import process_state
 
@@ -130,7 +130,7 @@ def test_an_agent_that_cannot_reach_its_coordinator_says_since_when_on_the_board
 
     try:
         before = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="unbroken.control.hostbeat"):
+        with caplog.at_level(logging.WARNING, logger="unbroken.control.member.hostbeat"):
             beats.follow(f"127.0.0.1:{free_port()}", new_token())
             wait_for(lambda: beats.board.call_since() is not None, 10, "a failed attempt on the board")
             since = beats.board.call_since()
@@ -198,7 +198,7 @@ def test_a_worker_s_first_beat_does_not_wait_for_its_agent(tmp_path: Path) -> No
 
 BEATER = """
 import sys, time
-from unbroken.control.hostbeat import WorkerBeat
+from unbroken.control.member.hostbeat import WorkerBeat
 beat = WorkerBeat.from_env()
 beat.claim(int(sys.argv[1]))
 print("beating", flush=True)

@@ -19,7 +19,7 @@ from runner import TINY, run_command, train
 
 from unbroken.core.config import DataConfig
 from unbroken.core.failures import FailureSchedule
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.train.data import prepare_corpus
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ import pytest
 from runner import TINY, train_cmd
 
 from unbroken.core.records import read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(240)
 

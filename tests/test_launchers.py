@@ -29,7 +29,7 @@ from runner import (
     worker_pids,
 )
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(300)

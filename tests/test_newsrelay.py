@@ -17,10 +17,8 @@ import pytest
 from runner import TINY, in_process_coordinator, wait_for
 from torch.distributed import TCPStore
 
-from unbroken.control import keys
-from unbroken.control.client import CoordinatorClient
-from unbroken.control.gateway import new_token
-from unbroken.control.newsrelay import (
+from unbroken.control.member.client import CoordinatorClient
+from unbroken.control.member.news import (
     Frame,
     FrameKind,
     News,
@@ -32,7 +30,9 @@ from unbroken.control.newsrelay import (
     look,
     next_news,
 )
-from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death, request_stop
+from unbroken.control.store import keys
+from unbroken.control.store.connect import bind_listen_socket, connect_store, read_json, report_death, request_stop
+from unbroken.control.store.gateway import new_token
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +121,7 @@ def _subscribe(relay: NewsRelay, incarnation: str) -> RelayedNews:
 @contextlib.contextmanager
 def _coordinator(tmp_path: Path, workers: int) -> Iterator[tuple[str, str]]:
     """A real coordinator (a child process) for ``workers`` workers: its address and the job's token."""
-    from unbroken.control.coordinator import spawn_coordinator
+    from unbroken.control.coordinator.loop import spawn_coordinator
     from unbroken.core.config import dump_config, load_config
 
     run = tmp_path / "run"
@@ -172,7 +172,7 @@ def test_a_worker_whose_relay_is_silent_takes_the_news_from_the_store(
     still accepts connections for it) must not leave them without news: after ``NEWS_WAIT_S`` without a frame a
     worker looks at the store, and finding news the relay did not pass on, watches the store from then on. Here
     the first epoch, then a death's, reach both workers that way."""
-    from unbroken.control import client as client_module
+    from unbroken.control.member import client as client_module
 
     monkeypatch.setattr(client_module, "NEWS_WAIT_S", 1.0)
     path = str(tmp_path / "stopped-agent.sock")
@@ -198,7 +198,7 @@ def test_a_worker_gives_a_relay_a_moment_behind_the_store_its_grace(
     while its relay was still sending it, and left the relay for good). Such news must be given the grace: here
     the relay passes the first epoch on only once worker 0 has looked and found it in the store; the worker takes
     it from the relay and stays on it (the next epoch comes that way too)."""
-    from unbroken.control import client as client_module
+    from unbroken.control.member import client as client_module
 
     monkeypatch.setattr(client_module, "NEWS_WAIT_S", 2.0)  # the quiet period, and the grace after it
     on_relay: list[CoordinatorClient] = []

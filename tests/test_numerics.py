@@ -17,8 +17,8 @@ import pytest
 import torch
 from runner import EXACT, ROOT, TINY, run_command, train, unbroken
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.control.netif import free_port
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.netif import free_port
 from unbroken.core.config import load_config
 from unbroken.core.numerics import CUBLAS_WORKSPACE, differences, group_fingerprint, refusal
 from unbroken.core.records import read_records

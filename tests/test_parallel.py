@@ -34,9 +34,9 @@ from runner import (
     wait_for,
 )
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(600)
 # trainings the module fixtures run (conftest adds their time to each test's bound)
@@ -392,7 +392,7 @@ def test_the_configured_schedule_runs_unless_a_replica_has_fewer_microbatches_th
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     from unbroken.core.config import PipelineSchedule
-    from unbroken.ft.pipeline import schedule_kind
+    from unbroken.ft.parallel.pipeline import schedule_kind
 
     assert schedule_kind(PipelineSchedule.ONE_F_ONE_B, 4, 2) is Schedule1F1B
     assert schedule_kind(PipelineSchedule.ONE_F_ONE_B, 2, 2) is Schedule1F1B

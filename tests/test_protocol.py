@@ -237,7 +237,7 @@ def test_a_member_that_left_for_a_newer_epoch_is_seen_by_the_others(tmp_path: Pa
     and one that had already finished recovering waits in the old group's collective alone (chaos seed 1002,
     random-time: 60 s, the collective timeout). Each member says which epoch it leaves for before forming
     it; the others read it. Nobody else's announcement, or one for an epoch not newer, means nothing."""
-    from unbroken.control.client import LEFT_CHECK_S, CoordinatorClient
+    from unbroken.control.member.client import LEFT_CHECK_S, CoordinatorClient
 
     job = ThreadJob(tmp_path / "run", config(), 2)
     clients = [CoordinatorClient(job.coordinator.address, w, token=job.token) for w in (0, 1)]

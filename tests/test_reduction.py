@@ -13,8 +13,8 @@ from protoparts import Client, M, OneWorker, loss_of, mlp_state, protocol_config
 
 from unbroken.core.config import RecoveryPolicy, Reduction
 from unbroken.ft.datacheck import Probe
-from unbroken.ft.protocoldefs import Interrupted, InvariantViolation
 from unbroken.ft.sidevec import Reduced
+from unbroken.ft.stops import Interrupted, InvariantViolation
 
 pytestmark = pytest.mark.timeout(60)
 

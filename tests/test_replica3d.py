@@ -18,7 +18,7 @@ import torch
 from runner import EXACT, ONE_THREAD, recomputed_by_the_recoveries, reference_run, run_command, train, train_cmd
 
 from unbroken.core.records import read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(900)
 FIXTURE_RUNS = {"tp_reference": 1}  # trainings the module fixture runs (conftest adds their time to each test's bound)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from runner import ROOT, TINY, run_command
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.config import (
     RESUME_FREE,
     KeyChange,

@@ -24,7 +24,7 @@ from runner import (
     wait_for,
 )
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import SpareState, read_records, step_losses
 
 pytestmark = pytest.mark.timeout(400)
@@ -86,7 +86,7 @@ def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_t
     one that exits 0 (the run is over) is not replaced."""
     import time
 
-    from unbroken.control.agent import MAX_SPARE_DEATHS, Agent
+    from unbroken.control.host.agent import MAX_SPARE_DEATHS, Agent
 
     failing = Agent([0, 1], (sys.executable, "-c", "import sys; sys.exit(3)"), dict(os.environ), tmp_path, spares=2)
     records: list[dict] = []

@@ -15,7 +15,7 @@ import torch
 from runner import EXACT, ONE_THREAD, ROOT, run_command
 
 from unbroken.core.records import read_records
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(240)
 

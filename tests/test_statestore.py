@@ -29,8 +29,8 @@ from unittest import mock
 
 import pytest
 
-from unbroken.control.statebackend import open_state_store
-from unbroken.control.statestore import (
+from unbroken.control.store.backend import open_state_store
+from unbroken.control.store.durable import (
     JOURNAL_FILE,
     JournalStore,
     StaleWriteError,
@@ -40,8 +40,7 @@ from unbroken.control.statestore import (
 from unbroken.core.plan import Assignment
 
 if TYPE_CHECKING:
-    from unbroken.control.etcd import EtcdStateStore, LocalEtcdCluster
-
+    from unbroken.control.store.etcd import EtcdStateStore, LocalEtcdCluster
 LEASE_TTL = timedelta(seconds=3)  # the candidates' lease in the etcd tests (keep-alive every second)
 WAIT_S = 60.0  # the longest any single wait in these tests may take before it is a failure
 
@@ -212,7 +211,7 @@ def test_journal_kill9_at_random_moments(tmp_path: Path) -> None:
 # -- etcd -------------------------------------------------------------------------------------------------
 def _require_etcd() -> None:
     pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed: run scripts/install_etcd.sh")
-    from unbroken.control.etcd import find_etcd
+    from unbroken.control.store.etcd import find_etcd
 
     if find_etcd() is None:
         pytest.skip(
@@ -224,7 +223,7 @@ def _require_etcd() -> None:
 def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcdCluster]:
     """A 3-member etcd cluster on localhost ports, in a temporary directory, for the module."""
     _require_etcd()
-    from unbroken.control.etcd import LocalEtcdCluster
+    from unbroken.control.store.etcd import LocalEtcdCluster
 
     cluster = LocalEtcdCluster(tmp_path_factory.mktemp("etcd"), size=3)
     cluster.start()
@@ -233,7 +232,7 @@ def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd
 
 
 def _etcd_store(cluster: LocalEtcdCluster, prefix: str, name: str) -> EtcdStateStore:
-    from unbroken.control.etcd import EtcdStateStore
+    from unbroken.control.store.etcd import EtcdStateStore
 
     return EtcdStateStore(cluster.endpoints, prefix, name, lease_ttl=LEASE_TTL, poll=timedelta(seconds=0.1))
 
@@ -304,7 +303,7 @@ def test_etcd_round_trip(etcd_cluster: LocalEtcdCluster) -> None:
 def test_etcd_revoked_lease_fences_the_old_leader(etcd_cluster: LocalEtcdCluster) -> None:
     """In one process: the leader's lease is revoked (as etcd does when it expires); the standby leads, and
     the old leader's next write is refused although it has not noticed yet."""
-    from unbroken.control.etcd import EtcdClient
+    from unbroken.control.store.etcd import EtcdClient
 
     a = _etcd_store(etcd_cluster, "/test/revoked", "a")
     b = _etcd_store(etcd_cluster, "/test/revoked", "b")
@@ -383,7 +382,7 @@ def test_etcd_store_survives_a_member_kill(tmp_path: Path) -> None:
     """kill -9 of the etcd member the store talks to (2 of 3 remain, a quorum): the store fails over to
     another endpoint, the leader keeps its lease for longer than a lease TTL, and saves go on."""
     _require_etcd()
-    from unbroken.control.etcd import EtcdUnavailableError, LocalEtcdCluster
+    from unbroken.control.store.etcd import EtcdUnavailableError, LocalEtcdCluster
 
     with LocalEtcdCluster(tmp_path, size=3) as cluster:
         store = _etcd_store(cluster, "/test/member-kill", "a")
@@ -410,7 +409,7 @@ def test_open_state_store(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="coordinator.state"):
         open_state_store("zookeeper://h1:2181", tmp_path, "127.0.0.1:29500")
     pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed: run scripts/install_etcd.sh")
-    from unbroken.control.etcd import EtcdStateStore, parse_etcd_url
+    from unbroken.control.store.etcd import EtcdStateStore, parse_etcd_url
 
     assert parse_etcd_url("etcd://h1:2379,h2:2379,[::1]:2380/jobs/42") == (
         [("h1", 2379), ("h2", 2379), ("::1", 2380)],
@@ -481,7 +480,7 @@ def _writer(run_dir: Path) -> None:
 
 def _candidate_main(url: str, name: str, saves: int) -> None:
     """A coordinator candidate: campaign, load, save ``saves`` states, wait for stdin to close, save again."""
-    from unbroken.control.etcd import EtcdStateStore, parse_etcd_url
+    from unbroken.control.store.etcd import EtcdStateStore, parse_etcd_url
 
     endpoints, prefix = parse_etcd_url(url)
     assert prefix is not None

@@ -25,10 +25,10 @@ import pytest
 from rich.console import Console
 from runner import run_command, train
 
-from unbroken.control.progress import print_summary, summarize
-from unbroken.control.runview import MetricsTee, RunView
-from unbroken.control.status import StatusServer, is_trusted_local
-from unbroken.control.status_view import base_url, fetch_snapshot, render, run_status, sparkline
+from unbroken.control.status.model import MetricsTee, RunView
+from unbroken.control.status.progress import print_summary, summarize
+from unbroken.control.status.server import StatusServer, is_trusted_local
+from unbroken.control.status.terminal import base_url, fetch_snapshot, render, run_status, sparkline
 from unbroken.core.goodput import Tracker
 from unbroken.core.records import MetricsFile, RecordKind, make, read_records
 from unbroken.lab.report import load_run, render_markdown
@@ -503,7 +503,7 @@ def test_another_host_needs_the_token(finished_view: RunView, caplog: pytest.Log
     ip = _non_loopback_ip()
     if ip is None:
         pytest.skip("this machine has no non-loopback IPv4 address (the injected check below still runs)")
-    caplog.set_level(logging.DEBUG, logger="unbroken.control.status")
+    caplog.set_level(logging.DEBUG, logger="unbroken.control.status.server")
     with StatusServer(finished_view, host="0.0.0.0", token=TOKEN) as server:
         remote = f"http://{ip}:{server.port}"
         assert _get(f"{remote}/api/status")[0] == 401
@@ -677,7 +677,7 @@ def test_live_tensorboard_can_be_read_while_the_run_goes(tmp_path: Path) -> None
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from unbroken.control.live_tensorboard import LiveTensorBoard
+    from unbroken.control.status.tensorboard import LiveTensorBoard
 
     records = synthetic_run()
     kill = next(i for i, r in enumerate(records) if r["type"] == "failure")

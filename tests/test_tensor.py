@@ -111,7 +111,7 @@ def test_a_model_it_does_not_know_is_refused_in_one_line() -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unbroken.ft.tensor import apply_tensor_parallel
+    from unbroken.ft.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -91,9 +91,9 @@ def test_the_views_and_the_summary_show_tokens_per_gpu_and_mfu() -> None:
 
     from rich.console import Console
 
-    from unbroken.control.progress import summarize
-    from unbroken.control.runview import RunView
-    from unbroken.control.status_view import render
+    from unbroken.control.status.model import RunView
+    from unbroken.control.status.progress import summarize
+    from unbroken.control.status.terminal import render
 
     def step(k: int, tokens_per_s: float, gpus: int) -> dict[str, object]:
         fields = step_throughput(int(tokens_per_s), 1.0, 2, gpus, 1e9, 100.0)

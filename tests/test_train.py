@@ -19,7 +19,7 @@ import torch
 from runner import ROOT, TINY, final_params, run_command
 
 from unbroken.core.records import committed_steps, read_records, step_losses
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 
 pytestmark = pytest.mark.timeout(240)
 FIXTURE_RUNS = {"exact_runs": 3}  # trainings the module fixture runs (conftest adds their time to each test's bound)

@@ -25,7 +25,7 @@ from unbroken.data.reader import PreparedCorpus
 from unbroken.data.sampler import PreparedMicrobatchSampler
 from unbroken.data.shards import read_index
 from unbroken.data.tokenizer import train_bpe
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.train.data import eval_sampler, open_corpus, tokenizer_sha256, train_sampler
 
 VOCAB = 512

@@ -24,7 +24,7 @@ from runner import EXACT, ONE_THREAD, ROOT, TINY, run_command, train
 
 from unbroken.core.config import load_config
 from unbroken.core.records import read_records, step_losses
-from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
+from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
 from unbroken.ft.transforms import apply_activation_checkpointing, apply_compile, transformer_blocks
 from unbroken.train.model import Transformer, model_args
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from runner import EXACT, ONE_THREAD, ROOT, free_port, run_command, unbroken
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.core import bugs
+from unbroken.control.coordinator import bugs
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import ErrorPhase, RecordKind, WorkerError, committed_steps, make, read_records
-from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import crash
+from unbroken.ft.checkpoint import schema as ckpt
 
 SCRIPT = ROOT / "tests" / "scripts" / "raising_loop.py"
 STEPS, M = 10, 6

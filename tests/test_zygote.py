@@ -19,7 +19,7 @@ import pytest
 import torch
 from runner import EXACT, ONE_THREAD, ROOT, final_params, run_command, train
 
-from unbroken.control.zygote import FORK_SCRIPTS, ZYGOTE_ENV, forkable
+from unbroken.control.host.zygote import FORK_SCRIPTS, ZYGOTE_ENV, forkable
 from unbroken.core.records import read_records, step_losses
 
 pytestmark = pytest.mark.timeout(240)

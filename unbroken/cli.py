@@ -58,7 +58,6 @@ from unbroken.core.ending import run_then_exit
 
 if TYPE_CHECKING:
     from unbroken.control.launcher import LaunchPlan
-
 EXIT_USAGE = 2
 DRY_RUN_HELP = (
     "check everything a launch checks (config and overrides, the failure schedule, the data, --resume's checkpoint, "
@@ -159,8 +158,8 @@ def _run_dir(args: argparse.Namespace, cfg: RunConfig, name: str) -> Path:
 def _dry_run(plan: LaunchPlan, what: str, changes: list[KeyChange]) -> int:
     """``--dry-run``: the launch is valid (``plan_launch`` checked it); say what would run (and what a resume would
     change), start nothing."""
+    from unbroken.control.launchcheck import launch_warnings
     from unbroken.core.failures import FailureSchedule
-    from unbroken.core.launchcheck import launch_warnings
 
     plan.sock.close()
     cfg = plan.cfg
@@ -179,8 +178,8 @@ def _dry_run(plan: LaunchPlan, what: str, changes: list[KeyChange]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.control.alerts import check_alert_command
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.status.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
     from unbroken.train.trainer import validate_launch
 
@@ -207,7 +206,7 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
-    from unbroken.control.alerts import check_alert_command
+    from unbroken.control.status.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
 
     cfg, name, stored = _load(args.config, extra, args.resume, args.resume_with_changes)
@@ -229,10 +228,10 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
     from datetime import timedelta
 
-    from unbroken.control.coordinator import Coordinator, run_coordinator
-    from unbroken.control.gateway import require_token
-    from unbroken.control.statebackend import open_state_store
-    from unbroken.control.store import bind_listen_socket
+    from unbroken.control.coordinator.loop import Coordinator, run_coordinator
+    from unbroken.control.store.backend import open_state_store
+    from unbroken.control.store.connect import bind_listen_socket
+    from unbroken.control.store.gateway import require_token
     from unbroken.core.logs import init_logger
 
     init_logger("coordinator")
@@ -247,7 +246,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
         if not state.campaign():
             raise ValueError(f"coordinator.state = {cfg.coordinator.state}: another coordinator leads this run")
     else:
-        from unbroken.control.alerts import check_alert_command
+        from unbroken.control.status.alerts import check_alert_command
 
         cfg, name, _ = _load(args.config, extra, None)
         check_alert_command(cfg.metrics)
@@ -269,7 +268,7 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
             dump_resumed_config(cfg, run_dir, changes)
         print(f"coordinator listening on {sock.getsockname()[0]}:{sock.getsockname()[1]}", flush=True)
     if args.listen_fd is None:
-        from unbroken.core.launchcheck import launch_warnings
+        from unbroken.control.launchcheck import launch_warnings
 
         for warning in launch_warnings(cfg, args.workers):
             print(warning, file=sys.stderr, flush=True)
@@ -281,8 +280,8 @@ def cmd_coordinator(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.control.client import COORDINATOR_ENV, RUN_DIR_ENV, WORKER_ID_ENV
-    from unbroken.control.gateway import require_token
+    from unbroken.control.member.client import COORDINATOR_ENV, RUN_DIR_ENV, WORKER_ID_ENV
+    from unbroken.control.store.gateway import require_token
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; a worker takes its config from the coordinator")
@@ -298,7 +297,7 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_agent(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.control.agent import run_agent
+    from unbroken.control.host.agent import run_agent
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; the config comes from the coordinator")
@@ -306,7 +305,7 @@ def cmd_agent(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.control.status_view import cmd_status as show
+    from unbroken.control.status.terminal import cmd_status as show
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; unbroken status HOST:PORT|RUN_DIR")
@@ -510,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
     agent.set_defaults(func=cmd_agent)
 
-    from unbroken.control import status_view
+    from unbroken.control.status import terminal as status_view
 
     status = sub.add_parser("status", help="a run's live status: HOST:PORT of its status page, or its run directory")
     status_view.add_arguments(status)
@@ -672,10 +671,10 @@ def _fork_zygote_early(args: argparse.Namespace) -> bool:
     elif args.func is cmd_launch and args.fork and not args.dry_run:
         import unbroken.control.launcher  # noqa: F401
     elif args.func is cmd_agent and (args.script is None or args.fork):
-        import unbroken.control.agent  # noqa: F401
+        import unbroken.control.host.agent  # noqa: F401
     else:
         return False
-    from unbroken.control import zygote
+    from unbroken.control.host import zygote
 
     if getattr(args, "fork", False):  # a script's workers forked too: the workers' environment is this one's
         os.environ[zygote.ZYGOTE_ENV] = zygote.FORK_SCRIPTS
@@ -685,9 +684,9 @@ def _fork_zygote_early(args: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_command(sys.argv[1:] if argv is None else argv)
     if _fork_zygote_early(args):
-        from unbroken.control import zygote
+        from unbroken.control.host import zygote
 
-        # The zygote, and in time each worker it forks: returns what ``python -m unbroken.control.zygote`` would.
+        # The zygote, and in time each worker it forks: returns what ``python -m unbroken.control.host.zygote`` would.
         return zygote.serve_early()
     try:
         return int(args.func(args, extra) or 0)

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from unbroken.core.ending import run_then_exit
 from unbroken.core.flavours import ModelArgs
-from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
-from unbroken.ft.tensor import apply_tensor_parallel, tensor_parallel_plan_names
+from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
+from unbroken.ft.parallel.tensor import apply_tensor_parallel, tensor_parallel_plan_names
 from unbroken.train.model import Transformer
 
 

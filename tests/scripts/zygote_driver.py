@@ -1,8 +1,9 @@
 """Drives a real zygote from a process of its own (it becomes a child subreaper, which a pytest process must not):
 forks ``zygote_child.py`` with the arguments the test gives, and prints what the test checks, as JSON.
 
-``zygote_driver.py OUT started``: the zygote is started (``python -m unbroken.control.zygote``); ``OUT early``: it is
-forked from this process at the top of ``main``, as ``unbroken train`` forks its own (``fork_early``)."""
+``zygote_driver.py OUT started``: the zygote is started (``python -m unbroken.control.host.zygote``);
+``OUT early``: it is forked from this process at the top of ``main``, as ``unbroken train`` forks its own
+(``fork_early``)."""
 
 import json
 import os
@@ -11,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from unbroken.control import zygote as zygotes
-from unbroken.control.zygote import Zygote
+from unbroken.control.host import zygote as zygotes
+from unbroken.control.host.zygote import Zygote
 
 
 def main() -> int:

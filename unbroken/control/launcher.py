@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.agent import (
+from unbroken.control.console import ConsoleRelay
+from unbroken.control.coordinator.loop import spawn_coordinator
+from unbroken.control.host.agent import (
     POLL_S,
     STOP_GRACE_S,
     Agent,
@@ -35,15 +37,13 @@ from unbroken.control.agent import (
     wait_for_exit,
     worker_defaults,
 )
-from unbroken.control.console import ConsoleRelay
-from unbroken.control.coordinator import spawn_coordinator
-from unbroken.control.gateway import TOKEN_ENV, new_token, token_from_env
-from unbroken.control.progress import ProgressView, describe_error, print_summary
-from unbroken.control.store import bind_listen_socket
+from unbroken.control.launchcheck import launch_warnings
+from unbroken.control.status.progress import ProgressView, describe_error, print_summary
+from unbroken.control.store.connect import bind_listen_socket
+from unbroken.control.store.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.core import ckptfiles
 from unbroken.core.config import RecoveryPolicy, Reduction, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
-from unbroken.core.launchcheck import launch_warnings
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import METRICS_FILE, Quotas, RecordKind, append_records, decode, make, wall_s
 from unbroken.train.hf import worker_imports

@@ -21,7 +21,7 @@ backward (``efficient``) and the check that data is pure (``datacheck``).
 from unbroken.core.config import RunConfig, load_config
 from unbroken.ft.api import Context, Step, StepOutcome, init
 from unbroken.ft.datacheck import generator
-from unbroken.ft.efficient import EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.ft.mecefo import EfficientBackward, EfficientConfig, apply_efficient_backward
 
 __all__ = [
     "Context",

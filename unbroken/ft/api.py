@@ -59,17 +59,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import nn
 
-from unbroken.control.client import CoordinatorClient, Refused
 from unbroken.control.console import install_tee
-from unbroken.control.gateway import TunnelError
+from unbroken.control.member.client import CoordinatorClient, Refused
+from unbroken.control.store.gateway import TunnelError
 from unbroken.core.config import ActivationCheckpointing, Precision, Reduction, RunConfig, load_config
 from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
 from unbroken.core.records import ErrorPhase, RecordKind, check_script_record
 from unbroken.core.throughput import table_peak_tflops
 from unbroken.ft import comm, crash, datacheck, determinism, foldkernel, process
-from unbroken.ft.efficient import EfficientConfig, apply_efficient_backward
 from unbroken.ft.inject import FaultInjector, remove
+from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
 from unbroken.ft.protocol import (
     EXIT_COORDINATOR_LOST,
     EXIT_STOPPED,
@@ -81,8 +81,8 @@ from unbroken.ft.protocol import (
 if TYPE_CHECKING:  # imported where a replica of several ranks needs them: they cost a worker about a second
     from torch.distributed.device_mesh import DeviceMesh
 
-    from unbroken.ft.pipeline import BatchOf, Pipeline
-    from unbroken.ft.replica import Replica
+    from unbroken.ft.parallel.pipeline import BatchOf, Pipeline
+    from unbroken.ft.parallel.replica import Replica
 from unbroken.ft.state import StepOutcome, TrainingState
 from unbroken.ft.transforms import apply_activation_checkpointing, apply_compile, check_compiler
 
@@ -131,7 +131,7 @@ class Context:
     # -- a replica of several ranks -------------------------------------------------------------------
     def _join_replica(self) -> Replica:
         """Form this rank's replica (its own process group and mesh) with its replica-mates."""
-        from unbroken.ft.replica import Replica
+        from unbroken.ft.parallel.replica import Replica
 
         job = self._job
         spare = job.worker_id is None and job.spare is not None  # a rank of a whole spare replica (control.agent)
@@ -441,7 +441,7 @@ class Context:
         if replica is None or self.layout.pipeline == 1:
             raise ValueError("pipeline() needs parallel.pipeline > 1")
         if self._pipeline is None:
-            from unbroken.ft.pipeline import Pipeline
+            from unbroken.ft.parallel.pipeline import Pipeline
 
             self._pipeline = Pipeline(
                 self.state.model,

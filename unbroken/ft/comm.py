@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 
-from unbroken.control import keys
+from unbroken.control.store import keys
 from unbroken.ft.foldkernel import (
     KERNEL_ARITY,
     dequantise,

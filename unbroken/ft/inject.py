@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from unbroken.control import keys
-from unbroken.control.client import INJECT_FD_ENV
+from unbroken.control.member.client import INJECT_FD_ENV
+from unbroken.control.store import keys
 from unbroken.core.failures import FailureKind, FailureSchedule, Phase, cut_connections
 
 log = logging.getLogger(__name__)

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control.client import CoordinatorClient, Epoch
+from unbroken.control.member.client import CoordinatorClient, Epoch
 from unbroken.core.config import Reduction
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, append_records, make
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.comm import (
     Group,
     GroupFormer,
@@ -39,12 +39,11 @@ from unbroken.ft.comm import (
     wait_all,
 )
 from unbroken.ft.inject import FaultInjector
-from unbroken.ft.protocoldefs import Interrupted, InvariantViolation, ProtocolConfig, StopRun
 from unbroken.ft.state import TrainingState
+from unbroken.ft.stops import Interrupted, InvariantViolation, ProtocolConfig, StopRun
 
 if TYPE_CHECKING:
-    from unbroken.ft.replica import Replica
-
+    from unbroken.ft.parallel.replica import Replica
 log = logging.getLogger(__name__)
 
 RECENT_RECORDS = 64  # metrics records a leader keeps, to write them itself if the coordinator dies

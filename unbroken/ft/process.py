@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control import keys
-from unbroken.control.client import (
+from unbroken.control.member.client import (
     COORDINATOR_ENV,
     DEVICE_INDEX_ENV,
     LOCAL_WORKERS_ENV,
@@ -39,10 +38,11 @@ from unbroken.control.client import (
     CoordinatorClient,
     addresses_of,
 )
-from unbroken.control.gateway import TOKEN_ENV, TunnelError, new_token
-from unbroken.control.netif import use_job_interface
-from unbroken.control.newsrelay import look, next_news
-from unbroken.control.store import bind_listen_socket, publish_record, reach, report_error
+from unbroken.control.member.news import look, next_news
+from unbroken.control.store import keys
+from unbroken.control.store.connect import bind_listen_socket, publish_record, reach, report_error
+from unbroken.control.store.gateway import TOKEN_ENV, TunnelError, new_token
+from unbroken.control.store.netif import use_job_interface
 from unbroken.core import ckptfiles
 from unbroken.core.config import (
     CoordinatorConfig,
@@ -58,14 +58,13 @@ from unbroken.core.config import (
 )
 from unbroken.core.logs import init_logger
 from unbroken.core.records import RecordKind, SpareState, WorkerError, make
-from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import determinism
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.hostmem import retain_freed_memory
 from unbroken.ft.protocol import EXIT_STOPPED
 
 if TYPE_CHECKING:
     from unbroken.ft.protocol import StepProtocol
-
 log = logging.getLogger(__name__)
 
 
@@ -294,7 +293,7 @@ class Job:
     def standalone(config: RunConfig, run_dir: Path | None, exit_process: bool = True) -> Job:
         """A job of one worker with its own coordinator (a child process that ends with this one):
         ``python my_script.py`` runs as ``unbroken launch --workers 1 my_script.py`` would."""
-        from unbroken.control.coordinator import spawn_coordinator
+        from unbroken.control.coordinator.loop import spawn_coordinator
 
         if run_dir is None:
             script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "run"

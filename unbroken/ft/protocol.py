@@ -32,19 +32,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control.client import CoordinatorClient
+from unbroken.control.member.client import CoordinatorClient
 from unbroken.core.config import RecoveryPolicy, Workload
 from unbroken.core.failures import Phase
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind
-from unbroken.ft import checkpoint as ckpt
 from unbroken.ft import datacheck
-from unbroken.ft.ckptio import Checkpoints
+from unbroken.ft.checkpoint import schema as ckpt
+from unbroken.ft.checkpoint.policy import Checkpoints
 from unbroken.ft.comm import GradientReducer, Group, allreduce_async
-from unbroken.ft.commit import StepCommit
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
-from unbroken.ft.protocoldefs import (
+from unbroken.ft.reduction import StepReduction
+from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.stepplan import StepPlan
+from unbroken.ft.stops import (
     EXIT_COORDINATOR_LOST,
     EXIT_INVARIANT,
     EXIT_NONFINITE,
@@ -54,13 +56,10 @@ from unbroken.ft.protocoldefs import (
     ProtocolConfig,
     StopRun,
 )
-from unbroken.ft.reduction import StepReduction
-from unbroken.ft.state import StepOutcome, TrainingState
-from unbroken.ft.stepplan import StepPlan
+from unbroken.ft.update import StepCommit
 
 if TYPE_CHECKING:
-    from unbroken.ft.replica import Replica
-
+    from unbroken.ft.parallel.replica import Replica
 __all__ = [
     "EXIT_COORDINATOR_LOST",
     "EXIT_INVARIANT",

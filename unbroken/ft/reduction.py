@@ -28,14 +28,13 @@ from unbroken.ft.exact import FixedPointScale
 from unbroken.ft.foldkernel import extremes
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
-from unbroken.ft.protocoldefs import Interrupted, InvariantViolation, ProtocolConfig
 from unbroken.ft.sidevec import Reduced, SideVector
 from unbroken.ft.state import TrainingState
 from unbroken.ft.stepplan import StepPlan
+from unbroken.ft.stops import Interrupted, InvariantViolation, ProtocolConfig
 
 if TYPE_CHECKING:
-    from unbroken.ft.replica import Replica
-
+    from unbroken.ft.parallel.replica import Replica
 log = logging.getLogger(__name__)
 
 
@@ -102,7 +101,7 @@ class StepReduction:
         self.side = SideVector(self.M)
         buckets = None
         if self.replica is not None:
-            from unbroken.ft.fsdp import fsdp_buckets
+            from unbroken.ft.parallel.fsdp import fsdp_buckets
 
             buckets = fsdp_buckets(model, self.tensors.params)
         self.reducer = GradientReducer(
@@ -114,7 +113,7 @@ class StepReduction:
             buckets=buckets,
         )
         if buckets is not None:
-            from unbroken.ft.fsdp import prepare_fsdp
+            from unbroken.ft.parallel.fsdp import prepare_fsdp
 
             prepare_fsdp(model, self.reducer)
         # the step's outcome

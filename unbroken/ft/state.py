@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.comm import is_dtensor, local_tensor
-from unbroken.ft.efficient import EfficientBackward
 from unbroken.ft.exact import FixedPointScale
+from unbroken.ft.mecefo import EfficientBackward
 
 
 @dataclass

@@ -15,8 +15,8 @@ import torch
 from unbroken.core.config import RecoveryPolicy
 from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.ft import datacheck
-from unbroken.ft.protocoldefs import ProtocolConfig
 from unbroken.ft.state import TrainingState
+from unbroken.ft.stops import ProtocolConfig
 
 
 class StepPlan:

@@ -2,7 +2,7 @@
 
 Owns ``apply_activation_checkpointing(model)`` and ``apply_compile(model)`` (torchtitan's ``apply_ac`` and
 ``apply_compile``), the blocks they act on (``transformer_blocks``), and the order in which they combine
-with MeCeFO's efficient backward (``unbroken/ft/efficient.py``). ``Context.register_state`` applies them from
+with MeCeFO's efficient backward (``unbroken/ft/mecefo.py``). ``Context.register_state`` applies them from
 ``[train] activation_checkpointing`` and ``[train] compile``, so the built-in trainer and a user's own loop
 get the same; a loop that builds its model differently may call them itself.
 

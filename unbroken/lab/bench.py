@@ -41,7 +41,7 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.records import committed_steps
-from unbroken.lab.figures import keep_final, rank_main, run_ranks, stats
+from unbroken.lab.harness import keep_final, rank_main, run_ranks, stats
 from unbroken.lab.runs import run_to_end
 
 WARMUP_STEPS = 2

@@ -33,11 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.control.netif import free_port
-from unbroken.control.zygote import worker_of
+from unbroken.control.host.zygote import worker_of
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
+from unbroken.control.store.netif import free_port
 from unbroken.core.records import read_records
-from unbroken.lab.figures import stats
+from unbroken.lab.harness import stats
 from unbroken.lab.netns import Network, unavailable
 
 COMMON = [
@@ -202,7 +202,7 @@ def _after_coordinator_kill(run: Path, t_kill: float) -> dict[str, float]:
 
 def coordinator_etcd(config: str, work: Path, rng: random.Random, overrides: list[str]) -> dict[str, float]:
     """Two coordinators on a 3-member etcd; the leader killed from outside at a random moment."""
-    from unbroken.control.etcd import LocalEtcdCluster
+    from unbroken.control.store.etcd import LocalEtcdCluster
 
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, TOKEN_ENV: new_token()}
@@ -296,7 +296,7 @@ def bench_control(config: str, repeats: int, overrides: list[str], seed: int = 0
         etcd: list[dict[str, float]] = []
         etcd_note = ""
         try:
-            from unbroken.control.etcd import find_etcd
+            from unbroken.control.store.etcd import find_etcd
 
             if find_etcd() is None:
                 etcd_note = "no etcd server binary here (scripts/install_etcd.sh installs one)"

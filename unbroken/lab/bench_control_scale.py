@@ -58,13 +58,13 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from unbroken.control import keys
-from unbroken.control.client import CoordinatorClient
-from unbroken.control.coordinator import spawn_coordinator
-from unbroken.control.gateway import TOKEN_ENV, new_token
-from unbroken.control.hostbeat import HOST_BEAT_ENV, BeatBoard, HostBeats, WorkerBeat
-from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
-from unbroken.control.store import bind_listen_socket, connect_store, read_json, report_death
+from unbroken.control.coordinator.loop import spawn_coordinator
+from unbroken.control.member.client import CoordinatorClient
+from unbroken.control.member.hostbeat import HOST_BEAT_ENV, BeatBoard, HostBeats, WorkerBeat
+from unbroken.control.member.news import RELAY_ENV, NewsRelay
+from unbroken.control.store import keys
+from unbroken.control.store.connect import bind_listen_socket, connect_store, read_json, report_death
+from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.config import dump_config, load_config, preset_path
 from unbroken.core.plan import agreed_speed
 from unbroken.core.records import METRICS_FILE, RecordKind, make, read_records

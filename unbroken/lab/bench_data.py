@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.control.zygote import worker_of
+from unbroken.control.host.zygote import worker_of
 
 _POLL_S = 0.02
 PARTS = ("prepare", "memory", "steps", "reader", "workers")

@@ -146,7 +146,7 @@ def same_parameters(a: Path, b: Path) -> bool:
     """Whether the newest checkpoints of runs ``a`` and ``b`` hold bitwise the same model tensors."""
     import torch
 
-    from unbroken.ft import checkpoint as ckpt
+    from unbroken.ft.checkpoint import schema as ckpt
 
     la, lb = ckpt.load_latest(a), ckpt.load_latest(b)
     if la is None or lb is None or la.step != lb.step:
@@ -427,7 +427,7 @@ def plain_loop(config_toml: str, keep: str = "") -> dict[str, Any]:
         synchronize()
         times.append(time.perf_counter() - start)
     if keep:
-        from unbroken.lab.figures import keep_final
+        from unbroken.lab.harness import keep_final
 
         keep_final(keep, 0, model, 0, work, norms=[float(n) for n in norms])
     tokens = M * cfg.data.microbatch_size * cfg.data.seq_len

@@ -22,8 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from unbroken.control.netif import free_port
-from unbroken.lab.figures import keep_final, stats
+from unbroken.control.store.netif import free_port
+from unbroken.lab.harness import keep_final, stats
 
 WARMUP = 5
 

@@ -1,4 +1,4 @@
-"""Benchmarks of MeCeFO's efficient mode (``unbroken.ft.efficient``) on one process, no collectives.
+"""Benchmarks of MeCeFO's efficient mode (``unbroken.ft.mecefo``) on one process, no collectives.
 
 ``bench_microbatch``: one efficient microbatch against one exact microbatch (forward, loss, backward) on
 the same model and tokens: wall time (alternating exact / efficient after warm-up) and activation
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from unbroken.core.config import DataConfig
 from unbroken.core.failures import build_schedule
 from unbroken.core.plan import mecefo_plan
-from unbroken.ft.efficient import (
+from unbroken.ft.mecefo import (
     DEFAULT_OVERSAMPLE,
     DEFAULT_POWER_ITERS,
     DEFAULT_RANK,

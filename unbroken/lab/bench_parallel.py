@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.zygote import worker_of
+from unbroken.control.host.zygote import worker_of
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import committed_steps, read_records
-from unbroken.lab.figures import keep_final, rank_main, run_ranks, stats
+from unbroken.lab.harness import keep_final, rank_main, run_ranks, stats
 
 WARMUP_STEPS = 2
 MEASURED_STEPS = 8
@@ -224,8 +224,8 @@ def _on_mesh(model: Any, cfg: RunConfig, rank: int, world: int) -> tuple[Any, in
     shard) pair), its pipeline stage and the stages' group (None without pipelining)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unbroken.ft.fsdp import apply_fsdp
-    from unbroken.ft.tensor import apply_tensor_parallel
+    from unbroken.ft.parallel.fsdp import apply_fsdp
+    from unbroken.ft.parallel.tensor import apply_tensor_parallel
     from unbroken.train.stages import pipeline_stage
 
     shard, stages, tensor = cfg.parallel.shard, cfg.parallel.pipeline, cfg.parallel.tensor
@@ -258,7 +258,7 @@ def _schedule(model: Any, stage: int, stages: int, group: Any, n: int, cfg: RunC
     import torch
     from torch.distributed.pipelining import PipelineStage
 
-    from unbroken.ft.pipeline import schedule_kind
+    from unbroken.ft.parallel.pipeline import schedule_kind
 
     pipeline_stage = PipelineStage(model, stage, stages, torch.device("cpu"), group=group)
     kind = schedule_kind(cfg.parallel.schedule, n, stages)

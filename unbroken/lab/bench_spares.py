@@ -85,8 +85,8 @@ def run_once(cfg: RunConfig, mode: Replacement, steps: int) -> dict[str, float]:
     the figures."""
     from dataclasses import replace
 
+    from unbroken.control.host.zygote import ZYGOTE_ENV
     from unbroken.control.launcher import TRAINER, Launcher, plan_launch
-    from unbroken.control.zygote import ZYGOTE_ENV
     from unbroken.train.trainer import validate_launch
 
     warm = mode is Replacement.WARM

@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from unbroken.control.zygote import ZYGOTE_ENV, ready_cost
+from unbroken.control.host.zygote import ZYGOTE_ENV, ready_cost
 from unbroken.core.config import preset_path
 from unbroken.core.records import RecordKind, read_records
-from unbroken.lab.figures import stats
+from unbroken.lab.harness import stats
 
 STEPS = 60  # long enough that a cold restart registers before the run ends
 MODES = {"cold": "0", "forked": "1"}

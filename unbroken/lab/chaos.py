@@ -62,16 +62,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.agent import check_spares
-from unbroken.control.newsrelay import NEWS_WAIT_S
-from unbroken.control.store import exit_code_in, raised_headline
-from unbroken.control.zygote import worker_of
+from unbroken.control.host.agent import check_spares
+from unbroken.control.host.zygote import worker_of
+from unbroken.control.member.news import NEWS_WAIT_S
+from unbroken.control.store.connect import exit_code_in, raised_headline
 from unbroken.core.config import CommConfig, load_config
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, SpareState, read_records
-from unbroken.ft import checkpoint as ckpt
-from unbroken.ft.protocoldefs import EXIT_STOPPED
+from unbroken.ft.checkpoint import schema as ckpt
+from unbroken.ft.stops import EXIT_STOPPED
 from unbroken.lab.faultdriver import worker_processes
 
 KINDS = (

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.zygote import worker_of
+from unbroken.control.host.zygote import worker_of
 from unbroken.core.config import load_config
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, SpareState, read_records

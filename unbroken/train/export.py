@@ -20,7 +20,7 @@ def export(run_dir: Path, out: Path) -> Path:
         ValueError: RUN_DIR has no usable checkpoint, is a script's run (its model is the script's own), or OUT
             exists and is not empty.
     """
-    from unbroken.ft import checkpoint as ckpt
+    from unbroken.ft.checkpoint import schema as ckpt
     from unbroken.train.data import open_corpus
     from unbroken.train.trainer import build_model, model_args_of
 
@@ -32,7 +32,7 @@ def export(run_dir: Path, out: Path) -> Path:
     if "model" not in loaded.state["metadata"]:  # what the built-in trainer records; a script's run has its own
         raise ValueError(
             f"export: {run_dir} is a run of a script's own model (unbroken launch), which export cannot rebuild; it "
-            f"converts runs of unbroken train; your model's state_dict is unbroken.ft.checkpoint.load_latest("
+            f"converts runs of unbroken train; your model's state_dict is unbroken.ft.checkpoint.schema.load_latest("
             f"RUN_DIR).state['model'] (checkpoint {loaded.path.name})"
         )
     cfg: RunConfig = config_from_toml_text(

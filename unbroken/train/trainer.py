@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import unbroken.ft as ft
 from unbroken.core.config import RunConfig, TrainConfig, replace, to_toml
 from unbroken.core.flavours import flops_per_token, training_flops_per_token
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.process import check_device
 from unbroken.ft.transforms import check_compiler
 from unbroken.train.data import (
@@ -129,11 +129,11 @@ def main() -> int:
         model = pipeline_stage(model, ctx.stage, ctx.stages)  # this rank's part of the model
     model = model.to(device)
     if cfg.parallel.tensor > 1:
-        from unbroken.ft.tensor import apply_tensor_parallel
+        from unbroken.ft.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, ctx.mesh["tensor"], cfg.parallel.sequence_parallel)  # split inside the replica
     if cfg.parallel.shard > 1:
-        from unbroken.ft.fsdp import apply_fsdp  # FSDP's modules cost a worker about a second to import
+        from unbroken.ft.parallel.fsdp import apply_fsdp  # FSDP's modules cost a worker about a second to import
 
         apply_fsdp(model, ctx.mesh["shard"])  # sharded over the replica's ranks (HSDP: replicated across replicas)
     optimizer = build_optimizer(model, cfg.train)
@@ -220,7 +220,7 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
             raise ValueError("parallel.pipeline > 1 cuts the built-in LLaMA into stages; model.hf_config is not one")
         stage_layers(model_args_of(cfg, corpus.vocab_size).n_layers, 0, cfg.parallel.pipeline)
     if cfg.parallel.tensor > 1:
-        from unbroken.ft.tensor import check_tensor_parallel
+        from unbroken.ft.parallel.tensor import check_tensor_parallel
 
         with torch.device("meta"):  # the shapes only
             whole = build_model(cfg, corpus.vocab_size)

@@ -18,8 +18,8 @@ one line each (none for a run whose settings all can act): the launcher prints t
 
 from __future__ import annotations
 
+from unbroken.control.coordinator.failslow import SlowRule
 from unbroken.core.config import RecoveryPolicy, RunConfig, SlowPolicy
-from unbroken.core.failslow import SlowRule
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.plan import plan_step

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control.console import Channel, LeaderLine, Story
+from unbroken.control.coordinator.failslow import describe as describe_slow
 from unbroken.core.config import config_change_lines
-from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.failures import parse_event
 from unbroken.core.goodput import account
 from unbroken.core.records import (

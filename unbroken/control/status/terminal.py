@@ -32,9 +32,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from unbroken.control.gateway import TOKEN_ENV, token_from_env
-from unbroken.control.runview import TERMINAL_STATES, RunView
-from unbroken.control.status import MAX_WAIT_S
+from unbroken.control.status.model import TERMINAL_STATES, RunView
+from unbroken.control.status.server import MAX_WAIT_S
+from unbroken.control.store.gateway import TOKEN_ENV, token_from_env
 from unbroken.core.goodput import Bucket
 
 LONG_POLL_S = 20.0

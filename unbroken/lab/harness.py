@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.netif import free_port
+from unbroken.control.store.netif import free_port
 
 
 def stats(times: list[float]) -> dict[str, float]:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from unbroken.control.coordinator.failslow import SlowState
+from unbroken.control.coordinator.failslow import describe as describe_slow
 from unbroken.core.config import MetricsConfig
-from unbroken.core.failslow import SlowState
-from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.records import RecordKind
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from unbroken.control import keys
+from unbroken.control.store import keys
 from unbroken.core.layout import ReplicaLayout
 from unbroken.ft.comm import Pending, wait_all
 

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 from torch.distributed import DistStoreError, TCPStore
 
-from unbroken.control import keys
-from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
+from unbroken.control.store import keys
+from unbroken.control.store.gateway import NothingListens, Tunnel, TunnelError, require_token
 from unbroken.core.records import WorkerError, encode
 
 STORE_TIMEOUT_S = 30.0

@@ -51,15 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unbroken.control import keys
-from unbroken.control.alerts import Alerter
-from unbroken.control.gateway import Gateway, require_token
-from unbroken.control.live_tensorboard import open_tensorboard
-from unbroken.control.progress import describe_error
-from unbroken.control.runview import GoodputRecorder, MetricsTee, RunView, SlowRecorder
-from unbroken.control.statestore import StaleWriteError, State, StateStore, StateUnavailableError, Worker
-from unbroken.control.status import StatusServer
-from unbroken.control.store import (
+from unbroken.control.coordinator import bugs
+from unbroken.control.coordinator.failslow import SlowRule
+from unbroken.control.status.alerts import Alerter
+from unbroken.control.status.model import GoodputRecorder, MetricsTee, RunView, SlowRecorder
+from unbroken.control.status.progress import describe_error
+from unbroken.control.status.server import StatusServer
+from unbroken.control.status.tensorboard import open_tensorboard
+from unbroken.control.store import keys
+from unbroken.control.store.connect import (
     get_int,
     process_failure,
     raised_failure,
@@ -68,9 +68,10 @@ from unbroken.control.store import (
     serve_store,
     wait_key,
 )
-from unbroken.core import bugs, ckptfiles
+from unbroken.control.store.durable import StaleWriteError, State, StateStore, StateUnavailableError, Worker
+from unbroken.control.store.gateway import Gateway, require_token
+from unbroken.core import ckptfiles
 from unbroken.core.config import Reduction, RunConfig, SlowPolicy, Workload, to_toml
-from unbroken.core.failslow import SlowRule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.numerics import group_fingerprint, refusal
 from unbroken.core.records import (
@@ -86,8 +87,7 @@ from unbroken.core.records import (
 )
 
 if TYPE_CHECKING:
-    from unbroken.control.zygote import ForkedProcess, Zygote
-
+    from unbroken.control.host.zygote import ForkedProcess, Zygote
 log = logging.getLogger(__name__)
 
 RECENT_LINES = 4096  # metrics lines remembered (their ``line_identity``), to drop one a worker sends again

@@ -1,4 +1,4 @@
-// The unbroken status page: long-polls api/status and draws the snapshot (unbroken.control.status.RunView).
+// The unbroken status page: long-polls api/status and draws the snapshot (unbroken.control.status.server.RunView).
 // Charts are uPlot (vendored, static/uPlot.iife.min.js); every value from the run is put in the page as text
 // (textContent), never as HTML.
 "use strict";

@@ -35,10 +35,8 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from unbroken.control import keys
-from unbroken.control.gateway import NothingListens, Tunnel, TunnelError, require_token
-from unbroken.control.hostbeat import WorkerBeat
-from unbroken.control.newsrelay import (
+from unbroken.control.member.hostbeat import WorkerBeat
+from unbroken.control.member.news import (
     NEWS_WAIT_S,
     RELAY_ENV,
     RELAY_GRACE_S,
@@ -49,7 +47,8 @@ from unbroken.control.newsrelay import (
     look,
     next_news,
 )
-from unbroken.control.store import (
+from unbroken.control.store import keys
+from unbroken.control.store.connect import (
     STORE_TIMEOUT_S,
     connect_store,
     end_wait,
@@ -62,6 +61,7 @@ from unbroken.control.store import (
     request_stop,
     ring,
 )
+from unbroken.control.store.gateway import NothingListens, Tunnel, TunnelError, require_token
 from unbroken.core.records import WorkerError
 
 log = logging.getLogger(__name__)

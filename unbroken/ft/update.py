@@ -27,11 +27,11 @@ from unbroken.ft.comm import local_tensor
 from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
-from unbroken.ft.protocoldefs import EXIT_NONFINITE, ProtocolConfig, StopRun
 from unbroken.ft.reduction import ModelTensors, StepReduction
 from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import StepOutcome, TrainingState
 from unbroken.ft.stepplan import StepPlan
+from unbroken.ft.stops import EXIT_NONFINITE, ProtocolConfig, StopRun
 
 log = logging.getLogger(__name__)
 

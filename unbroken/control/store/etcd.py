@@ -42,8 +42,8 @@ import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.utils import _decode, _encode
 
-from unbroken.control.netif import free_port
-from unbroken.control.statestore import CAMPAIGN_TIMEOUT, StaleWriteError, State, StateStore, StateUnavailableError
+from unbroken.control.store.durable import CAMPAIGN_TIMEOUT, StaleWriteError, State, StateStore, StateUnavailableError
+from unbroken.control.store.netif import free_port
 
 REQUEST_TIMEOUT = timedelta(seconds=2)  # one HTTP request to one endpoint; then the next endpoint is tried
 LEASE_TTL = timedelta(seconds=5)  # the leader's lease: how long a dead leader goes unnoticed

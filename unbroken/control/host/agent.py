@@ -34,8 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unbroken.control import keys, zygote
-from unbroken.control.client import (
+from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
+from unbroken.control.host import zygote
+from unbroken.control.member.client import (
     COORDINATOR_ENV,
     DEVICE_INDEX_ENV,
     INJECT_FD_ENV,
@@ -44,11 +45,10 @@ from unbroken.control.client import (
     STARTED_AT_ENV,
     WORKER_ID_ENV,
 )
-from unbroken.control.console import CONSOLE_ENV, ConsoleRelay
-from unbroken.control.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
-from unbroken.control.hostbeat import HOST_BEAT_ENV, HostBeats
-from unbroken.control.newsrelay import RELAY_ENV, NewsRelay
-from unbroken.control.store import (
+from unbroken.control.member.hostbeat import HOST_BEAT_ENV, HostBeats
+from unbroken.control.member.news import RELAY_ENV, NewsRelay
+from unbroken.control.store import keys
+from unbroken.control.store.connect import (
     CallGuard,
     exit_reason,
     open_store,
@@ -57,6 +57,7 @@ from unbroken.control.store import (
     request_stop,
     ring,
 )
+from unbroken.control.store.gateway import TOKEN_ENV, Tunnel, TunnelError, require_token
 from unbroken.core.config import (
     HeartbeatMode,
     Reduction,
@@ -69,7 +70,7 @@ from unbroken.core.layout import INCARNATION_ENV, ReplicaLayout
 from unbroken.core.logs import init_logger
 from unbroken.core.numerics import DETERMINISTIC_ENV
 from unbroken.core.records import RecordKind, SpareState, make, read_records
-from unbroken.ft.protocoldefs import EXIT_STOPPED
+from unbroken.ft.stops import EXIT_STOPPED
 from unbroken.train.hf import worker_imports
 
 log = logging.getLogger(__name__)

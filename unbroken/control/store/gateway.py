@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.control.netif import split_address
+from unbroken.control.store.netif import split_address
 
 log = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from unbroken.control import keys
-from unbroken.control.gateway import Tunnel, TunnelError
-from unbroken.control.store import CallGuard, open_store
+from unbroken.control.store import keys
+from unbroken.control.store.connect import CallGuard, open_store
+from unbroken.control.store.gateway import Tunnel, TunnelError
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,7 @@ import torch
 from unbroken.core import ckptfiles as files
 
 if TYPE_CHECKING:
-    from unbroken.ft.replica import Replica
-
+    from unbroken.ft.parallel.replica import Replica
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2

@@ -22,7 +22,7 @@ from them (``fork_early``), at the top of the command line's ``main``, before th
 device: it then imports only what they did not (``torch._dynamo``, the trainer), and a run imports torch once. The
 forked zygote waits for its setup (environment, log, kernels: what the command line of a started one says) and goes
 on as a started one does. A program that cannot fork it (threads started, CUDA initialised) starts it (``python -m
-unbroken.control.zygote``).
+unbroken.control.host.zygote``).
 
 A forked process (the zygote, a worker, a coordinator) ends without the interpreter's teardown
 (``core.ending.run_then_exit``), which would copy most of the pages it shares with the zygote.
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from unbroken.control.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
+from unbroken.control.member.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
 from unbroken.core.ending import run_then_exit
 
 ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold; "scripts": a user's script's workers are forked too
@@ -194,7 +194,7 @@ class Zygote:
                 [
                     sys.executable,
                     "-m",
-                    "unbroken.control.zygote",
+                    "unbroken.control.host.zygote",
                     "--fd",
                     str(theirs.fileno()),
                     *(["--fold-kernels"] if fold_kernels else []),
@@ -245,7 +245,7 @@ class Zygote:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The zygote process: ``python -m unbroken.control.zygote --fd N``
+# The zygote process: ``python -m unbroken.control.host.zygote --fd N``
 
 
 @dataclass(frozen=True)
@@ -413,7 +413,7 @@ def serve_early() -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m unbroken.control.zygote", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m unbroken.control.host.zygote", description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
     parser.add_argument("--fold-kernels", action="store_true", help="load the exact fold's numba kernels")
     parser.add_argument("--preload", action="append", default=[], help="a module its workers import: import it first")

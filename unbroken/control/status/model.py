@@ -29,9 +29,17 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from unbroken.control.coordinator.failslow import (
+    Exclusion,
+    SlowDecision,
+    SlowDetector,
+    SlowRule,
+    SlowState,
+    Verdict,
+    exclusion,
+)
+from unbroken.control.coordinator.failslow import describe as describe_slow
 from unbroken.core.config import SlowPolicy, Workload
-from unbroken.core.failslow import Exclusion, SlowDecision, SlowDetector, SlowRule, SlowState, Verdict, exclusion
-from unbroken.core.failslow import describe as describe_slow
 from unbroken.core.goodput import Bucket, Tracker
 from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
 

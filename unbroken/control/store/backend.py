@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from unbroken.control.statestore import JournalStore, StateStore
+from unbroken.control.store.durable import JournalStore, StateStore
 
 
 def open_state_store(spec: str, run_dir: Path, candidate: str, lease_s: float = 5.0) -> StateStore:
@@ -17,7 +17,7 @@ def open_state_store(spec: str, run_dir: Path, candidate: str, lease_s: float = 
     if spec == "journal":
         return JournalStore(run_dir)
     if spec.startswith("etcd://"):
-        from unbroken.control.etcd import EtcdStateStore, parse_etcd_url  # etcd3gw only when etcd is used
+        from unbroken.control.store.etcd import EtcdStateStore, parse_etcd_url  # etcd3gw only when etcd is used
 
         endpoints, prefix = parse_etcd_url(spec)
         lease = timedelta(seconds=max(1, round(lease_s)))

@@ -51,7 +51,7 @@ MAX_WAIT_S = 25.0  # the longest a long-poll (``wait=``) is held
 REQUEST_TIMEOUT_S = 10.0  # a client that stalls while sending its request is dropped after this
 MAX_CLIENTS = 32  # requests served at once (each holds a thread, a long-poll for up to MAX_WAIT_S)
 
-STATIC_FILES: dict[str, str] = {  # name under unbroken/control/static -> content type
+STATIC_FILES: dict[str, str] = {  # name under unbroken/control/status/static -> content type
     "index.html": "text/html; charset=utf-8",
     "status.js": "text/javascript; charset=utf-8",
     "status.css": "text/css; charset=utf-8",
@@ -102,7 +102,7 @@ def is_trusted_local(client_ip: str, host_header: str | None) -> bool:
 
 
 def _load_static() -> dict[str, bytes]:
-    folder = resources.files("unbroken.control").joinpath("static")
+    folder = resources.files("unbroken.control.status").joinpath("static")
     return {name: folder.joinpath(name).read_bytes() for name in STATIC_FILES}
 
 

@@ -39,9 +39,9 @@ from typing import Any
 
 from torch.distributed import DistStoreError, TCPStore
 
-from unbroken.control import keys
-from unbroken.control.gateway import Tunnel, TunnelError
-from unbroken.control.store import open_store, read_json
+from unbroken.control.store import keys
+from unbroken.control.store.connect import open_store, read_json
+from unbroken.control.store.gateway import Tunnel, TunnelError
 
 log = logging.getLogger(__name__)
 

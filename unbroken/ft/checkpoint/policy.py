@@ -15,11 +15,11 @@ from pathlib import Path
 
 from unbroken.core.failures import Phase
 from unbroken.core.records import RecordKind
-from unbroken.ft import checkpoint as ckpt
+from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
-from unbroken.ft.protocoldefs import ProtocolConfig, StopRun
 from unbroken.ft.state import TrainingState
+from unbroken.ft.stops import ProtocolConfig, StopRun
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The coordinator: the job's membership loop and the judges it consults."""
