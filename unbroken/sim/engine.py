@@ -2,8 +2,10 @@
 timeline. Pure Python + numpy.
 
 Owns the step-level model: strides of identical steps between events, the steps an event falls into
-simulated event by event (in-step recovery for recover, drop and mecefo; stop, roll back and relaunch for
-restart), checkpoints, and the accounting of committed work and of the time lost by cause. The device model
+simulated event by event, checkpoints, and the accounting of committed work and of the time lost by cause.
+``Engine`` is what every policy shares (and the restart after every member died); ``InStepEngine`` recovers
+inside the step (recover, drop, MeCeFO) and ``RestartEngine`` stops, rolls back and relaunches (restart). The
+events come from ``events.EventQueue``. The device model
 (``finish_offsets``): a replica runs on its own devices, or, to replay a real CPU run, processor-shares the
 host's cores with the other replicas.
 """
@@ -11,9 +13,7 @@ host's cores with the other replicas.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from unbroken.core import plan as planlib
 from unbroken.core.config import RecoveryPolicy
 from unbroken.core.failures import FailureSchedule, Phase
 from unbroken.core.goodput import Bucket
+from unbroken.sim.events import EventQueue, NeedLongerTimeline
 from unbroken.sim.planner import Planner
 from unbroken.sim.scenario import HOUR, Costs, Scenario
 from unbroken.sim.timeline import Timeline
@@ -81,13 +82,12 @@ def remaining_work(work: np.ndarray, cores: int, elapsed: float, penalty: float 
     return np.maximum(work - progress, 0.0)
 
 
-class NeedLongerTimeline(Exception):
-    """The run outlived the failure events generated so far (run.steps without run.hours)."""
+__all__ = ["Engine", "InStepEngine", "NeedLongerTimeline", "RestartEngine", "makespan"]
 
 
 class Engine:
-    """One policy over one timeline. Time advances in strides of identical steps between events; a step an
-    event falls into is simulated event by event (``_step_in_place`` or ``_step_restart``)."""
+    """One policy over one timeline (``Engine.of``). Time advances in strides of identical steps between events;
+    a step an event falls into is simulated event by event (``_step``)."""
 
     def __init__(
         self,
@@ -105,18 +105,9 @@ class Engine:
         self.every = sc.checkpoint.of(policy)
         self.end_s = end_s
         replicas = sc.cluster.replicas
-        self.up = np.ones(replicas, dtype=bool)
-        self.up_sorted = list(range(replicas))  # the replicas up now, kept sorted (a restart's new group)
+        self.events = EventQueue(timeline, replicas, end_s)
         self.members: list[int] = list(range(replicas))
-        self._times, self._replicas, self._ups = (
-            timeline.times.tolist(),
-            timeline.replicas.tolist(),
-            timeline.up.tolist(),
-        )
         self.joiners: set[int] = set()
-        self.next_event = 0
-        self.heap: list[tuple[float, int, int, bool]] = []  # scheduled kills and rejoins: (t, seq, replica, up)
-        self.seq = 0
         self.schedule = list(FailureSchedule.parse(sc.failures.schedule).events)
         self.t = 0.0
         self.step = 0
@@ -127,60 +118,27 @@ class Engine:
         self.series: list[tuple[float, int, int]] = [(0.0, 0, replicas)]
         self._steady: dict[object, tuple[float, np.ndarray, planlib.Assignment]] = {}
 
-    # -- events ---------------------------------------------------------------------------------------
-    def _from_heap(self) -> bool:
-        t_line = self._times[self.next_event] if self.next_event < len(self._times) else math.inf
-        return bool(self.heap) and self.heap[0][0] < t_line
+    @staticmethod
+    def of(
+        policy: RecoveryPolicy, sc: Scenario, costs: Costs, timeline: Timeline, planner: Planner, end_s: float
+    ) -> Engine:
+        """The engine of ``policy``: in-step recovery (recover, drop, MeCeFO) or checkpoint-and-restart."""
+        kind = RestartEngine if policy is RecoveryPolicy.RESTART else InStepEngine
+        return kind(policy, sc, costs, timeline, planner, end_s)
 
-    def _peek(self) -> tuple[float, int, bool]:
-        """The next event (time, replica, up); time is inf when none is left in the generated timeline."""
-        if self._from_heap():
-            return self.heap[0][0], self.heap[0][2], self.heap[0][3]
-        if self.next_event == len(self._times):
-            return math.inf, -1, False
-        i = self.next_event
-        return self._times[i], self._replicas[i], self._ups[i]
+    def _boundary(self) -> None:
+        """Between steps: apply the events known by now."""
+        raise NotImplementedError
 
-    def _pop(self) -> tuple[float, int, bool]:
-        event = self._peek()
-        assert event[0] < math.inf
-        if self._from_heap():
-            heapq.heappop(self.heap)
-        else:
-            self.next_event += 1
-        _, replica, up = event
-        if up and not self.up[replica]:
-            bisect.insort(self.up_sorted, replica)
-        elif not up and self.up[replica]:
-            del self.up_sorted[bisect.bisect_left(self.up_sorted, replica)]
-        self.up[replica] = up
-        return event
+    def _step(self) -> None:
+        """One step an event falls into, simulated event by event."""
+        raise NotImplementedError
 
-    def _upcoming(self) -> Iterator[tuple[float, int, bool]]:
-        """The events to come, in time order, without taking them."""
-        heap = sorted(self.heap)
-        i, j = self.next_event, 0
-        while True:
-            t_line = self._times[i] if i < len(self._times) else math.inf
-            t_heap = heap[j][0] if j < len(heap) else math.inf
-            if t_line == t_heap == math.inf:
-                return
-            if t_heap < t_line:
-                yield heap[j][0], heap[j][2], heap[j][3]
-                j += 1
-            else:
-                yield t_line, self._replicas[i], self._ups[i]
-                i += 1
-
-    def _check_horizon(self, t: float) -> None:
-        if t > self.tl.horizon_s and self.tl.horizon_s < self.end_s:
-            raise NeedLongerTimeline
-
+    # -- accounting -----------------------------------------------------------------------------------
     def _position(self, replica: int, members: list[int]) -> int:
         i = bisect.bisect_left(members, replica)
         return i if i < len(members) and members[i] == replica else -1
 
-    # -- accounting -----------------------------------------------------------------------------------
     def _spend(self, cause: str, start: float, end: float) -> None:
         self.lost[cause] += max(0.0, min(end, self.end_s) - start)
 
@@ -222,13 +180,9 @@ class Engine:
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self) -> Engine:
-        restart = self.policy is RecoveryPolicy.RESTART
         while not self._done():
-            self._check_horizon(self.t)
-            if restart:
-                self._boundary_restart()
-            else:
-                self._boundary()
+            self.events.check_horizon(self.t)
+            self._boundary()
             if self._done():
                 break
             step_s = self._steady_plan()[0]
@@ -238,10 +192,8 @@ class Engine:
                 self.step += strides
                 self.committed_mb += strides * self.M
                 self._point()
-            elif restart:
-                self._step_restart()
             else:
-                self._step_in_place()
+                self._step()
             if self.every and self.step % self.every == 0 and self.step > self.checkpoint[0] and not self._done():
                 self._save()
         return self
@@ -266,10 +218,10 @@ class Engine:
         """Whole steps before an event changes one. Under ``restart`` any event does; for the in-step policies
         a member's death does, while a repair lets the step it falls in finish (the replica joins after it)."""
         if self.policy is RecoveryPolicy.RESTART:
-            t = self._peek()[0]
+            t = self.events.peek()[0]
             return (t - self.t) // step_s if t < math.inf else math.inf
         limit = math.inf
-        for t, replica, up in self._upcoming():
+        for t, replica, up in self.events.upcoming():
             if t >= self.t + (limit + 1) * step_s:
                 break
             if up:
@@ -281,7 +233,7 @@ class Engine:
     def _save(self) -> None:
         """A blocking checkpoint save; under ``restart`` a failure during it leaves the previous checkpoint."""
         end = self.t + self.c.save_s
-        te, replica, up = self._peek()
+        te, replica, up = self.events.peek()
         relevant = self.sc.run.restart_on_rejoin if up else self._position(replica, self.members) >= 0
         if self.policy is RecoveryPolicy.RESTART and te < end and relevant:
             self._spend("checkpoint", self.t, te)
@@ -309,22 +261,68 @@ class Engine:
                 Phase.REDUCTION: finish,
                 Phase.OPTIMIZER: step_end,  # the others commit; the death shows in the next step
             }[e.phase]
-            self.seq += 2
-            heapq.heappush(self.heap, (t0 + offset, self.seq, e.worker, False))
-            if e.rejoin_after_s is not None:
-                heapq.heappush(self.heap, (t0 + offset + e.rejoin_after_s, self.seq + 1, e.worker, True))
+            self.events.schedule_kill(t0 + offset, e.worker, e.rejoin_after_s)
 
-    # -- recover, drop, mecefo ------------------------------------------------------------------------
+    def _restart(self, at: float, detected: bool) -> None:
+        """Everyone stops at ``at``: roll back to the last checkpoint, relaunch on the replicas that are up
+        (again if one fails meanwhile; after waiting for a repair if none is up)."""
+        self.restarts += 1
+        step, committed, dropped, saved_at, lost_then = self.checkpoint
+        self.lost["rollback"] += max(0.0, (at - saved_at) - (sum(self.lost.values()) - lost_then))
+        self.recomputed_mb += self.committed_mb - committed
+        self.step, self.committed_mb, self.dropped_mb = step, committed, dropped
+        self.members = []
+        self.t = at
+        self._point()
+        detect = self.c.detect_s if detected else 0.0
+        segments = [("detection", at, at + detect)]
+        start = at + detect
+        ready = start + self.c.restart_s
+        while True:
+            te, _, up = self.events.peek()
+            if te < ready and te < self.end_s:
+                self.events.check_horizon(te)
+                self.events.pop()
+                if not up:
+                    ready = max(ready, te + self.c.detect_s + self.c.restart_s)
+                continue
+            self.events.check_horizon(min(ready, self.end_s))
+            if self.events.up.any() or ready >= self.end_s:
+                break
+            segments.append(("restart", start, ready))
+            while not self.events.peek()[2]:  # wait for a repair
+                self.events.check_horizon(self.events.peek()[0])
+                if self.events.peek()[0] == math.inf:
+                    raise ValueError(
+                        f"failures: every replica is down from hour {ready / HOUR:.3g} and none comes back "
+                        "(no repair, no spare); the run would never finish: set failures.mttr_h or cluster.spares"
+                    )
+                self.events.pop()
+            te, _, _ = self.events.pop()
+            segments.append(("idle", ready, te))
+            start, ready = te, te + self.c.restart_s
+        segments.append(("restart", start, ready))
+        for cause, begin, end in segments:
+            self._spend(cause, begin, end)
+        self.t = ready
+        self.members = list(self.events.up_sorted)
+        self.joiners.clear()
+        self._point()
+
+
+class InStepEngine(Engine):
+    """recover, drop and MeCeFO: a death inside a step is recovered in that step by the survivors."""
+
     def _boundary(self) -> None:
         """Between steps: apply the events that are known by now (deaths detected, repairs), re-form for the
         dead and admit the repaired; a death not yet detected is left to the coming step."""
         died = False
         while True:
-            te, replica, up = self._peek()
+            te, replica, up = self.events.peek()
             member = not up and self._position(replica, self.members) >= 0
             if te > self.t or (member and te + self.c.detect_s > self.t):
                 break
-            self._pop()
+            self.events.pop()
             if up:
                 self.joiners.add(replica)
             elif member:
@@ -347,7 +345,7 @@ class Engine:
             self.joiners.clear()
             self._point()
 
-    def _step_in_place(self) -> None:
+    def _step(self) -> None:
         """One step with failures inside it: survivors finish their work, wait for the detection, re-form,
         compute the orphaned microbatches (none under ``drop``) and reduce; repeated if another one dies."""
         t0, members = self.t, self.members
@@ -367,13 +365,13 @@ class Engine:
                 milestone = max(detect_ready, busy_until) + self.c.reform_s
             else:
                 milestone = busy_until + self.c.allreduce_s(num_alive)
-            te, replica, up = self._peek()
+            te, replica, up = self.events.peek()
             if min(te, milestone) >= self.end_s:
                 self.t = self.end_s
                 return
-            self._check_horizon(min(te, milestone))
+            self.events.check_horizon(min(te, milestone))
             if te < milestone:
-                self._pop()
+                self.events.pop()
                 i = -1 if up else self._position(replica, members)
                 if up or i < 0 or not alive[i]:
                     (self.joiners.add if up else self.joiners.discard)(replica)
@@ -440,13 +438,17 @@ class Engine:
                 extras[i] = extras.get(i, ()) + ids
                 work[i] = self._work(assignment, worker)
 
-    # -- restart --------------------------------------------------------------------------------------
-    def _boundary_restart(self) -> None:
+
+class RestartEngine(Engine):
+    """restart: any death (and, with ``run.restart_on_rejoin``, any repair) stops everyone, rolls back to the last
+    checkpoint and relaunches."""
+
+    def _boundary(self) -> None:
         while True:
-            te, replica, up = self._peek()
+            te, replica, up = self.events.peek()
             if te > self.t:
                 return
-            self._pop()
+            self.events.pop()
             if up and self.sc.run.restart_on_rejoin:
                 self._restart(te, detected=False)
             elif up:
@@ -457,20 +459,20 @@ class Engine:
             else:
                 self.joiners.discard(replica)
 
-    def _step_restart(self) -> None:
+    def _step(self) -> None:
         t0 = self.t
         step_s, work0, assignment = self._steady_plan()
         self._fire_schedule(t0, work0, self.members, assignment)
         commit = t0 + step_s
         while True:
-            te, replica, up = self._peek()
+            te, replica, up = self.events.peek()
             if min(te, commit) >= self.end_s:
                 self.t = self.end_s
                 return
-            self._check_horizon(min(te, commit))
+            self.events.check_horizon(min(te, commit))
             if te >= commit:
                 break
-            self._pop()
+            self.events.pop()
             if up and self.sc.run.restart_on_rejoin:
                 self._restart(te, detected=False)
                 return
@@ -485,50 +487,4 @@ class Engine:
         self.t = commit
         self.step += 1
         self.committed_mb += self.M
-        self._point()
-
-    def _restart(self, at: float, detected: bool) -> None:
-        """Everyone stops at ``at``: roll back to the last checkpoint, relaunch on the replicas that are up
-        (again if one fails meanwhile; after waiting for a repair if none is up)."""
-        self.restarts += 1
-        step, committed, dropped, saved_at, lost_then = self.checkpoint
-        self.lost["rollback"] += max(0.0, (at - saved_at) - (sum(self.lost.values()) - lost_then))
-        self.recomputed_mb += self.committed_mb - committed
-        self.step, self.committed_mb, self.dropped_mb = step, committed, dropped
-        self.members = []
-        self.t = at
-        self._point()
-        detect = self.c.detect_s if detected else 0.0
-        segments = [("detection", at, at + detect)]
-        start = at + detect
-        ready = start + self.c.restart_s
-        while True:
-            te, _, up = self._peek()
-            if te < ready and te < self.end_s:
-                self._check_horizon(te)
-                self._pop()
-                if not up:
-                    ready = max(ready, te + self.c.detect_s + self.c.restart_s)
-                continue
-            self._check_horizon(min(ready, self.end_s))
-            if self.up.any() or ready >= self.end_s:
-                break
-            segments.append(("restart", start, ready))
-            while not self._peek()[2]:  # wait for a repair
-                self._check_horizon(self._peek()[0])
-                if self._peek()[0] == math.inf:
-                    raise ValueError(
-                        f"failures: every replica is down from hour {ready / HOUR:.3g} and none comes back "
-                        "(no repair, no spare); the run would never finish: set failures.mttr_h or cluster.spares"
-                    )
-                self._pop()
-            te, _, _ = self._pop()
-            segments.append(("idle", ready, te))
-            start, ready = te, te + self.c.restart_s
-        segments.append(("restart", start, ready))
-        for cause, begin, end in segments:
-            self._spend(cause, begin, end)
-        self.t = ready
-        self.members = list(self.up_sorted)
-        self.joiners.clear()
         self._point()

@@ -144,7 +144,7 @@ def simulate(sc: Scenario) -> SimResult:
     for policy in sc.run.policies:
         while True:
             try:
-                engine = Engine(policy, sc, costs, timelines[horizon], planner, end_s).run()
+                engine = Engine.of(policy, sc, costs, timelines[horizon], planner, end_s).run()
                 break
             except NeedLongerTimeline:
                 horizon = min(cap_s, 4 * horizon)
