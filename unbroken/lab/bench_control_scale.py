@@ -322,7 +322,19 @@ class Driver:
             proc.wait()
 
     def _measure(self) -> dict[str, Any]:
+        """The bench's phases in order, each adding its figures: start, rest, deaths, a hang, joins."""
         self.store = connect_store(self.address, token=self.token)
+        result: dict[str, Any] = {"members": self.n, "news": self.news, "beats": self.beats}
+        result |= self._start_members()
+        result |= self._at_rest()
+        churn = _Usage(self.coordinator.pid)  # the coordinator's use over the deaths, the hang and the joins
+        result |= self._deaths(result["rest_cores"])
+        result |= self._joins(churn)
+        result["relayed"] = sum(c.relayed for c in self.crowds)
+        return result
+
+    def _start_members(self) -> dict[str, Any]:
+        """The victims, the crowds, the held joiners and the leader member; until the first epoch."""
         t_start = time.monotonic()
         crowded = self.n - 1 - VICTIMS
         count = -(-crowded // CROWD)  # crowds, of sizes as equal as can be
@@ -340,9 +352,11 @@ class Driver:
             self._wait_crowd(crowd.ready, "ready")
         _wait(lambda: self.leader is not None and self.leader.latest_epoch >= 1, "the first epoch")
         self.last_epoch = int(self.store.get(keys.EPOCH))
-        started_s = time.monotonic() - t_start
+        return {"crowds": len(self.crowds), "started_s": time.monotonic() - t_start}
 
-        # At rest: heartbeats, the epoch watch, and the leader's step record every STEP_S.
+    def _at_rest(self) -> dict[str, Any]:
+        """At rest: heartbeats, the epoch watch, and the leader's step record every STEP_S, for ``rest_s``."""
+        assert self.leader is not None
         metrics = self.run_dir / METRICS_FILE
         size0, t0, usage = metrics.stat().st_size, time.monotonic(), _Usage(self.coordinator.pid)
         everyone = [self.leader.worker_id, *(w for c in self.crowds for w in c.ids), *self.victims]
@@ -354,11 +368,15 @@ class Driver:
         self.leader.flush_metrics()
         last = step - 1
         self._wait_records("step", lambda found: any(r["step"] == last for r in found), f"step record {last}")
-        rest_cores, rest_rss = usage.cores(), _rss_mib(self.coordinator.pid)
-        growth = (metrics.stat().st_size - size0) / (time.monotonic() - t0) * 3600
+        return {
+            "rest_cores": usage.cores(),
+            "rest_rss_mib": _rss_mib(self.coordinator.pid),
+            "metrics_bytes_per_hour": (metrics.stat().st_size - size0) / (time.monotonic() - t0) * 3600,
+        }
 
-        # Churn: deaths reported as an agent reports them, a silent hang, joins.
-        churn = _Usage(self.coordinator.pid)
+    def _deaths(self, rest_cores: float) -> dict[str, Any]:
+        """Deaths reported as an agent reports them, then a silent hang: when each epoch was published and read
+        by every member, and what each cost the coordinator beside its at-rest rate ``rest_cores``."""
         deaths: list[dict[str, float]] = []
         read_after: list[float] = []
         victim_ids = list(self.victims)
@@ -382,7 +400,20 @@ class Driver:
         silence_s = self._epoch_without(hung)["time"] - t_stop
         self.victims[hung].kill()
         time.sleep(SETTLE_S)
+        return {
+            "death_published_s": [d["published"] for d in deaths],
+            "death_last_read_s": [d["last_read"] for d in deaths],
+            "death_coordinator_cpu_s": [d["cpu"] for d in deaths],
+            "death_coordinator_cpu_at_rest_s": [d["cpu_at_rest"] for d in deaths],
+            "read_p50_s": statistics.median(read_after),
+            "read_p99_s": _percentile(read_after, 0.99),
+            "silence_s": silence_s,
+            "heartbeat_timeout_s": self.cfg.comm.heartbeat_timeout_s,
+        }
 
+    def _joins(self, churn: _Usage) -> dict[str, Any]:
+        """The held joiners let go at once: the epochs that took them in, and how long each waited after its
+        admission; members declared dead that nobody killed; the coordinator's use over the churn (``churn``)."""
         first_new_epoch = int(self.store.get(keys.EPOCH)) + 1
         self._wait_crowd(self.joiners.connected, "connected")
         t_joins = time.time()
@@ -405,7 +436,6 @@ class Driver:
             return set(taken_in) == ids
 
         _wait(all_in, "an epoch holding each joiner")
-        join_s = max(taken_in.values()) - t_joins
         admitted_records = self._wait_records(
             "admitted", lambda found: ids <= {r["worker"] for r in found}, "the joiners' admitted records"
         )
@@ -413,34 +443,16 @@ class Driver:
         waits = [taken_in[w] - admitted[w] for w in ids]
         # Members declared dead that nobody killed or stopped: heartbeats their process could not send in time.
         false_deaths = [f for f in read_records(self.run_dir, "failure") if f["worker"] not in self.victims]
-        churn_cores, churn_rss = churn.cores(), _rss_mib(self.coordinator.pid)
         return {
-            "members": self.n,
-            "news": self.news,
-            "beats": self.beats,
-            "relayed": sum(c.relayed for c in self.crowds),
-            "crowds": len(self.crowds),
-            "started_s": started_s,
-            "death_published_s": [d["published"] for d in deaths],
-            "death_last_read_s": [d["last_read"] for d in deaths],
-            "death_coordinator_cpu_s": [d["cpu"] for d in deaths],
-            "death_coordinator_cpu_at_rest_s": [d["cpu_at_rest"] for d in deaths],
-            "read_p50_s": statistics.median(read_after),
-            "read_p99_s": _percentile(read_after, 0.99),
-            "silence_s": silence_s,
-            "heartbeat_timeout_s": self.cfg.comm.heartbeat_timeout_s,
             "joins": self.joins,
             "join_epochs": len(joined_epochs),
             "false_deaths": len(false_deaths),
-            "join_s": join_s,
+            "join_s": max(taken_in.values()) - t_joins,
             "join_admitted_spread_s": max(admitted.values()) - min(admitted.values()),
             "join_wait_median_s": statistics.median(waits),
             "join_wait_max_s": max(waits),
-            "rest_cores": rest_cores,
-            "rest_rss_mib": rest_rss,
-            "churn_cores": churn_cores,
-            "churn_rss_mib": churn_rss,
-            "metrics_bytes_per_hour": growth,
+            "churn_cores": churn.cores(),
+            "churn_rss_mib": _rss_mib(self.coordinator.pid),
         }
 
 

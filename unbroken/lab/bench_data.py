@@ -533,101 +533,128 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.0f} MiB"
 
 
+def _format_prepare(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    p = r["prepare"]
+    n = p["repeats"]
+    how = "each run once" if n == 1 else f"{n} rounds, the order rotating; median (min-max)"
+    lines += [
+        f"Throughput on {p['corpus_bytes'] / 1e9:.3g} GB of JSONL ({p['procs']} processes / threads), {how}:",
+        "",
+        "| system | tokens | seconds | tokens/s | tokens per CPU-second | peak RSS (tree) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, key in (
+        ("unbroken prepare", "prepare"),
+        ("tokenizers encode_batch, 1 process", "encode_batch"),
+        ("datasets.map(num_proc)", "datasets_map"),
+    ):
+        row = p[key]
+        cells = [_median_range(row["seconds"], ".1f")]
+        cells.append(_median_range([row["tokens"] / x for x in row["seconds"]], ",.0f"))
+        cells.append(_median_range([row["tokens"] / x for x in row["cpu_seconds"]], ",.0f"))
+        lines.append(f"| {name} | {row['tokens']:,} | {' | '.join(cells)} | {_mib(max(row['peak_rss_sum']))} |")
+    rate = {key: statistics.median(p[key]["tokens"] / x for x in p[key]["seconds"]) for key in SYSTEMS}
+    cpu = {key: statistics.median(p[key]["tokens"] / x for x in p[key]["cpu_seconds"]) for key in SYSTEMS}
+    lines += [
+        "",
+        f"prepare / encode_batch: {rate['prepare'] / rate['encode_batch']:.2f}x tokens/s, "
+        f"{cpu['prepare'] / cpu['encode_batch']:.2f}x tokens per CPU-second; prepare / datasets.map: "
+        f"{rate['prepare'] / rate['datasets_map']:.2f}x, {cpu['prepare'] / cpu['datasets_map']:.2f}x "
+        "(medians of the same run)",
+        "",
+    ]
+    return lines
+
+
+def _format_memory(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    lines += [
+        "Peak memory of prepare (sum of the process tree's RSS):",
+        "",
+        "| corpus | tokens | seconds | peak RSS (tree) | largest process |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in r["memory"].values():
+        lines.append(
+            f"| {row['bytes'] / 1e9:.3f} GB{' (' + row['note'] + ')' if 'note' in row else ''} "
+            f"| {row['tokens']:,} | {row['seconds']:.1f} "
+            f"| {_mib(row['peak_rss_sum'])} | {_mib(row['peak_rss_max'])} |"
+        )
+    rows = sorted(r["memory"].values(), key=lambda row: row["bytes"])
+    if len(rows) > 1:
+        ratio = rows[-1]["peak_rss_sum"] / rows[0]["peak_rss_sum"]
+        lines += ["", f"largest / smallest corpus, peak RSS (tree): {ratio:.3f}"]
+    lines.append("")
+    return lines
+
+
+def _format_steps(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    first = r["steps"][0]
+    lines += [
+        f"Data loading per step (M = 8 microbatches of 4 x 256, one process, one thread; data over "
+        f"{first['data_ms']['n']} steps, forward + backward over {first['compute_ms']['n']}):",
+        "",
+        "| model | data ms/step, median (min-max) | forward + backward ms/step, median | data share of the step, "
+        "median (worst step) |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in r["steps"]:
+        d, c = row["data_ms"], row["compute_ms"]
+        lines.append(
+            f"| {row['flavour']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {c['median']:.0f} | "
+            f"{100 * row['share']:.3f}% ({100 * row['worst_share']:.3f}%) |"
+        )
+    lines.append("")
+    return lines
+
+
+def _format_reader(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    lines += [
+        f"Reader memory after the same sampling ({r['reader_steps']} steps of 8 microbatches of 4 x 256):",
+        "",
+        "| corpus | access | ids | RssAnon before / after | RssFile before / after | peak RSS |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in r["reader"].values():
+        b, a = row["before"], row["after"]
+        lines.append(
+            f"| {row['gb']:g} GB | {row['access']} | {row['ids']:,} | {b['RssAnon'] / 1024:.0f} / "
+            f"{a['RssAnon'] / 1024:.0f} MiB | {b['RssFile'] / 1024:.0f} / {a['RssFile'] / 1024:.0f} MiB "
+            f"| {_mib(row['peak_rss'])} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _format_workers(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    w = r["workers"]
+    lines += [
+        f"Training workers (unbroken train tiny --workers 2, {w['steps']} steps, model.vocab_size 8192): "
+        "each worker's peak RSS",
+        "",
+        "| data | worker peak RSS | wall time of the run |",
+        "|---|---:|---:|",
+    ]
+    for name, row in w["runs"].items():
+        lines.append(f"| {name} | {' / '.join(_mib(x) for x in row['workers'])} | {row['seconds']:.1f} s |")
+    lines.append("")
+    return lines
+
+
 def format_results(r: dict[str, Any]) -> str:
-    lines = []
-    if "prepare" in r:
-        p = r["prepare"]
-        n = p["repeats"]
-        how = "each run once" if n == 1 else f"{n} rounds, the order rotating; median (min-max)"
-        lines += [
-            f"Throughput on {p['corpus_bytes'] / 1e9:.3g} GB of JSONL ({p['procs']} processes / threads), {how}:",
-            "",
-            "| system | tokens | seconds | tokens/s | tokens per CPU-second | peak RSS (tree) |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for name, key in (
-            ("unbroken prepare", "prepare"),
-            ("tokenizers encode_batch, 1 process", "encode_batch"),
-            ("datasets.map(num_proc)", "datasets_map"),
-        ):
-            row = p[key]
-            cells = [_median_range(row["seconds"], ".1f")]
-            cells.append(_median_range([row["tokens"] / x for x in row["seconds"]], ",.0f"))
-            cells.append(_median_range([row["tokens"] / x for x in row["cpu_seconds"]], ",.0f"))
-            lines.append(f"| {name} | {row['tokens']:,} | {' | '.join(cells)} | {_mib(max(row['peak_rss_sum']))} |")
-        rate = {key: statistics.median(p[key]["tokens"] / x for x in p[key]["seconds"]) for key in SYSTEMS}
-        cpu = {key: statistics.median(p[key]["tokens"] / x for x in p[key]["cpu_seconds"]) for key in SYSTEMS}
-        lines += [
-            "",
-            f"prepare / encode_batch: {rate['prepare'] / rate['encode_batch']:.2f}x tokens/s, "
-            f"{cpu['prepare'] / cpu['encode_batch']:.2f}x tokens per CPU-second; prepare / datasets.map: "
-            f"{rate['prepare'] / rate['datasets_map']:.2f}x, {cpu['prepare'] / cpu['datasets_map']:.2f}x "
-            "(medians of the same run)",
-            "",
-        ]
-    if "memory" in r:
-        lines += [
-            "Peak memory of prepare (sum of the process tree's RSS):",
-            "",
-            "| corpus | tokens | seconds | peak RSS (tree) | largest process |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for row in r["memory"].values():
-            lines.append(
-                f"| {row['bytes'] / 1e9:.3f} GB{' (' + row['note'] + ')' if 'note' in row else ''} "
-                f"| {row['tokens']:,} | {row['seconds']:.1f} "
-                f"| {_mib(row['peak_rss_sum'])} | {_mib(row['peak_rss_max'])} |"
-            )
-        rows = sorted(r["memory"].values(), key=lambda row: row["bytes"])
-        if len(rows) > 1:
-            ratio = rows[-1]["peak_rss_sum"] / rows[0]["peak_rss_sum"]
-            lines += ["", f"largest / smallest corpus, peak RSS (tree): {ratio:.3f}"]
-        lines.append("")
-    if "steps" in r:
-        first = r["steps"][0]
-        lines += [
-            f"Data loading per step (M = 8 microbatches of 4 x 256, one process, one thread; data over "
-            f"{first['data_ms']['n']} steps, forward + backward over {first['compute_ms']['n']}):",
-            "",
-            "| model | data ms/step, median (min-max) | forward + backward ms/step, median | data share of the step, "
-            "median (worst step) |",
-            "|---|---:|---:|---:|",
-        ]
-        for row in r["steps"]:
-            d, c = row["data_ms"], row["compute_ms"]
-            lines.append(
-                f"| {row['flavour']} | {d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f}) | {c['median']:.0f} | "
-                f"{100 * row['share']:.3f}% ({100 * row['worst_share']:.3f}%) |"
-            )
-        lines.append("")
-    if "reader" in r:
-        lines += [
-            f"Reader memory after the same sampling ({r['reader_steps']} steps of 8 microbatches of 4 x 256):",
-            "",
-            "| corpus | access | ids | RssAnon before / after | RssFile before / after | peak RSS |",
-            "|---|---|---:|---:|---:|---:|",
-        ]
-        for row in r["reader"].values():
-            b, a = row["before"], row["after"]
-            lines.append(
-                f"| {row['gb']:g} GB | {row['access']} | {row['ids']:,} | {b['RssAnon'] / 1024:.0f} / "
-                f"{a['RssAnon'] / 1024:.0f} MiB | {b['RssFile'] / 1024:.0f} / {a['RssFile'] / 1024:.0f} MiB "
-                f"| {_mib(row['peak_rss'])} |"
-            )
-        lines.append("")
-    if "workers" in r:
-        w = r["workers"]
-        lines += [
-            f"Training workers (unbroken train tiny --workers 2, {w['steps']} steps, model.vocab_size 8192): "
-            "each worker's peak RSS",
-            "",
-            "| data | worker peak RSS | wall time of the run |",
-            "|---|---:|---:|",
-        ]
-        for name, row in w["runs"].items():
-            lines.append(f"| {name} | {' / '.join(_mib(x) for x in row['workers'])} | {row['seconds']:.1f} s |")
-        lines.append("")
-    return "\n".join(lines)
+    """The bench's results as Markdown: a table per part that ran."""
+    parts = {
+        "prepare": _format_prepare,
+        "memory": _format_memory,
+        "steps": _format_steps,
+        "reader": _format_reader,
+        "workers": _format_workers,
+    }
+    return "\n".join(line for name, part in parts.items() if name in r for line in part(r))
 
 
 def run_bench_data(
