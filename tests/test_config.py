@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.core.config import RunConfig, config_from_toml_text, dump_config, load_config, to_toml
+from unbroken.core.config import (
+    Reduction,
+    RunConfig,
+    config_from_toml_text,
+    dump_config,
+    load_config,
+    preset_path,
+    replace,
+    to_toml,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,3 +74,15 @@ def test_user_mistakes_are_one_line_value_errors(tmp_path: Path, toml: str, over
 def test_missing_file() -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_config("/nonexistent/config.toml")
+
+
+def test_a_config_derived_with_replace_holds_enum_members_as_a_loaded_one_does() -> None:
+    """``replace(..., reduction="exact")`` gives ``Reduction.EXACT`` (the benchmarks derive their exact config so;
+    with the plain string, every ``is Reduction.EXACT`` in the launcher said no); a value outside the enum is one
+    ValueError naming the allowed ones."""
+    cfg = load_config(str(preset_path("tiny")))
+    derived = replace(cfg, recovery=replace(cfg.recovery, reduction="exact"))
+    assert derived.recovery.reduction is Reduction.EXACT
+    assert derived == load_config(str(preset_path("tiny")), ["--recovery.reduction=exact"])
+    with pytest.raises(ValueError, match="reduction = 'nope': must be one of 'fp32', 'exact'"):
+        replace(cfg.recovery, reduction="nope")

@@ -725,7 +725,21 @@ def dump_resumed_config(cfg: RunConfig, out_dir: str | os.PathLike[str], changes
 
 
 def replace(section: Any, **changes: Any) -> Any:
-    """``dataclasses.replace`` re-exported so callers derive configs without mutating them."""
+    """``dataclasses.replace`` re-exported so callers derive configs without mutating them. A change given as the
+    value of an enum-typed key (``reduction="exact"``) becomes that enum's member, as a TOML file's would: code
+    that compares with ``is Reduction.EXACT`` must see the same value whichever way the config was made.
+
+    Raises:
+        ValueError: a value that is not one of the enum's."""
+    hints = typing.get_type_hints(type(section))
+    for name, value in changes.items():
+        kind = hints.get(name)
+        if isinstance(kind, type) and issubclass(kind, Enum) and not isinstance(value, kind):
+            try:
+                changes[name] = kind(value)
+            except ValueError:
+                allowed = ", ".join(repr(m.value) for m in kind)
+                raise ValueError(f"{name} = {value!r}: must be one of {allowed}") from None
     return dataclasses.replace(section, **changes)
 
 
