@@ -15,8 +15,9 @@ choose ``efficient.DEFAULT_OVERSAMPLE`` and ``DEFAULT_POWER_ITERS``. ``bench_ref
 one weight's basis (default 4096 x 11008, LLaMA-7B's FFN down projection), randomized on any device, or
 the float64 full SVD on the CPU that earlier versions used (``method="svd"``).
 
-Data: real token windows of the embedded Shakespeare corpus (``data.prepare_corpus``; its cache is built on
-first use), or random tokens with ``data="random"``. ``python -m unbroken.lab.bench_mecefo`` prints both.
+Data: real token windows of the embedded Shakespeare corpus (``data.corpus.open_corpus``; its cache is built on
+first use), or random tokens with ``data="random"``. ``python -m unbroken.lab.bench_mecefo`` prints both;
+``--dry-run`` checks its arguments and says in one line what it would run.
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from unbroken.core.config import DataConfig
 from unbroken.core.failures import build_schedule
+from unbroken.core.flavours import FLAVOURS
 from unbroken.core.plan import mecefo_plan
+from unbroken.data.corpus import check_vocab, open_corpus, train_sampler
 from unbroken.ft.mecefo import (
     DEFAULT_OVERSAMPLE,
     DEFAULT_POWER_ITERS,
@@ -45,7 +49,6 @@ from unbroken.ft.mecefo import (
     basis_seed,
     randomized_basis,
 )
-from unbroken.train.data import MicrobatchSampler, check_vocab, prepare_corpus
 from unbroken.train.model import ModelArgs, Transformer, model_args
 
 FULL_RANK = 1 << 30  # a rank above every width: exact FFN weight gradients
@@ -421,73 +424,24 @@ def gradient_error_run(
     torch.manual_seed(seed)
     model = Transformer(args)
     eb = apply_efficient_backward(model, EfficientConfig(rank=rank, refresh_every=refresh_every))
-    attention = {id(p) for p in eb.attention_parameters()}
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    corpus = None if data == "random" else prepare_corpus(DataConfig(seq_len=seq_len, microbatch_size=batch))
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=lr, weight_decay=0.01)
+    data_cfg = DataConfig(seq_len=seq_len, microbatch_size=batch)
+    corpus = None if data == "random" else open_corpus(data_cfg)
     if corpus is not None:
         check_vocab(corpus, args.vocab_size)
-        sampler = MicrobatchSampler(corpus.train, seq_len, batch, microbatches, seed)
+    sampler = train_sampler(corpus, data_cfg, microbatches, seed) if corpus is not None else None
+    run = _ErrorRun(model, eb, microbatches, sampler, (seed, args.vocab_size, batch, seq_len))
     ring = list(range(workers))
-    membership = scenario_membership(scenario, workers, steps, run_hours, seed)
-
-    def tokens(step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if corpus is not None:
-            return sampler.microbatch(step, j)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step * microbatches + j)
-        t = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=gen)
-        return t[:, :-1], t[:, 1:]
-
-    def grad_of(step: int, j: int, efficient: bool) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        x, y = tokens(step, j)
-        with eb.enabled(efficient):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / microbatches
-        loss.backward()
-        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
-
-    def norm(tensors: list[torch.Tensor], keep: list[bool]) -> float:
-        return math.sqrt(sum(float(t.square().sum()) for t, k in zip(tensors, keep, strict=True) if k))
-
-    every = [True] * len(params)
-    no_attention = [id(p) not in attention for p in params]
     rows = []
-    for step in range(steps):
-        alive = membership[step]
+    for step, alive in enumerate(scenario_membership(scenario, workers, steps, run_hours, seed)):
         efficient = mecefo_plan(step, ring, alive, microbatches, spread=spread).efficient
         eb.refresh(step, needed=bool(efficient))  # as the protocol calls it: bases only in windows with failures
-        approx = [torch.zeros_like(p) for p in params]
-        exact = [torch.zeros_like(p) for p in params] if efficient else None
-        per_microbatch = []
-        for j in range(microbatches):
-            g = grad_of(step, j, False) if (exact is not None or j not in efficient) else None
-            if exact is not None:
-                torch._foreach_add_(exact, g)
-            if j in efficient:
-                g_eff = grad_of(step, j, True)
-                per_microbatch.append(norm(torch._foreach_sub(g_eff, g), no_attention) / norm(g, no_attention))
-                torch._foreach_add_(approx, g_eff)
-            else:
-                torch._foreach_add_(approx, g)
-        if efficient:
-            contributed = microbatches - len(efficient)
-            for t, p in zip(approx, params, strict=True):
-                if id(p) in attention:
-                    t.mul_(microbatches / contributed if contributed else 0.0)
-            diff = torch._foreach_sub(approx, exact)
-            rows.append(
-                {
-                    "step": step,
-                    "alive": len(alive),
-                    "efficient": len(efficient),
-                    "error": norm(diff, every) / norm(exact, every),
-                    "error_without_attention": norm(diff, no_attention) / norm(exact, no_attention),
-                    "microbatch_error": statistics.mean(per_microbatch),
-                }
-            )
-        for p, g in zip(params, approx, strict=True):
+        approx, row = run.step(step, efficient)
+        if row is not None:
+            rows.append({"step": step, "alive": len(alive), **row})
+        for p, g in zip(run.params, approx, strict=True):
             p.grad = g
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(run.params, 1.0)
         optimizer.step()
     return {
         "flavour": flavour,
@@ -499,6 +453,77 @@ def gradient_error_run(
         "spread": spread,
         "failure_steps": rows,
     }
+
+
+class _ErrorRun:
+    """``gradient_error_run``'s model and data: each microbatch's gradient, exact or efficient, and a step's
+    committed gradient with (on a failure step) its errors against the exact one."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        eb: EfficientBackward,
+        microbatches: int,
+        sampler: Any,
+        random: tuple[int, int, int, int],
+    ) -> None:
+        self.model, self.eb, self.M, self.sampler = model, eb, microbatches, sampler
+        self.seed, self.vocab, self.batch, self.seq_len = random  # the random data's, without a sampler
+        self.params = list(model.parameters())
+        attention = {id(p) for p in eb.attention_parameters()}
+        self.attention = [id(p) in attention for p in self.params]
+        self.every = [True] * len(self.params)
+        self.no_attention = [not a for a in self.attention]
+
+    def tokens(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sampler is not None:
+            return self.sampler.microbatch(step, j)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * self.M + j)
+        t = torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), generator=gen)
+        return t[:, :-1], t[:, 1:]
+
+    def grad_of(self, step: int, j: int, efficient: bool) -> list[torch.Tensor]:
+        self.model.zero_grad(set_to_none=True)
+        x, y = self.tokens(step, j)
+        with self.eb.enabled(efficient):
+            loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten()) / self.M
+        loss.backward()
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+    @staticmethod
+    def norm(tensors: list[torch.Tensor], keep: list[bool]) -> float:
+        return math.sqrt(sum(float(t.square().sum()) for t, k in zip(tensors, keep, strict=True) if k))
+
+    def step(self, step: int, efficient: Collection[int]) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+        """The committed gradient g~ of ``step`` (``efficient``: the ids in efficient mode), and on a failure step
+        its errors against g (every microbatch exact): all parameters, without attention, per microbatch."""
+        approx = [torch.zeros_like(p) for p in self.params]
+        exact = [torch.zeros_like(p) for p in self.params] if efficient else None
+        per_microbatch = []
+        for j in range(self.M):
+            g = self.grad_of(step, j, False) if (exact is not None or j not in efficient) else None
+            if exact is not None:
+                torch._foreach_add_(exact, g)
+            if j in efficient:
+                g_eff = self.grad_of(step, j, True)
+                error = self.norm(torch._foreach_sub(g_eff, g), self.no_attention) / self.norm(g, self.no_attention)
+                per_microbatch.append(error)
+                torch._foreach_add_(approx, g_eff)
+            else:
+                torch._foreach_add_(approx, g)
+        if exact is None:
+            return approx, None
+        contributed = self.M - len(efficient)
+        for t, is_attention in zip(approx, self.attention, strict=True):
+            if is_attention:
+                t.mul_(self.M / contributed if contributed else 0.0)
+        diff = torch._foreach_sub(approx, exact)
+        return approx, {
+            "efficient": len(efficient),
+            "error": self.norm(diff, self.every) / self.norm(exact, self.every),
+            "error_without_attention": self.norm(diff, self.no_attention) / self.norm(exact, self.no_attention),
+            "microbatch_error": statistics.mean(per_microbatch),
+        }
 
 
 def _trained(
@@ -533,9 +558,10 @@ def _batches(args: ModelArgs, seq_len: int, batch: int, seed: int, data: str) ->
             yield tokens[:, :-1], tokens[:, 1:]
     if data != "shakespeare":
         raise ValueError(f'data = {data!r} must be "shakespeare" or "random"')
-    corpus = prepare_corpus(DataConfig(seq_len=seq_len, microbatch_size=batch))
+    data_cfg = DataConfig(seq_len=seq_len, microbatch_size=batch)
+    corpus = open_corpus(data_cfg)
     check_vocab(corpus, args.vocab_size)
-    sampler = MicrobatchSampler(corpus.train, seq_len, batch, 1, seed)
+    sampler = train_sampler(corpus, data_cfg, 1, seed)
     step = 0
     while True:
         yield sampler.microbatch(step, 0)
@@ -603,10 +629,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--oversample", type=int, default=DEFAULT_OVERSAMPLE, help="for --refresh")
     parser.add_argument("--power-iters", type=int, default=DEFAULT_POWER_ITERS, help="for --refresh")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the arguments, say in one line what would run, and stop"
+    )
     a = parser.parse_args(argv)
+    shapes = _shapes(parser, a.refresh) if a.refresh else []
+    if a.flavour not in FLAVOURS:
+        parser.error(f"--flavour {a.flavour!r} is unknown; allowed: {', '.join(FLAVOURS)}")
+    if a.dry_run:
+        print(f"dry run: would {_what(a, shapes)} on {a.device}; nothing started or written")
+        return
     common = {"flavour": a.flavour, "seq_len": a.seq_len, "batch": a.batch, "data": a.data}
     if a.refresh:
-        _print_refresh(a)
+        _print_refresh(a, shapes)
         return
     if a.bases:
         _print_bases(basis_errors(train_steps=a.train_steps, **common), a.json)
@@ -647,9 +682,35 @@ def main(argv: list[str] | None = None) -> None:
             )
 
 
-def _print_refresh(a: argparse.Namespace) -> None:
-    for shape in a.refresh.split(","):
-        out_features, in_features = (int(n) for n in shape.lower().split("x"))
+def _shapes(parser: argparse.ArgumentParser, refresh: str) -> list[tuple[int, int]]:
+    """``--refresh``'s OUTxIN shapes; the parser's one-line error (exit status 2) for a malformed one."""
+    shapes = []
+    for shape in refresh.split(","):
+        sizes = shape.lower().split("x")
+        if len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
+            parser.error(f"--refresh {shape!r}: expected OUTxIN, e.g. 4096x11008")
+        shapes.append((int(sizes[0]), int(sizes[1])))
+    return shapes
+
+
+def _what(a: argparse.Namespace, shapes: list[tuple[int, int]]) -> str:
+    """What ``main`` would run, in words (``--dry-run``)."""
+    if shapes:
+        how = (
+            "a float64 full SVD" if a.method == "svd" else f"a randomized SVD (p = {a.oversample}, q = {a.power_iters})"
+        )
+        sizes = ", ".join(f"{o} x {i}" for o, i in shapes)
+        return f"time {a.repeats} basis refresh{'es' * (a.repeats != 1)} by {how} of rank {a.rank} for {sizes}"
+    if a.bases:
+        return (
+            f"train {a.flavour} {a.train_steps} exact steps on {a.data} tokens, then compare randomized bases with SVD"
+        )
+    ranks = f", then gradient errors at ranks {a.ranks}" if a.ranks else ""
+    return f"time {a.repeats} efficient and exact microbatches of {a.flavour} (rank {a.rank}){ranks}"
+
+
+def _print_refresh(a: argparse.Namespace, shapes: list[tuple[int, int]]) -> None:
+    for out_features, in_features in shapes:
         r = bench_refresh(
             out_features,
             in_features,
