@@ -1,7 +1,8 @@
 # `make demo` and `make test` work on a fresh machine with only Python >= 3.11:
 # they create .venv, install the CPU build of torch (pinned, so no CUDA packages are pulled) and the
 # project, then run. `make demo` installs only what the demo needs; `make test` adds the test and optional
-# extras (transformers, datasets, pyarrow, matplotlib, tensorboard, etcd). GPU users: see README ("On GPUs").
+# extras (transformers, datasets, pyarrow, matplotlib, tensorboard, etcd, torchtitan without triton). GPU users: see
+# README ("On GPUs").
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,7 +21,8 @@ $(BASE): pyproject.toml Makefile
 	touch $(BASE)
 
 $(STAMP): $(BASE)
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# torch pinned again: no extra's dependency (torchtitan's: torch>=2.11) may swap in another build of it.
+	$(BIN)/python -m pip install --quiet -e ".[dev]" torch==2.13.0
 	# OS packages some tests use (Slurm for the launcher test); best effort, the tests say when one is absent.
 	scripts/install_os_deps.sh
 	touch $(STAMP)

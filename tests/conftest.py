@@ -85,7 +85,7 @@ def _once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[
 @pytest.fixture(scope="session")
 def data_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache directory shared by every test of the session (tokenizer + token arrays; safe to build from
-    several processes at once, see unbroken/train/data.py)."""
+    several processes at once, see unbroken/data/textcache.py)."""
     override = os.environ.get("UNBROKEN_TEST_CACHE")
     if override:
         Path(override).mkdir(parents=True, exist_ok=True)

@@ -45,12 +45,17 @@ class DocCommand:
     @property
     def env(self) -> dict[str, str]:
         """The ``NAME=value`` assignments before the program."""
-        return dict(w.split("=", 1) for w in self.words[: self._program_index()])
+        return dict(w.split("=", 1) for w in self.words[: self._assignments()])
 
-    def _program_index(self) -> int:
+    def _assignments(self) -> int:
+        """How many ``NAME=value`` words open the command."""
         i = 0
         while i < len(self.words) and ASSIGNMENT.match(self.words[i]):
             i += 1
+        return i
+
+    def _program_index(self) -> int:
+        i = self._assignments()
         return i + 1 if self.words[i : i + 1] == ("time",) else i
 
     def cli_index(self) -> int | None:
@@ -69,6 +74,15 @@ class DocCommand:
         """The arguments given to the ``unbroken`` CLI, None when the command does not run it."""
         i = self.cli_index()
         return None if i is None else list(self.words[i:])
+
+    def module_argv(self) -> tuple[str, list[str]] | None:
+        """``(module, arguments)`` of a command that runs a module of the package other than the CLI (``python -m
+        unbroken.lab.bench_mecefo ARGS``); None for any other command."""
+        words = self.words[self._program_index() :]
+        if words[:1] and words[0] in PYTHONS and words[1:2] == ("-m",) and len(words) > 2:
+            if words[2].startswith("unbroken.") and self.cli_index() is None:
+                return words[2], list(words[3:])
+        return None
 
     @property
     def key(self) -> str:

@@ -4,9 +4,10 @@ a few hundred runs a suite).
 
     python tests/launchpad.py SOCKET_PATH       # started by tests/runner.py, one per test process
 
-It imports what ``unbroken train`` and its zygote import (``unbroken.control.host.zygote.PRELOAD``, the CLI, the exact
-fold's kernels), starts no thread, and listens on a Unix socket. Each request (one connection: a JSON line with
-argv, cwd and the environment, and the three standard descriptors as ``SCM_RIGHTS``) is served by a forked
+It imports what ``unbroken train`` and its zygote import (``unbroken.control.host.zygote.PRELOAD``, the trainer's
+``unbroken.train.launch.TRAINER_IMPORTS``, the CLI, the exact fold's kernels), starts no thread, and listens on a
+Unix socket. Each request (one connection: a JSON line with argv, cwd and the environment, and the three standard
+descriptors as ``SCM_RIGHTS``) is served by a forked
 reporter, which forks the command's process, sends ``{"pid": N}``, waits for it and sends ``{"status": S}`` (as
 ``subprocess`` gives it: negative for a signal). The command's process takes the descriptors, the directory and
 the environment, and runs ``python -m unbroken`` (``runpy``) with the request's arguments: from its first line on
@@ -30,6 +31,7 @@ import sys
 
 from unbroken.control.host.zygote import _PR_SET_PDEATHSIG, MESSAGE_BYTES, PRELOAD, _prctl
 from unbroken.core.ending import run_then_exit
+from unbroken.train.launch import TRAINER_IMPORTS
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -104,7 +106,7 @@ def main() -> None:
     import unbroken.cli  # noqa: F401 - what every command imports
     from unbroken.ft import foldkernel
 
-    for name in PRELOAD:
+    for name in (*PRELOAD, *TRAINER_IMPORTS):
         __import__(name)
     foldkernel.warm()  # its kernels are not parallel: no thread is started
     gc.freeze()

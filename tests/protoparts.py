@@ -1,5 +1,5 @@
 """One worker's protocol parts without a coordinator or peers: each collaborator of ``protocol.StepProtocol``
-driven alone, in one thread.
+driven alone, in one thread, built from one ``StepContext`` (``step_context``) as the protocol builds them.
 
 Every collective of a group of one is the identity (``comm``), so a real ``Membership`` on a group of one,
 formed through its own ``form_next_group``, runs the same code as a member of a larger group. The coordinator
@@ -17,13 +17,11 @@ from torch import nn
 
 from unbroken.control.member.client import Epoch
 from unbroken.core.config import RunConfig
-from unbroken.core.failures import FailureSchedule
-from unbroken.core.layout import ReplicaLayout
-from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
 from unbroken.ft.reduction import StepReduction
 from unbroken.ft.sidevec import Reduced
 from unbroken.ft.state import TrainingState
+from unbroken.ft.stepcontext import StepContext
 from unbroken.ft.stepplan import StepPlan
 from unbroken.ft.stops import ProtocolConfig
 
@@ -96,19 +94,27 @@ def mlp_state(seed: int = 0) -> TrainingState:
     return state
 
 
-def no_faults() -> FaultInjector:
-    return FaultInjector(FailureSchedule.parse(""))
+def step_context(
+    cfg: ProtocolConfig, state: TrainingState, run_dir: Path, client: Client | None = None, **fields: Any
+) -> StepContext:
+    """The parts' shared facts: ``client`` (default: a ``Client`` of worker 0), no fault scheduled (the null
+    hook), the CPU and gloo, a replica of one rank; ``fields``: any other ``StepContext`` field."""
+    return StepContext(cfg, client if client is not None else Client(), state, run_dir, **fields)  # type: ignore[arg-type]
+
+
+def joined(ctx: StepContext, formed: bool = True) -> Membership:
+    """A real ``Membership`` of worker ``ctx.client.worker_id``; ``formed``: in the group of its first epoch."""
+    members = Membership(ctx)
+    if formed:
+        members.form_next_group()
+    return members
 
 
 def member(
     cfg: ProtocolConfig, state: TrainingState, run_dir: Path, client: Client | None = None, formed: bool = True
 ) -> Membership:
-    """A real ``Membership`` of worker ``client.worker_id``; ``formed``: in the group of its first epoch."""
-    client = client if client is not None else Client()
-    members = Membership(cfg, client, state, no_faults(), "gloo", torch.device("cpu"), ReplicaLayout(), None, run_dir)
-    if formed:
-        members.form_next_group()
-    return members
+    """``joined`` on the parts' default ``step_context``."""
+    return joined(step_context(cfg, state, run_dir, client), formed)
 
 
 def loss_of(model: nn.Module, microbatch: int) -> torch.Tensor:
@@ -122,9 +128,10 @@ class OneWorker:
 
     def __init__(self, run_dir: Path, cfg: ProtocolConfig, client: Client | None = None, seed: int = 0) -> None:
         self.state: TrainingState = mlp_state(seed)
-        self.membership = member(cfg, self.state, run_dir, client)
-        self.plan = StepPlan(cfg, self.state, ring=(0,), whole=True)
-        self.reduction = StepReduction(cfg, self.membership, self.plan, self.state, no_faults())
+        self.ctx = step_context(cfg, self.state, run_dir, client)
+        self.membership = joined(self.ctx)
+        self.plan = StepPlan(self.ctx)
+        self.reduction = StepReduction(self.ctx, self.membership, self.plan)
 
     def compute(self, order: list[int], factors: dict[int, float] | None = None) -> None:
         """Begin the step and back-propagate the microbatches in ``order`` (their losses times ``factors``), as

@@ -23,10 +23,10 @@ from runner import TINY, run_command
 from unbroken.control.member.client import WORKER_ID_ENV
 from unbroken.control.store.connect import exit_reason, process_failure, raised_failure
 from unbroken.core.config import dump_config, load_config
+from unbroken.core.exits import EXIT_STOPPED
 from unbroken.core.failures import FailureKind, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, SpareState, append_records, make, read_records
-from unbroken.ft.stops import EXIT_STOPPED
 from unbroken.lab.chaos import (
     KINDS,
     Outcome,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from protoparts import Client, member, mlp_state, no_faults, protocol_config
+from protoparts import Client, joined, mlp_state, protocol_config, step_context
 
 from unbroken.core import ckptfiles
 from unbroken.ft.checkpoint import schema as ckpt
@@ -32,8 +32,8 @@ def test_due_every_n_steps_and_at_the_end(every: int, due: list[int]) -> None:
 
 def checkpoints(run_dir: Path, client: Client, every: int, state: TrainingState | None = None) -> Checkpoints:
     state = state if state is not None else mlp_state()
-    cfg = protocol_config(checkpoint_every=every, checkpoint_keep=2)
-    return Checkpoints(cfg, member(cfg, state, run_dir, client), state, no_faults(), run_dir, total=10)
+    ctx = step_context(protocol_config(checkpoint_every=every, checkpoint_keep=2), state, run_dir, client, total=10)
+    return Checkpoints(ctx, joined(ctx))
 
 
 def test_the_leader_saves_when_due(tmp_path: Path) -> None:

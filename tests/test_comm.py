@@ -19,8 +19,11 @@ from unbroken.ft.comm import (
     GradientReducer,
     Group,
     GroupFormer,
+    Pending,
     WaitStatus,
     allreduce_async,
+    form_group,
+    groups,
     retire_group,
     retired_groups,
     wait_all,
@@ -466,3 +469,31 @@ def test_settle_returns_once_a_group_formed_for_an_abandoned_rendezvous_is_destr
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.split()[-2:] == ["True", "0"], done.stdout
+
+
+def test_a_collective_the_backend_timed_out_before_the_wait_began_is_a_timeout() -> None:
+    """Rank 1 never joins the all-reduce (a member stalled while its heartbeats go on). gloo's own bound on the
+    collective runs from its launch; here it has run out before rank 0's wait begins (its training thread not
+    scheduled until then, as on a loaded machine), so the collective has completed with gloo's error. The wait says
+    TIMED_OUT, as when its own bound runs out first: the member reports it and the coordinator decides the stall.
+    Said FAILED, nothing was reported and the member waited for an epoch that never came (the stall test under a
+    load of 10 stopped after ``comm.join_timeout_s`` with the worker's line, not the coordinator's decision)."""
+    _server, groups = gloo_groups(2)
+    opts = dist.AllreduceOptions()
+    opts.timeout = datetime.timedelta(seconds=0.5)  # this collective's bound, shorter than the group's
+    work = groups[0].pg.allreduce([torch.ones(4)], opts)
+    while not work.is_completed():
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError):
+        work.wait()  # the backend's error, not a result
+    assert wait_all([Pending(work)], 3600.0, lambda: False) is WaitStatus.TIMED_OUT
+
+
+def test_a_rendezvous_the_store_timed_out_before_the_wait_looked_is_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 1 never arrives at epoch 2's rendezvous. The waiting thread looks at its own deadline between checks;
+    with its checks an hour apart (a thread not scheduled) the store's bound on the rendezvous runs out first, and
+    the rendezvous ends in the store's error: a timeout all the same, which the member reports."""
+    monkeypatch.setattr(groups, "CHECK_INTERVAL_S", 3600.0)  # what form_group reads
+    server = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    assert form_group(client, 2, (0, 1), 0, "gloo", 0.5, torch.device("cpu")) == (None, WaitStatus.TIMED_OUT)

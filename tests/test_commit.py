@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from protoparts import Client, M, OneWorker, no_faults, protocol_config
+from protoparts import Client, M, OneWorker, protocol_config
 
 from unbroken.core.config import NonfinitePolicy
 from unbroken.ft.sidevec import Reduced
@@ -25,16 +25,7 @@ class Committing(OneWorker):
 
     def __init__(self, run_dir: Path, cfg: ProtocolConfig, client: Client) -> None:
         super().__init__(run_dir, cfg, client)
-        self.committer = StepCommit(
-            cfg,
-            self.membership,
-            self.plan,
-            self.reduction.tensors,
-            self.state,
-            no_faults(),
-            torch.device("cpu"),
-            run_dir,
-        )
+        self.committer = StepCommit(self.ctx, self.membership, self.plan, self.reduction.tensors)
 
     def step(self, clip_grad_norm: float = 0.0) -> StepOutcome:
         self.plan.adopt(self.plan.make(self.membership.units()), epoch=1)

@@ -30,7 +30,7 @@ from runner import (
     wait_for,
 )
 
-from unbroken.control.member.client import STALL_HEADER, CoordinatorClient
+from unbroken.control.member.heartbeat import STALL_HEADER, Heartbeat
 from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.records import read_records, step_losses
 
@@ -229,8 +229,8 @@ def test_a_coordinator_paused_past_the_heartbeat_timeout_declares_nobody_dead(
     assert not read_records(out, "failure")
     assert step_losses(out) == step_losses(reference)
     same_final(reference, out, STEPS)
-    source, first = inspect.getsourcelines(CoordinatorClient._send)
-    beat = f'client.py", line {first + next(i for i, line in enumerate(source) if "store.add(key, 1)" in line)} '
+    source, first = inspect.getsourcelines(Heartbeat.beat)
+    beat = f'heartbeat.py", line {first + next(i for i, line in enumerate(source) if "store.add(key, 1)" in line)} '
     for wid in (0, 1):
         dump = (out / "logs" / f"worker-{wid}.log").read_text().split(STALL_HEADER.split("{")[0], 1)
         assert len(dump) == 2, f"worker {wid} logged no stacks for its late heartbeats"

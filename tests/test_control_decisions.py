@@ -49,10 +49,10 @@ from unbroken.control.store import keys
 from unbroken.control.store.connect import connect_store, report_timeout
 from unbroken.control.store.gateway import TOKEN_ENV, new_token
 from unbroken.core.config import MetricsConfig
+from unbroken.core.exits import EXIT_COORDINATOR_LOST, EXIT_STOPPED
 from unbroken.core.goodput import Bucket, account
 from unbroken.core.records import RecordKind, make, read_records, sessions, step_losses
 from unbroken.ft.checkpoint import schema as ckpt
-from unbroken.ft.stops import EXIT_COORDINATOR_LOST, EXIT_STOPPED
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -116,10 +116,9 @@ def test_collectives_that_time_out_on_every_member_twice_stop_the_run(tmp_path: 
         for _ in range(2):
             for wid in (0, 1):
                 report_timeout(store, coordinator.epoch, wid)
-            coordinator._read_counters()
-            reported = coordinator._timeouts()
-            assert reported == {0, 1}
-            coordinator._decide_stall(reported)
+            coordinator.watch.read(coordinator.members)
+            assert coordinator.watch.timeouts(coordinator.epoch, coordinator.members) == {0, 1}
+            coordinator._judge_stall()  # every member reported: decided at once
         stopped = store.get(keys.STOP).decode()
     run = tmp_path / "run"
     assert [(r["epoch"], r["decision"], r["suspects"]) for r in read_records(run, RecordKind.STALL)] == [

@@ -227,7 +227,7 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
     metrics.jsonl, so the finished run looked unfinished and the launcher restarted its coordinator). The
     coordinator waits a moment for the number, then goes on without it, and still takes the record if it
     comes late (a writer that was only stopped)."""
-    from unbroken.control.coordinator import loop as coordinator_module
+    from unbroken.control.coordinator import drain as drain_module
     from unbroken.control.store import keys
     from unbroken.control.store.connect import publish_record
     from unbroken.core.records import RecordKind, encode, make
@@ -242,15 +242,15 @@ def test_a_metrics_number_whose_writer_died_holds_back_no_later_record(
         publish_record(coordinator.store, record(2))
         publish_record(coordinator.store, record(3))
         # A grace past this test's timeout, however slow the machine: the hole holds the queue (the file's order).
-        monkeypatch.setattr(coordinator_module, "METRIC_HOLE_GRACE_S", 3600.0)
-        coordinator._drain_metrics()
+        monkeypatch.setattr(drain_module, "METRIC_HOLE_GRACE_S", 3600.0)
+        coordinator.drain.drain()
         assert read_records(run, "gateway") == []
-        monkeypatch.setattr(coordinator_module, "METRIC_HOLE_GRACE_S", 0.0)  # the grace is over: passed over
-        coordinator._drain_metrics()
+        monkeypatch.setattr(drain_module, "METRIC_HOLE_GRACE_S", 0.0)  # the grace is over: passed over
+        coordinator.drain.drain()
         assert [r["admitted"] for r in read_records(run, "gateway")] == [2, 3]
         coordinator.store.set(keys.metrics(1), encode(record(1)))  # a stopped writer, continued
         publish_record(coordinator.store, record(4))
-        coordinator._drain_metrics()
+        coordinator.drain.drain()
         assert [r["admitted"] for r in read_records(run, "gateway")] == [2, 3, 1, 4]
 
 
@@ -266,7 +266,7 @@ def test_after_a_stop_the_members_records_are_taken_until_their_heartbeats_end(t
 
     token = new_token()
     with in_process_coordinator(tmp_path, token) as coordinator:
-        coordinator.members = (0, 1)
+        coordinator.epochs.members = (0, 1)
         for wid in coordinator.members:
             coordinator.store.add(keys.heartbeat(wid), 0)  # as at admission
         worker = connect_store(coordinator.address, token=token)
@@ -483,11 +483,12 @@ def test_the_first_reason_to_stop_is_the_one_kept() -> None:
     seeing nobody left, asks for a stop too before the coordinator read the first: the run's line must stay the
     workers' reason (CI: "every worker exited and none is due to restart" replaced it)."""
     from unbroken.control.host.agent import Agent
+    from unbroken.control.host.command import WorkerCommand
     from unbroken.control.store import keys
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
-    agent = Agent([0], ("true",), {}, Path("."))
-    agent.store = store
+    agent = Agent([0], WorkerCommand(("true",)), {}, Path("."))
+    agent.link.store = store
     agent.stop_job("the first reason")
     agent.stop_job("every worker exited and none is due to restart")
     assert store.get(keys.STOP).decode() == "the first reason"
@@ -499,38 +500,43 @@ def test_a_worker_stopped_after_the_run_finished_is_no_failure_of_its_agent(tmp_
     ended within the grace (one cut off from the coordinator as the run ended cannot learn that it did) is
     stopped and counted with the latecomers, not as a failure; after a stop (no finished run) it still counts."""
     from unbroken.control.host.agent import Agent
+    from unbroken.control.host.command import WorkerCommand
 
+    sleeper = WorkerCommand((sys.executable, "-c", "import time; time.sleep(60)"))
     for finished in (True, False):
-        agent = Agent([0, 1], (sys.executable, "-c", "import time; time.sleep(60)"), dict(os.environ), tmp_path)
+        agent = Agent([0, 1], sleeper, dict(os.environ), tmp_path)
         agent.start_all()
         if finished:
             assert agent.stop_latecomers([0]) == [1]  # worker 1 was not in the last membership
         agent.stop_workers(grace_s=0.1)
         assert all(p.returncode == -signal.SIGKILL for p in agent.workers.values())
-        assert agent.late == ({0, 1} if finished else set())
+        assert agent.supervisor.late == ({0, 1} if finished else set())
 
 
 def test_the_agents_wait_ends_when_a_restart_or_the_end_of_a_pause_falls_due() -> None:
     """Between looks the launcher and the agent sleep ``Agent.wait_s`` (unless an exit wakes them). A restart due
     sooner than the idle wait must shorten it: a worker killed with ``rejoin=0.1`` was restarted up to 0.25 s
     late, after a short run had ended without it (CI: its "restarted too late" line missing)."""
-    from unbroken.control.host.agent import IDLE_WAIT_S, POLL_S, Agent
+    from unbroken.control.host.agent import Agent
+    from unbroken.control.host.command import WorkerCommand
+    from unbroken.control.host.supervisor import IDLE_WAIT_S, POLL_S
 
-    agent = Agent([0, 1], ("true",), {}, Path("."))
+    agent = Agent([0, 1], WorkerCommand(("true",)), {}, Path("."))
+    workers = agent.supervisor
     assert agent.wait_s() == IDLE_WAIT_S
     now = time.monotonic()
-    agent.down[1] = {"rejoin": None, "at": now, "hung": True}  # restarted by nobody: no deadline
+    workers.down[1] = {"rejoin": None, "at": now, "hung": True}  # restarted by nobody: no deadline
     assert agent.wait_s() == IDLE_WAIT_S
-    agent.down[0] = {"rejoin": 0.1, "at": now, "hung": False}
+    workers.down[0] = {"rejoin": 0.1, "at": now, "hung": False}
     assert POLL_S <= agent.wait_s() <= 0.1
-    agent.down[0]["at"] = now - 5  # overdue (its replica not ended yet): looks at the fast pace, no busy loop
+    workers.down[0]["at"] = now - 5  # overdue (its replica not ended yet): looks at the fast pace, no busy loop
     assert agent.wait_s() == POLL_S
-    agent.down.clear()
-    agent.pauses[1] = time.monotonic() + 0.05
+    workers.down.clear()
+    workers.pauses[1] = time.monotonic() + 0.05
     assert POLL_S <= agent.wait_s() <= 0.05
-    agent.pauses.clear()
+    workers.pauses.clear()
     # A failure schedule does not shorten it: a worker at an injection point wakes the wait (its pipe).
-    scheduled = Agent([0, 1], ("true",), {}, Path("."), injections=True)
+    scheduled = Agent([0, 1], WorkerCommand(("true",)), {}, Path("."), injections=True)
     assert scheduled.wait_s() == IDLE_WAIT_S and scheduled.wake_fds()
     scheduled.close()
     assert not scheduled.wake_fds()
@@ -543,7 +549,7 @@ def test_waiting_for_workers_wakes_once_at_an_exit_then_sleeps_on_the_rest() -> 
     It used to wake at once on every call for as long as an exited worker was not reaped (its pidfd stays
     readable): after a run's final record, when the agent stops reaping, the launcher's loop spun through
     thousands of looks a second until the coordinator exited."""
-    from unbroken.control.host.agent import wait_for_exit
+    from unbroken.control.host.processes import wait_for_exit
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -1,7 +1,10 @@
-"""Tests for unbroken.train.data: sources, the train/validation split, the token cache and the samplers."""
+"""The text path of ``unbroken train`` (``unbroken.data.corpus`` and ``textcache``): sources, the train/validation
+split, the token cache, the samplers, and the tokens and order the embedded corpus has always had (recorded from
+the data path before it moved into ``unbroken.data``: runs of the packaged configs keep their losses)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -15,17 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.core.config import DataConfig
-from unbroken.train import data
-from unbroken.train.data import (
-    EOT,
-    EvalSampler,
-    MicrobatchSampler,
-    TokenizedCorpus,
-    check_vocab,
-    load_tokenizer,
-    prepare_corpus,
-)
+from unbroken.core.config import DataConfig, load_config, replace
+from unbroken.data import textcache
+from unbroken.data.corpus import check_vocab, eval_sampler, open_corpus, train_sampler
+from unbroken.data.reader import PreparedCorpus
+from unbroken.data.sampler import EvalSampler, PreparedMicrobatchSampler, WindowOrder
+from unbroken.data.stream import TokenStream
+from unbroken.data.tokenizer import EOT, read_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,10 +35,10 @@ SMALL = {"vocab_size": 300, "seq_len": 16, "microbatch_size": 2, "val_fraction":
 SAMPLER_SCRIPT = """
 import json, sys
 from unbroken.core.config import DataConfig
-from unbroken.train.data import MicrobatchSampler, prepare_corpus
+from unbroken.data.corpus import open_corpus, train_sampler
 cache_dir, step, mb_id = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-corpus = prepare_corpus(DataConfig(cache_dir=cache_dir))
-x, y = MicrobatchSampler(corpus.train, 256, 4, 8, seed=1234).microbatch(step, mb_id)
+cfg = DataConfig(cache_dir=cache_dir, seq_len=256, microbatch_size=4)
+x, y = train_sampler(open_corpus(cfg), cfg, 8, 1234).microbatch(step, mb_id)
 print(json.dumps([x.tolist(), y.tolist()]))
 """
 
@@ -47,16 +46,16 @@ print(json.dumps([x.tolist(), y.tolist()]))
 CONCURRENT_SCRIPT = """
 import json, logging, sys
 from unbroken.core.config import DataConfig
-from unbroken.train.data import prepare_corpus
+from unbroken.data.corpus import open_corpus
 records = []
-logging.getLogger("unbroken.train.data").addHandler(logging.Handler())
-logging.getLogger("unbroken.train.data").handlers[0].emit = records.append
-logging.getLogger("unbroken.train.data").setLevel(logging.INFO)
+logging.getLogger("unbroken.data.textcache").addHandler(logging.Handler())
+logging.getLogger("unbroken.data.textcache").handlers[0].emit = records.append
+logging.getLogger("unbroken.data.textcache").setLevel(logging.INFO)
 cfg = DataConfig(source=sys.argv[1], cache_dir=sys.argv[2], vocab_size=300, seq_len=16, microbatch_size=2,
                  val_fraction=0.1)
-corpus = prepare_corpus(cfg)
+corpus = open_corpus(cfg)
 builds = sum(r.getMessage().startswith("tokenizing") for r in records)
-print(json.dumps([builds, int(corpus.train.sum()), len(corpus.train)]))
+print(json.dumps([builds, int(corpus.train.read(0, len(corpus.train)).sum()), len(corpus.train)]))
 """
 
 
@@ -71,8 +70,21 @@ def _plays() -> list[str]:
     return [p.read_text(encoding="latin-1") for p in sorted(texts.glob("*_gut.txt"), key=lambda p: p.name)]
 
 
-def _decode(corpus: TokenizedCorpus, tokens: np.ndarray) -> str:
-    return load_tokenizer(corpus.tokenizer_path).decode(tokens.tolist(), skip_special_tokens=False)
+def _ids(tokens: TokenStream) -> np.ndarray:
+    """Every id of a split (they are read in place, never loaded, by the samplers)."""
+    return tokens.read(0, len(tokens))
+
+
+def _decode(corpus: PreparedCorpus, tokens: TokenStream) -> str:
+    assert corpus.tokenizer_path is not None
+    return read_tokenizer(corpus.tokenizer_path).decode(_ids(tokens).tolist(), skip_special_tokens=False)
+
+
+def _sampler(corpus: PreparedCorpus, seed: int) -> PreparedMicrobatchSampler:
+    """The training sampler of the text path (``train_sampler``), with windows of 256, 4 per microbatch, M = 8."""
+    sampler = train_sampler(corpus, DataConfig(seq_len=256, microbatch_size=4), 8, seed)
+    assert sampler.order is WindowOrder.STORED
+    return sampler
 
 
 def _small_text(seed: int = 0, lines: int = 600) -> str:
@@ -102,8 +114,8 @@ def _occurrences(needles: np.ndarray, haystack: np.ndarray) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def shakespeare(data_cache_dir: Path) -> TokenizedCorpus:
-    return prepare_corpus(DataConfig(cache_dir=str(data_cache_dir)))
+def shakespeare(data_cache_dir: Path) -> PreparedCorpus:
+    return open_corpus(DataConfig(cache_dir=str(data_cache_dir)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,32 +123,35 @@ def shakespeare(data_cache_dir: Path) -> TokenizedCorpus:
 
 
 def test_embedded_corpus_prepares_and_second_call_hits_cache(
-    shakespeare: TokenizedCorpus, data_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    shakespeare: PreparedCorpus, data_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = shakespeare
-    assert c.vocab_size == 8192
+    assert c.vocab_size == 8192 and c.format == "text"
     assert len(c.train) > 1_000_000 and len(c.val) > 10_000
-    assert isinstance(c.train, np.memmap) and not c.train.flags.writeable
-    assert c.train.dtype == np.uint16 and c.val.dtype == np.uint16
-    assert c.eot_id == load_tokenizer(c.tokenizer_path).token_to_id(EOT)
-    assert "shakespeare" in c.description
+    assert c.tokenizer_path is not None
     entry = c.tokenizer_path.parent
+    # Read in place from the entry's files, never loaded.
+    assert isinstance(c.train, TokenStream) and [s.path for s in c.train.segments] == [str(entry / "train.bin")]
+    assert [s.path for s in c.val.segments] == [str(entry / "val.bin")]
+    assert c.train.dtype == np.uint16 and c.val.dtype == np.uint16
+    assert c.eot_id == read_tokenizer(c.tokenizer_path).token_to_id(EOT)
+    assert "shakespeare" in c.description
     mtimes = {p.name: p.stat().st_mtime_ns for p in entry.iterdir()}
 
     def no_rebuild(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cache entry was rebuilt")
 
-    monkeypatch.setattr(data, "_build_entry", no_rebuild)
-    again = prepare_corpus(DataConfig(cache_dir=str(data_cache_dir)))
+    monkeypatch.setattr(textcache, "_build_entry", no_rebuild)
+    again = open_corpus(DataConfig(cache_dir=str(data_cache_dir)))
     assert again.tokenizer_path == c.tokenizer_path
     assert {p.name: p.stat().st_mtime_ns for p in entry.iterdir()} == mtimes
-    assert np.array_equal(again.val, c.val)
+    assert np.array_equal(_ids(again.val), _ids(c.val))
 
 
-def test_splits_decode_to_the_corpus_with_validation_at_the_tail(shakespeare: TokenizedCorpus) -> None:
+def test_splits_decode_to_the_corpus_with_validation_at_the_tail(shakespeare: PreparedCorpus) -> None:
     plays = _plays()
-    train_text = _decode(shakespeare, np.asarray(shakespeare.train))
-    val_text = _decode(shakespeare, np.asarray(shakespeare.val))
+    train_text = _decode(shakespeare, shakespeare.train)
+    val_text = _decode(shakespeare, shakespeare.val)
     assert train_text + val_text == EOT.join(plays)
     # The cut: the first newline at or after 95% of the characters (a separator counting as one).
     joined = "\x00".join(plays)
@@ -144,34 +159,95 @@ def test_splits_decode_to_the_corpus_with_validation_at_the_tail(shakespeare: To
     assert val_text == joined[cut:].replace("\x00", EOT)
 
 
-def test_validation_windows_do_not_occur_in_train(shakespeare: TokenizedCorpus) -> None:
-    train, val = np.asarray(shakespeare.train), np.asarray(shakespeare.val)
+def test_validation_windows_do_not_occur_in_train(shakespeare: PreparedCorpus) -> None:
+    train, val = _ids(shakespeare.train), _ids(shakespeare.val)
     val_windows = np.stack([val[i : i + 64] for i in range(0, len(val) - 64, 64)])
     assert not any(_occurrences(val_windows, train))
     train_windows = np.stack([train[i : i + 64] for i in range(0, len(train) - 64, len(train) // 50)])
     assert all(_occurrences(train_windows, train))  # the search itself works
 
 
-def test_corpus_pickles_as_memmaps(shakespeare: TokenizedCorpus) -> None:
-    restored = pickle.loads(pickle.dumps(shakespeare))
-    assert isinstance(restored.train, np.memmap) and restored.train.filename == shakespeare.train.filename
-    assert np.array_equal(restored.val, shakespeare.val)
+def test_corpus_pickles_as_file_names(shakespeare: PreparedCorpus) -> None:
+    data = pickle.dumps(shakespeare)
+    assert len(data) < len(shakespeare.train) * shakespeare.train.dtype.itemsize  # names and offsets, not the ids
+    restored = pickle.loads(data)
+    assert restored.train.segments == shakespeare.train.segments
+    assert np.array_equal(_ids(restored.val), _ids(shakespeare.val))
     assert (restored.vocab_size, restored.eot_id) == (shakespeare.vocab_size, shakespeare.eot_id)
 
 
 def test_too_few_windows_raises_with_the_fix(data_cache_dir: Path) -> None:
     cfg = DataConfig(cache_dir=str(data_cache_dir), seq_len=50_000, microbatch_size=4)
     with pytest.raises(ValueError, match="validation split .* lower data.seq_len"):
-        prepare_corpus(cfg)
+        open_corpus(cfg)
+
+
+# Recorded from ``unbroken train``'s text path before it moved into unbroken.data (unbroken/train/data.py), per
+# packaged config: sha256 of the tokenizer file; of the training ids and of the validation ids (uint16); of the
+# inputs and targets (int64) of every microbatch of every step of the config's run, in order; of its
+# validation microbatches. Equal digests are equal tokens and microbatches, so equal losses.
+GOLDEN = {
+    "configs/default.toml": (
+        "6ad6c9719789c6707a33185a91e83d32c51b8502626eea18efccba997743fde5",
+        "6e6b87e219e7166fd0eee3e7bf250498da2495798da9ba23742e2d189311c914",
+        "b824a4f9d3181e8390094ab29d9f069bc1232169a2b02e95f3885a58a1fed217",
+        "652aec5663f338cf968656f4d0659234eb625756a7db3142028def4a6c6f4e0c",
+        "cfea2b3b69ddb80db15f19910077e19ef679cccfa3d014556a9849f4d9ece08f",
+    ),
+    "configs/tiny.toml": (
+        "6ad6c9719789c6707a33185a91e83d32c51b8502626eea18efccba997743fde5",
+        "6e6b87e219e7166fd0eee3e7bf250498da2495798da9ba23742e2d189311c914",
+        "b824a4f9d3181e8390094ab29d9f069bc1232169a2b02e95f3885a58a1fed217",
+        "e001eab9d922146924e0328934ef1e313a6729238dfc70f2be8ea0dd4d6b19b2",
+        "189d18b00d756df03bdf1c216bbee855a808a8f22ee4f294dff63d5028e667e1",
+    ),
+    "tests/tiny.toml": (
+        "2d29f926436c05d3b8ff67515df613180c175cfb9d93918c8c1c34c015ce587f",
+        "8989309bf41dd9fd5af69ee5f47ec3dc500586ad6854cd0a5b48e2c8f9c55235",
+        "4d0b9b7df9172649d72de96304b2a316d69ea98ec594d5018d83dd5df324e5a1",
+        "081535f0226fd0b181f43704402ecc56c6fcb68824429dfed07a98ed4d3ba3cd",
+        "21f5e649b9a5860aed63a2792d837aa3d03707b33716345109cac29f4a8e70c0",
+    ),
+}
+
+
+def _digests(config: str, cache: Path, order: WindowOrder | None = None) -> tuple[str, ...]:
+    cfg = load_config(REPO / config)
+    d, tc = replace(cfg.data, cache_dir=str(cache)), cfg.train
+    corpus = open_corpus(d)
+    assert corpus.tokenizer_path is not None
+    train = train_sampler(corpus, d, tc.microbatches, tc.seed)
+    if order is not None:
+        train = PreparedMicrobatchSampler(corpus.train, d.seq_len, d.microbatch_size, tc.microbatches, tc.seed, order)
+    microbatches = [train.microbatch(step, j) for step in range(tc.steps) for j in range(tc.microbatches)]
+    val = list(eval_sampler(corpus, d, tc.eval_microbatches))
+    return (
+        hashlib.sha256(corpus.tokenizer_path.read_bytes()).hexdigest(),
+        hashlib.sha256(_ids(corpus.train).astype("<u2").tobytes()).hexdigest(),
+        hashlib.sha256(_ids(corpus.val).astype("<u2").tobytes()).hexdigest(),
+        hashlib.sha256(b"".join(t.numpy().tobytes() for pair in microbatches for t in pair)).hexdigest(),
+        hashlib.sha256(b"".join(t.numpy().tobytes() for pair in val for t in pair)).hexdigest(),
+    )
+
+
+@pytest.mark.parametrize("config", sorted(GOLDEN))
+def test_the_packaged_configs_keep_their_tokens_and_microbatches(config: str, data_cache_dir: Path) -> None:
+    assert _digests(config, data_cache_dir) == GOLDEN[config]
+
+
+def test_the_golden_check_sees_another_order(data_cache_dir: Path) -> None:
+    """The check above fires on a change that would change the losses: the same tokens in prepared data's order."""
+    digests = _digests("tests/tiny.toml", data_cache_dir, WindowOrder.FEISTEL)
+    assert digests[:3] == GOLDEN["tests/tiny.toml"][:3] and digests[3] != GOLDEN["tests/tiny.toml"][3]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Samplers
 
 
-def test_sampler_is_deterministic_across_instances(shakespeare: TokenizedCorpus) -> None:
-    a = MicrobatchSampler(shakespeare.train, 256, 4, 8, seed=1234)
-    b = MicrobatchSampler(shakespeare.train, 256, 4, 8, seed=1234)
+def test_sampler_is_deterministic_across_instances(shakespeare: PreparedCorpus) -> None:
+    a = _sampler(shakespeare, 1234)
+    b = _sampler(shakespeare, 1234)
     for step, mb_id in [(0, 0), (3, 7), (500, 2)]:
         (xa, ya), (xb, yb) = a.microbatch(step, mb_id), b.microbatch(step, mb_id)
         assert xa.shape == ya.shape == (4, 256) and xa.dtype == ya.dtype == torch.int64
@@ -179,12 +255,12 @@ def test_sampler_is_deterministic_across_instances(shakespeare: TokenizedCorpus)
         assert torch.equal(xa[:, 1:], ya[:, :-1])
     x00, x01, x10 = a.microbatch(0, 0)[0], a.microbatch(0, 1)[0], a.microbatch(1, 0)[0]
     assert not torch.equal(x00, x01) and not torch.equal(x00, x10)
-    other_seed = MicrobatchSampler(shakespeare.train, 256, 4, 8, seed=1235)
+    other_seed = _sampler(shakespeare, 1235)
     assert not torch.equal(x00, other_seed.microbatch(0, 0)[0])
 
 
-def test_sampler_follows_the_documented_addressing(shakespeare: TokenizedCorpus) -> None:
-    s = MicrobatchSampler(shakespeare.train, 256, 4, 8, seed=7)
+def test_sampler_follows_the_documented_addressing(shakespeare: PreparedCorpus) -> None:
+    s = _sampler(shakespeare, 7)
     n = s.num_windows
     assert n == (len(shakespeare.train) - 1) // 256
     step, mb_id = 3 * n // 32 + 1, 5  # some epoch > 0
@@ -193,19 +269,19 @@ def test_sampler_follows_the_documented_addressing(shakespeare: TokenizedCorpus)
     assert s.window_ids(step, mb_id).tolist() == expected
     x, y = s.microbatch(step, mb_id)
     k = expected[0]
-    window = np.asarray(shakespeare.train[k * 256 : k * 256 + 257], dtype=np.int64)
+    window = shakespeare.train.read(k * 256, 257).astype(np.int64)
     assert x[0].tolist() == window[:-1].tolist() and y[0].tolist() == window[1:].tolist()
 
 
-def test_every_window_once_per_epoch(shakespeare: TokenizedCorpus) -> None:
-    s = MicrobatchSampler(shakespeare.train, 256, 4, 8, seed=3)
+def test_every_window_once_per_epoch(shakespeare: PreparedCorpus) -> None:
+    s = _sampler(shakespeare, 3)
     n, per_step = s.num_windows, 4 * 8
     ids = np.concatenate([s.window_ids(step, j) for step in range(n // per_step + 2) for j in range(8)])
     assert np.array_equal(np.sort(ids[:n]), np.arange(n))
     assert not np.array_equal(ids[:n], ids[n : 2 * n][: len(ids) - n])  # the next epoch is reshuffled
 
 
-def test_sampler_in_another_process_matches(shakespeare: TokenizedCorpus, data_cache_dir: Path) -> None:
+def test_sampler_in_another_process_matches(shakespeare: PreparedCorpus, data_cache_dir: Path) -> None:
     step, mb_id = 41, 6
     out = subprocess.run(
         [sys.executable, "-c", SAMPLER_SCRIPT, str(data_cache_dir), str(step), str(mb_id)],
@@ -216,16 +292,16 @@ def test_sampler_in_another_process_matches(shakespeare: TokenizedCorpus, data_c
         check=True,
     )
     x_other, y_other = json.loads(out.stdout)
-    x, y = MicrobatchSampler(shakespeare.train, 256, 4, 8, seed=1234).microbatch(step, mb_id)
+    x, y = _sampler(shakespeare, 1234).microbatch(step, mb_id)
     assert x.tolist() == x_other and y.tolist() == y_other
 
 
-def test_eval_sampler_is_fixed_and_consecutive(shakespeare: TokenizedCorpus) -> None:
-    e = EvalSampler(shakespeare.val, 256, 4, count=3)
+def test_eval_sampler_is_fixed_and_consecutive(shakespeare: PreparedCorpus) -> None:
+    e = eval_sampler(shakespeare, DataConfig(seq_len=256, microbatch_size=4), 3)
     assert len(e) == 3 and len(list(e)) == 3
     assert e.window_ids(0).tolist() == [0, 1, 2, 3] and e.window_ids(1).tolist() == [4, 5, 6, 7]
     x, y = e.microbatch(1)
-    val = np.asarray(shakespeare.val, dtype=np.int64)
+    val = _ids(shakespeare.val).astype(np.int64)
     assert x[0].tolist() == val[4 * 256 : 5 * 256].tolist() and y[0].tolist() == val[4 * 256 + 1 : 5 * 256 + 1].tolist()
     again = EvalSampler(shakespeare.val, 256, 4, count=3)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(e, again, strict=True))
@@ -237,9 +313,9 @@ def test_eval_sampler_is_fixed_and_consecutive(shakespeare: TokenizedCorpus) -> 
 # User data
 
 
-def _prepare_small(source: Path, cache: Path, **overrides: object) -> TokenizedCorpus:
+def _prepare_small(source: Path, cache: Path, **overrides: object) -> PreparedCorpus:
     cfg = DataConfig(source=str(source), cache_dir=str(cache), **{**SMALL, **overrides})
-    return prepare_corpus(cfg)
+    return open_corpus(cfg)
 
 
 def test_text_file(tmp_path: Path, data_cache_dir: Path) -> None:
@@ -249,6 +325,33 @@ def test_text_file(tmp_path: Path, data_cache_dir: Path) -> None:
     assert 257 <= c.vocab_size <= 300
     assert _decode(c, c.train) + _decode(c, c.val) == text
     assert "text file" in c.description
+
+
+def test_line_breaks_are_read_as_newlines(tmp_path: Path, data_cache_dir: Path) -> None:
+    text = _small_text(7)
+    (tmp_path / "crlf.txt").write_bytes(text.replace("\n", "\r\n").encode())
+    (tmp_path / "cr.txt").write_bytes(text.replace("\n", "\r").encode())
+    for name in ("crlf.txt", "cr.txt"):
+        c = _prepare_small(tmp_path / name, data_cache_dir)
+        assert _decode(c, c.train) + _decode(c, c.val) == text, name
+
+
+def test_a_split_at_a_document_boundary_ends_the_training_ids_with_end_of_text(
+    tmp_path: Path, data_cache_dir: Path
+) -> None:
+    """Documents without a line break: the validation split starts at the first document boundary at or after
+    90 % of the text, the end-of-text token before it closing the training split."""
+    docs = [f"document {i} says {' '.join(['thou art good'] * (i % 7 + 1))}" for i in range(200)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    c = _prepare_small(path, data_cache_dir)
+    train, val = _ids(c.train), _ids(c.val)
+    assert train[-1] == c.eot_id and val[-1] != c.eot_id
+    first_val = len(docs) - _decode(c, c.val).count(EOT) - 1  # the index of the first validation document
+    assert _decode(c, c.val) == EOT.join(docs[first_val:])
+    total = sum(map(len, docs)) + len(docs) - 1
+    before = sum(map(len, docs[:first_val])) + first_val  # characters before it, end-of-text tokens included
+    assert before >= np.ceil(0.9 * total) > before - len(docs[first_val - 1]) - 1
 
 
 def test_folder_of_text_files(tmp_path: Path, data_cache_dir: Path) -> None:
@@ -271,7 +374,7 @@ def test_jsonl_with_custom_field(tmp_path: Path, data_cache_dir: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = _prepare_small(path, data_cache_dir, text_field="body")
     assert _decode(c, c.train) + _decode(c, c.val) == EOT.join(r["body"] for r in rows)
-    assert int((np.asarray(c.train) == c.eot_id).sum() + (np.asarray(c.val) == c.eot_id).sum()) == 9
+    assert int((_ids(c.train) == c.eot_id).sum() + (_ids(c.val) == c.eot_id).sum()) == 9
 
 
 def test_parquet(tmp_path: Path, data_cache_dir: Path) -> None:
@@ -294,15 +397,16 @@ def test_datasets_save_to_disk_folder(tmp_path: Path, data_cache_dir: Path) -> N
     assert "datasets" in c.description
 
 
-def test_user_tokenizer(tmp_path: Path, data_cache_dir: Path, shakespeare: TokenizedCorpus) -> None:
+def test_user_tokenizer(tmp_path: Path, data_cache_dir: Path, shakespeare: PreparedCorpus) -> None:
+    assert shakespeare.tokenizer_path is not None
     tok_file = tmp_path / "my_tokenizer.json"
     tok_file.write_bytes(shakespeare.tokenizer_path.read_bytes())
     text = _small_text(5)
     (tmp_path / "corpus.txt").write_text(text)
     c = _prepare_small(tmp_path / "corpus.txt", data_cache_dir, tokenizer=str(tok_file))
     assert c.vocab_size == 8192 and c.eot_id == shakespeare.eot_id
-    expected = load_tokenizer(tok_file).encode(text).ids
-    assert np.asarray(c.train).tolist() + np.asarray(c.val).tolist() == expected
+    expected = read_tokenizer(tok_file).encode(text).ids
+    assert _ids(c.train).tolist() + _ids(c.val).tolist() == expected
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -357,7 +461,7 @@ def test_bad_input_raises_before_writing(tmp_path: Path, case: str) -> None:
     cache = tmp_path / "fresh-cache"
     cfg = DataConfig(source=str(source), cache_dir=str(cache), **{**SMALL, **extra})
     with pytest.raises(ValueError, match=re.escape(str(named))) as info:
-        prepare_corpus(cfg)
+        open_corpus(cfg)
     assert "\n" not in str(info.value)
     assert not cache.exists()
 
@@ -366,7 +470,7 @@ def test_missing_text_field_names_the_field(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text('{"body": "hello\\nthere\\n"}\n')
     with pytest.raises(ValueError, match="no field 'text'.*data.text_field"):
-        prepare_corpus(DataConfig(source=str(path), cache_dir=str(tmp_path / "c"), **SMALL))
+        open_corpus(DataConfig(source=str(path), cache_dir=str(tmp_path / "c"), **SMALL))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,7 +482,8 @@ def test_inconsistent_cache_entry_is_rebuilt(tmp_path: Path, damage: str) -> Non
     (tmp_path / "corpus.txt").write_text(_small_text())
     cache = tmp_path / "cache"
     first = _prepare_small(tmp_path / "corpus.txt", cache)
-    train, val = np.array(first.train), np.array(first.val)
+    train, val = _ids(first.train), _ids(first.val)
+    assert first.tokenizer_path is not None
     entry = first.tokenizer_path.parent
     if damage == "meta missing":
         (entry / "meta.json").unlink()
@@ -390,7 +495,7 @@ def test_inconsistent_cache_entry_is_rebuilt(tmp_path: Path, damage: str) -> Non
         bad.tofile(entry / "train.bin")
     again = _prepare_small(tmp_path / "corpus.txt", cache)
     assert again.tokenizer_path == first.tokenizer_path
-    assert np.array_equal(again.train, train) and np.array_equal(again.val, val)
+    assert np.array_equal(_ids(again.train), train) and np.array_equal(_ids(again.val), val)
     assert json.loads((entry / "meta.json").read_text())["val_tokens"] == len(val)
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
 
@@ -417,7 +522,7 @@ def test_concurrent_preparers_build_once(tmp_path: Path) -> None:
 # Vocabulary check
 
 
-def test_check_vocab(shakespeare: TokenizedCorpus) -> None:
+def test_check_vocab(shakespeare: PreparedCorpus) -> None:
     with pytest.raises(
         ValueError, match="vocabulary mismatch: the tokenizer has 8192 tokens but model.vocab_size = 8000"
     ):

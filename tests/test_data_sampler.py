@@ -100,6 +100,28 @@ def test_token_stream_bounds_what_it_keeps_mapped(tmp_path: Path, monkeypatch: p
 
 
 @pytest.mark.timeout(60)
+def test_token_stream_reads_many_windows_as_one_read_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_many`` (one indexing of a whole mapped file, as the text cache is read) gives each window's ``read``,
+    in a view too, and counts what it reads against the mapping budget."""
+    from unbroken.data import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "MAP_BUDGET_BYTES", 1 << 16)
+    ids = np.random.default_rng(1).integers(0, 60_000, size=20_000).astype("<u2")
+    ids.tofile(tmp_path / "a.bin")
+    rng = np.random.default_rng(2)
+    for access in ("pread", "mmap"):
+        whole = TokenStream([Segment(str(tmp_path / "a.bin"), "<u2", 0, len(ids))], access=access)
+        for stream, flat in ((whole, ids), (whole.view(1000, 15_000), ids[1000:15_000])):
+            for _ in range(200):
+                starts = rng.integers(0, len(flat) - 129, size=int(rng.integers(1, 9)))
+                rows = stream.read_many(starts, 129)
+                assert rows.shape == (len(starts), 129) and rows.dtype == np.dtype("<u2")
+                assert all(np.array_equal(row, flat[s : s + 129]) for row, s in zip(rows, starts, strict=True))
+                assert stream._mapped_bytes <= (1 << 16) + 8 * (129 * 2 + 2 * stream_module._PAGE)
+            assert stream.read_many(np.zeros(0, dtype=np.int64), 129).shape == (0, 129)
+
+
+@pytest.mark.timeout(60)
 def test_token_stream_reads_across_files(tmp_path: Path) -> None:
     parts = [np.arange(k * 100, k * 100 + n, dtype="<u2") for k, n in enumerate([7, 0, 13, 1, 40])]
     segments = []

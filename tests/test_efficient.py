@@ -399,17 +399,17 @@ def test_the_computation_is_joined_before_the_weights_change() -> None:
 
 def test_the_forward_does_not_wait_for_the_bases(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bases are used in the backward only: an efficient forward runs while they are still computed."""
-    from unbroken.ft import mecefo as efficient
+    from unbroken.ft.mecefo import bases as computed  # where the bases' thread looks randomized_basis up
 
     release, computing = threading.Event(), threading.Event()
-    compute = efficient.randomized_basis
+    compute = computed.randomized_basis
 
     def held_back(*args: object) -> torch.Tensor | None:
         computing.set()
         assert release.wait(30)
         return compute(*args)
 
-    monkeypatch.setattr(efficient, "randomized_basis", held_back)
+    monkeypatch.setattr(computed, "randomized_basis", held_back)
     model, eb = transformed(OURS)
     toks = tokens(OURS)
     with eb.enabled():

@@ -29,7 +29,7 @@ from unbroken.control.coordinator.failslow import (
     exclusion,
     relative_times,
 )
-from unbroken.control.status.model import SlowRecorder
+from unbroken.control.coordinator.slow import SlowRecorder
 from unbroken.core.config import SlowPolicy, Workload
 from unbroken.core.plan import agreed_speed, plan_step
 from unbroken.core.records import read_records, step_losses

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.control.host.agent import Agent, wait_for_exit
+from unbroken.control.host.agent import Agent
+from unbroken.control.host.command import WorkerCommand
+from unbroken.control.host.processes import wait_for_exit
 from unbroken.core.failures import (
     FailureKind,
     FailureSchedule,
@@ -154,14 +156,14 @@ def test_a_worker_at_an_injection_point_wakes_its_agent_which_otherwise_just_wai
     then looks at the store). Nothing else ends that wait early: both workers here stay alive, so a wait of
     600 s (past this test's bound) returns only through the pipe; without a schedule there is no pipe."""
     script = "import time; from unbroken.ft.inject import wake_agent; time.sleep(0.5); wake_agent(); time.sleep(600)"
-    agent = Agent([0], (sys.executable, "-c", script), dict(os.environ), tmp_path, injections=True)
-    assert Agent([0], (sys.executable, "-c", "pass"), dict(os.environ), tmp_path).wake_fds() == ()
+    agent = Agent([0], WorkerCommand((sys.executable, "-c", script)), dict(os.environ), tmp_path, injections=True)
+    assert Agent([0], WorkerCommand((sys.executable, "-c", "pass")), dict(os.environ), tmp_path).wake_fds() == ()
     agent.start_all()
     try:
-        assert not agent._drain_wakes()
+        assert not agent.faults.drain_wakes()
         wait_for_exit(agent.processes(), 600.0, agent.wake_fds())
         assert agent.workers[0].poll() is None  # the worker woke it, it did not exit
-        assert agent._drain_wakes() and not agent._drain_wakes()  # one wake, taken once
+        assert agent.faults.drain_wakes() and not agent.faults.drain_wakes()  # one wake, taken once
     finally:
         agent.workers[0].kill()
         agent.workers[0].wait()

@@ -186,6 +186,32 @@ def test_a_join_between_two_steps_and_a_step_known_only_as_republished_are_accou
     assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
 
 
+def test_a_joins_state_transfer_counts_from_the_step_that_waited_for_it() -> None:
+    """Worker 3's group formed 0.4 s into step 4, while the survivors still computed it: the state after step 4
+    could only be sent once step 4 was committed. Step 5 took 0.5 s more than the ideal 1.1 s, 0.4 s of it until
+    the state was received: that is the transfer, not the 1.1 s since the group formed (which would overdraw the
+    step by 0.6 s and take it off ``unattributed``)."""
+    t = Timeline()
+    t.at(RecordKind.MEMBERSHIP, epoch=1, members=[0, 1, 2], reason="start", elapsed_s=0.0)
+    t.wait(1.0)
+    for _ in range(4):
+        t.commit(1.0)
+        t.wait(0.1)
+    t.at(RecordKind.MEMBERSHIP, 0.3, epoch=2, members=[0, 1, 2, 3], reason="joined: 3", elapsed_s=0.0)
+    formed = t.now + 0.4
+    t.commit(1.0)
+    t.wait(0.1)
+    t.at(RecordKind.RECOVERY, 0.4, step=5, from_epoch=1, epoch=2, alive=4, reform_s=0.0, missing=[0, 1, 2, 3],
+         time_reformed=formed, time_recovered=t.now + 0.4, state_bytes=1000)  # fmt: skip
+    t.commit(1.5, recoveries=1)
+    g = account(t.records)
+    assert g.ideal_step_s == pytest.approx(1.1)
+    # the launch to step 0 (1.0 s), the transfer; unattributed: step 0 0.1 s faster than the ideal, step 5's rest
+    expected = {b: 0.0 for b in Bucket} | {Bucket.START: 1.0, Bucket.TRANSFER: 0.4, Bucket.UNATTRIBUTED: -0.1 + 0.1}
+    assert g.buckets == pytest.approx(expected, abs=1e-9)
+    assert g.badput_s == pytest.approx(g.wall_s - g.tokens / g.ideal_tokens_per_s)
+
+
 # -- what a real run's records say independently of the account's arithmetic ---------------------------------------
 def assert_accounted_by_the_timestamps(run: Path, records: list[dict[str, Any]], g: Goodput, committed: int) -> None:
     """The account of a finished one-session run against what its records show without it:
@@ -194,7 +220,9 @@ def assert_accounted_by_the_timestamps(run: Path, records: list[dict[str, Any]],
       (the tokens counted from the config: ``committed`` steps, none dropped) or in a bucket;
     - detection is, for each failure, the time from its kill's delivery (the agent's ``injected`` record, written
       before the signal) to its declaration (the ``failure`` record);
-    - transfer is each join's state sent, between its recovery record's ``time_reformed`` and ``time_recovered``;
+    - transfer is each join's state sent, up to its recovery record's ``time_recovered``, from its ``time_reformed``
+      or, where the group formed ahead (while the survivors still computed), from the start of the step or of the
+      gap between steps that its record falls in (the survivors were computing until then, not sending);
     - each re-formation (a duration on a worker's monotonic clock, which no pair of records gives) is taken in full,
       and began after what caused it: the epoch it recovered into was made by a kill delivered (``injected``) or
       an admission (``admitted``, recorded before the epoch is published), so it lasted no longer than from that
@@ -222,13 +250,20 @@ def assert_accounted_by_the_timestamps(run: Path, records: list[dict[str, Any]],
     recoveries = [r for r in records if r["type"] == RecordKind.RECOVERY]
     joins = [r for r in recoveries if r["state_bytes"]]
     assert joins and all(r["time_reformed"] <= r["time_recovered"] <= r["time"] for r in recoveries), recoveries
-    transferred = sum(r["time_recovered"] - r["time_reformed"] for r in joins)
+    transferred = sum(r["time_recovered"] - max(r["time_reformed"], _interval_start(records, r["time"])) for r in joins)
     assert g.buckets[Bucket.TRANSFER] == pytest.approx(transferred, abs=tolerance)
     assert g.buckets[Bucket.REFORMATION] == pytest.approx(sum(r["reform_s"] for r in recoveries), abs=tolerance)
     caused = _epoch_causes(records)
     for r in recoveries:
         began = min(caused[e] for e in range(r["from_epoch"] + 1, r["epoch"] + 1))
         assert r["reform_s"] <= (r["time_reformed"] - began) * (1 + 500e-6), (r, began)
+
+
+def _interval_start(records: list[dict[str, Any]], t: float) -> float:
+    """Where the interval of the timeline holding time ``t`` began: the latest step start (its commit less its
+    time) or commit before ``t``."""
+    steps = [r for r in records if r["type"] == RecordKind.STEP and math.isfinite(r["step_time_s"])]
+    return max(x for r in steps for x in (r["time"] - r["step_time_s"], r["time"]) if x < t)
 
 
 def _epoch_causes(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -301,7 +336,7 @@ def test_the_live_tracker_gives_the_account_so_far_every_n_committed_steps() -> 
     assert [step for step, _ in due] == [2, 5]  # the 3rd and 6th committed steps
     assert due[-1][1] == {"step": 5, **account(t.records[: t.records.index(next(
         r for r in t.records if r.get("step") == 5 and r["type"] == "step")) + 1]).fields()}  # fmt: skip
-    assert all(r["type"] != "user" for r in tracker.records)
+    assert all(m.kind is not RecordKind.USER for s in tracker.facts.sessions for m in s.marks)  # not folded
     assert Tracker(0).add(t.records[1]) is None
 
 
@@ -355,7 +390,7 @@ def test_a_run_with_a_kill_a_rejoin_a_checkpoint_and_a_skipped_step_is_accounted
 
 
 def test_the_status_page_stacks_every_bucket_but_the_unattributed() -> None:
-    script = (ROOT / "unbroken" / "control" / "static" / "status.js").read_text()
+    script = (ROOT / "unbroken" / "control" / "status" / "static" / "status.js").read_text()
     stacked = re.findall(r'\["(\w+)", "#[0-9a-f]{6}"\]', script)
     assert sorted(stacked) == sorted(str(b) for b in Bucket if b is not Bucket.UNATTRIBUTED)
 

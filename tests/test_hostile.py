@@ -19,8 +19,8 @@ from runner import TINY, run_command, train
 
 from unbroken.core.config import DataConfig
 from unbroken.core.failures import FailureSchedule
+from unbroken.data.corpus import open_corpus
 from unbroken.ft.checkpoint import schema as ckpt
-from unbroken.train.data import prepare_corpus
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,7 +96,7 @@ def test_resume_with_a_checkpoint_of_another_tokenizer_refuses(tmp_path: Path, f
 
 
 def test_data_file_that_is_not_text_is_refused(tmp_path: Path, data_cache_dir: Path) -> None:
-    # (Empty, blank, binary and non-UTF-8 files are each refused by prepare_corpus: tests/test_data.py.)
+    # (Empty, blank, binary and non-UTF-8 files are each refused by open_corpus: tests/test_data.py.)
     content = b"\x00\x01\x02binary" * 50
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(content)
@@ -116,15 +116,15 @@ def test_tokenizer_swapped_inside_the_cache_is_detected_and_rebuilt(tmp_path: Pa
     (tmp_path / "corpus.txt").write_text(text)
     small = {"seq_len": 16, "microbatch_size": 2, "val_fraction": 0.1}
     cfg = DataConfig(source=str(tmp_path / "corpus.txt"), cache_dir=str(tmp_path / "cache"), vocab_size=300, **small)
-    first = prepare_corpus(cfg)
-    train_tokens = np.array(first.train)
-    other = prepare_corpus(
+    first = open_corpus(cfg)
+    train_tokens = first.train.read(0, len(first.train))
+    other = open_corpus(
         DataConfig(source=str(tmp_path / "corpus.txt"), cache_dir=str(tmp_path / "other"), vocab_size=280, **small)
     )
     shutil.copy(other.tokenizer_path, first.tokenizer_path)  # the cached tokens no longer match it
-    again = prepare_corpus(cfg)
+    again = open_corpus(cfg)
     assert again.vocab_size == first.vocab_size
-    assert np.array_equal(np.array(again.train), train_tokens)
+    assert np.array_equal(again.train.read(0, len(again.train)), train_tokens)
 
 
 @pytest.mark.parametrize(

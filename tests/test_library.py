@@ -263,3 +263,40 @@ def test_export_of_a_script_s_run_is_one_line(tmp_path: Path) -> None:
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("unbroken: error: export: ") and "a script's own model" in line
     assert not (tmp_path / "hf").exists()
+
+
+def private_uses_of_ft(source: str) -> list[str]:
+    """What ``source`` (a module importing ``unbroken.ft as ft``) takes from ``unbroken.ft`` outside its public API
+    (``unbroken.ft.__all__``): an import of one of its modules, or an ``ft.NAME`` that ``__all__`` does not hold."""
+    import ast
+
+    import unbroken.ft as ft
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("unbroken.ft"):
+            if node.module != "unbroken.ft" or any(a.name not in ft.__all__ for a in node.names):
+                found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.startswith("unbroken.ft.")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ft":
+            if node.attr not in ft.__all__:
+                found.append(f"ft.{node.attr}")
+    return found
+
+
+def test_the_built_in_trainer_uses_only_the_public_api() -> None:
+    import unbroken.ft as ft
+
+    assert private_uses_of_ft((ROOT / "unbroken" / "train" / "trainer.py").read_text()) == []
+    assert all(hasattr(ft, name) for name in ft.__all__)  # the lazy ones (FSDP, tensor parallelism) too
+    doctored = (
+        "import unbroken.ft as ft\nimport unbroken.ft.process\nfrom unbroken.ft.checkpoint import schema\n"
+        "from unbroken.ft import Context, comm\nft.init()\nft.api.Context\n"
+    )
+    assert private_uses_of_ft(doctored) == [
+        "import unbroken.ft.process",
+        "from unbroken.ft.checkpoint import schema",
+        "from unbroken.ft import Context, comm",
+        "ft.api",
+    ]

@@ -148,15 +148,15 @@ def test_workers_take_their_news_from_the_relay_and_from_the_store_once_it_is_go
         try:
             clients = [CoordinatorClient(address, w, token=token, news_relay=relay.path) for w in (0, 1)]
             wait_for(lambda: all(c.latest_epoch >= 1 for c in clients), 60, "the first epoch")
-            wait_for(lambda: all(c._relay is not None for c in clients), 60, "both clients on the relay")
+            wait_for(lambda: all(c.relayed for c in clients), 60, "both clients on the relay")
             survivor = clients[0]
             store = connect_store(address, token=token)
             report_death(store, 1, "killed by SIGKILL")
-            wait_for(lambda: survivor._seen_members == frozenset({0}), 60, "the epoch without worker 1")
-            assert survivor._relay is not None  # it came through the relay, which is still its watcher's
+            wait_for(lambda: survivor.news.seen_members == frozenset({0}), 60, "the epoch without worker 1")
+            assert survivor.relayed  # it came through the relay, which is still its watcher's
             assert survivor.removed_since(1, (1,))
             relay.close()
-            wait_for(lambda: survivor._relay is None, 60, "the survivor leaving the closed relay")
+            wait_for(lambda: not survivor.relayed, 60, "the survivor leaving the closed relay")
             request_stop(store, "enough")
             wait_for(lambda: survivor.stopped == "enough", 60, "the stop, from the store")
         finally:
@@ -172,9 +172,9 @@ def test_a_worker_whose_relay_is_silent_takes_the_news_from_the_store(
     still accepts connections for it) must not leave them without news: after ``NEWS_WAIT_S`` without a frame a
     worker looks at the store, and finding news the relay did not pass on, watches the store from then on. Here
     the first epoch, then a death's, reach both workers that way."""
-    from unbroken.control.member import client as client_module
+    from unbroken.control.member import watch as watch_module
 
-    monkeypatch.setattr(client_module, "NEWS_WAIT_S", 1.0)
+    monkeypatch.setattr(watch_module, "NEWS_WAIT_S", 1.0)
     path = str(tmp_path / "stopped-agent.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent, _coordinator(tmp_path, 2) as (address, token):
         silent.bind(path)
@@ -183,8 +183,8 @@ def test_a_worker_whose_relay_is_silent_takes_the_news_from_the_store(
         try:
             wait_for(lambda: all(c.latest_epoch >= 1 for c in clients), 60, "the first epoch, from the store")
             report_death(connect_store(address, token=token), 1, "killed by SIGKILL")
-            wait_for(lambda: clients[0]._seen_members == frozenset({0}), 60, "the epoch without worker 1")
-            assert clients[0]._relay is None
+            wait_for(lambda: clients[0].news.seen_members == frozenset({0}), 60, "the epoch without worker 1")
+            assert not clients[0].relayed
         finally:
             for client in clients:
                 client.close()
@@ -198,20 +198,20 @@ def test_a_worker_gives_a_relay_a_moment_behind_the_store_its_grace(
     while its relay was still sending it, and left the relay for good). Such news must be given the grace: here
     the relay passes the first epoch on only once worker 0 has looked and found it in the store; the worker takes
     it from the relay and stays on it (the next epoch comes that way too)."""
-    from unbroken.control.member import client as client_module
+    from unbroken.control.member import watch as watch_module
 
-    monkeypatch.setattr(client_module, "NEWS_WAIT_S", 2.0)  # the quiet period, and the grace after it
+    monkeypatch.setattr(watch_module, "NEWS_WAIT_S", 2.0)  # the quiet period, and the grace after it
     on_relay: list[CoordinatorClient] = []
     looked_ahead = threading.Event()  # worker 0's quiet look found the first epoch in the store
-    real_look = client_module.look
+    real_look = watch_module.look
 
     def look(store: TCPStore) -> News:
         news = real_look(store)
-        if news.newest >= 1 and on_relay and store is on_relay[0]._news_store:
+        if news.newest >= 1 and on_relay and store is on_relay[0].connections.news_store:
             looked_ahead.set()
         return news
 
-    monkeypatch.setattr(client_module, "look", look)
+    monkeypatch.setattr(watch_module, "look", look)
     path = str(tmp_path / "late-agent.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as late, _coordinator(tmp_path, 2) as (address, token):
         late.bind(path)
@@ -234,7 +234,7 @@ def test_a_worker_gives_a_relay_a_moment_behind_the_store_its_grace(
                 second = {**first, "epoch": 2, "reason": "a test's second epoch"}
                 conn.sendall(encode_frame(Frame(FrameKind.EPOCH, incarnation, 2, second)))
                 wait_for(lambda: clients[0].latest_epoch >= 2, 60, "the second epoch, from the relay alone")
-                assert clients[0]._relay is not None
+                assert clients[0].relayed
         finally:
             for client in clients:
                 client.close()

@@ -11,6 +11,7 @@ The CLI is run as ``python -m unbroken.data.command`` (``unbroken prepare`` call
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import io
 import json
@@ -447,13 +448,29 @@ def test_bad_input_is_one_line_exit_2_and_nothing_left(case: str, tmp_path: Path
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
+def _honour_permissions() -> None:
+    """``preexec_fn`` for root: drop the capabilities that let root read any file (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH) from the bounding set, so the program it executes (still uid 0, so it can reach an
+    interpreter under /root, which ``nobody`` cannot) is refused what a file's mode refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {capability})")
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions")
 def test_unreadable_file_is_one_line(tmp_path: Path, tok: Path) -> None:
+    """Run as root too (as CI does): the command then runs without root's power to read any file."""
     src = _write(tmp_path / "secret.txt", b"text")
     src.chmod(0)
-    line = one_error_line(run_cli(str(src), "--tokenizer", str(tok), "--out", str(tmp_path / "out")))
+    cmd = [*PREPARE, str(src), "--tokenizer", str(tok), "--out", str(tmp_path / "out")]
+    preexec = _honour_permissions if os.geteuid() == 0 else None
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=preexec)
+    line = one_error_line(result)
     assert "cannot be read" in line and not (tmp_path / "out").exists()
+    src.chmod(0o644)  # the same command on the readable file gets past reading it: the refusal was the mode's
+    readable = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=preexec)
+    assert readable.returncode == 0, readable.stderr
 
 
 @pytest.mark.timeout(60)

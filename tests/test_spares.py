@@ -86,35 +86,39 @@ def test_a_spare_that_dies_while_it_waits_is_started_again_a_bounded_number_of_t
     one that exits 0 (the run is over) is not replaced."""
     import time
 
-    from unbroken.control.host.agent import MAX_SPARE_DEATHS, Agent
+    from unbroken.control.host.agent import Agent
+    from unbroken.control.host.command import WorkerCommand
+    from unbroken.control.host.spares import MAX_SPARE_DEATHS
 
-    failing = Agent([0, 1], (sys.executable, "-c", "import sys; sys.exit(3)"), dict(os.environ), tmp_path, spares=2)
+    exits_3 = WorkerCommand((sys.executable, "-c", "import sys; sys.exit(3)"))
+    failing = Agent([0, 1], exits_3, dict(os.environ), tmp_path, spares=2)
+    pool = failing.spares
     records: list[dict] = []
-    failing._record = records.append  # what it would publish to the coordinator (there is none here)
+    failing.link.record = records.append  # what it would publish to the coordinator (there is none here)
     failing.start_all()
     starts = 2
-    while failing.spares:
+    while pool.waiting:
         for proc in failing.processes():
             proc.wait(timeout=60)
-        before = failing.next_spare
-        failing.replace_dead_spares()
-        starts += failing.next_spare - before
-        assert sorted(failing.spare_devices.values()) == sorted(set(failing.spare_devices.values()))
-        assert set(failing.spare_devices.values()) <= {2, 3}  # the devices after the workers', never another
+        before = pool.next_spare
+        pool.replace_dead()
+        starts += pool.next_spare - before
+        assert sorted(pool.devices.values()) == sorted(set(pool.devices.values()))
+        assert set(pool.devices.values()) <= {2, 3}  # the devices after the workers', never another
         time.sleep(0.01)
-    assert failing.spare_deaths == starts and starts == MAX_SPARE_DEATHS * 2 + 2
+    assert pool.deaths == starts and starts == MAX_SPARE_DEATHS * 2 + 2
     started = {r["pid"]: r["spare"] for r in records if r["state"] == SpareState.STARTED}
     exited = [r for r in records if r["state"] == SpareState.EXITED]
     assert len(started) == starts and len(exited) == starts  # every death said once, with how it ended
     assert all(started[r["pid"]] == r["spare"] and r["why"] == "exited with status 3" for r in exited)
-    assert sorted(failing.free_devices) == [2, 3]
+    assert sorted(pool.free_devices) == [2, 3]
 
-    finished = Agent([0], (sys.executable, "-c", "pass"), dict(os.environ), tmp_path / "done", spares=1)
+    finished = Agent([0], WorkerCommand((sys.executable, "-c", "pass")), dict(os.environ), tmp_path / "done", spares=1)
     (tmp_path / "done").mkdir()
     finished.start_all()
-    finished.spares[0].wait(timeout=60)
-    finished.replace_dead_spares()
-    assert finished.next_spare == 1 and finished.spare_deaths == 0
+    finished.spares.waiting[0].wait(timeout=60)
+    finished.spares.replace_dead()
+    assert finished.spares.next_spare == 1 and finished.spares.deaths == 0
 
 
 def test_bench_spares_reads_its_figures_from_the_records_and_reports_the_first_step_less_the_transfer() -> None:

@@ -26,11 +26,12 @@ from rich.console import Console
 from runner import run_command, train
 
 from unbroken.control.status.model import MetricsTee, RunView
-from unbroken.control.status.progress import print_summary, summarize
+from unbroken.control.status.progress import print_summary
 from unbroken.control.status.server import StatusServer, is_trusted_local
 from unbroken.control.status.terminal import base_url, fetch_snapshot, render, run_status, sparkline
-from unbroken.core.goodput import Tracker
+from unbroken.core.goodput import Tracker, account
 from unbroken.core.records import MetricsFile, RecordKind, make, read_records
+from unbroken.core.runfacts import RunFacts
 from unbroken.lab.report import load_run, render_markdown
 
 TOKEN = "0123456789abcdef" * 4
@@ -171,22 +172,22 @@ def test_a_join_is_counted_apart_from_recoveries_everywhere(tmp_path: Path, caps
     console.print(render(s, 100))
     assert "1 failed, 1 recovered, 1 rejoined" in console.export_text()
 
-    summary = summarize(records, wall_s=1.0)
-    assert summary["recoveries"] == 1 and summary["reform_s"] == [0.015]
+    facts = RunFacts.of(records)
+    assert [r.reform_s for r in facts.recoveries] == [0.015]
     # the group of the failure's epoch, formed after the epoch's publication (the join's is not a recovery's)
     published = next(r["time"] for r in records if r["type"] == "membership" and r["epoch"] == 2)
     reformed = next(r["time_reformed"] for r in records if r["type"] == "recovery")
-    assert summary["formed_after_epoch_s"] == [reformed - published]
-    assert [(j["workers"], j["step"], j["epoch"]) for j in summary["rejoins"]] == [([1], 24, 3)]
-    assert summary["not_rejoined"] == []
-    print_summary(tmp_path, records, 1.0, 40)
+    assert [r.formed_after_epoch_s for r in facts.recoveries] == [reformed - published]
+    assert [(j.rejoined, j.step, j.epoch) for j in facts.rejoins] == [([1], 24, 3)]
+    assert {f.worker for f in facts.declared_failures} <= set(facts.members or ())  # every failed worker is back
+    print_summary(tmp_path, records, 40)
     text = capsys.readouterr().out
     row = " ".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3)
     formed = f"{(reformed - published) * 1000:.0f} ms"
     assert f"1 recovery: group re-formed {formed} after its epoch at most, the survivors waiting 15 ms for it" in row
     older = [{k: v for k, v in r.items() if k != "time_reformed"} for r in records]  # records before the field
-    assert summarize(older, wall_s=1.0)["formed_after_epoch_s"] == []
-    print_summary(tmp_path, older, 1.0, 40)
+    assert [r.formed_after_epoch_s for r in RunFacts.of(older).recoveries] == [None]
+    print_summary(tmp_path, older, 40)
     assert "1 recovery: group re-formed in 15 ms at most" in capsys.readouterr().out
     assert "worker 1 at step 24 (epoch 3): members [0, 1, 2]" in text and "not rejoined" not in text
 
@@ -231,11 +232,12 @@ def test_a_promoted_spare_is_shown_on_the_page_and_named_in_the_summary(
         "spare 0 takes the place of worker 1",
         "spare 1 ended while it waited (killed by SIGKILL)",
     ]
-    (promotion,) = summarize(records, wall_s=1.0)["promotions"]
-    assert promotion["spare"] == 0 and promotion["worker"] == 1 and (promotion["step"], promotion["epoch"]) == (24, 3)
+    (promotion,) = RunFacts.of(records).promotions  # its record last in the list: after the join it made
+    assert promotion.spare == 0 and promotion.worker == 1 and promotion.join is not None
+    assert (promotion.join.step, promotion.join.epoch) == (24, 3)
     joined = next(r for r in records if r["type"] == "membership" and r["epoch"] == 3)
-    assert promotion["after_death_s"] == pytest.approx(joined["time"] - failure["time"])
-    print_summary(tmp_path, records, 1.0, 40)
+    assert promotion.after_death_s == pytest.approx(joined["time"] - failure["time"])
+    print_summary(tmp_path, records, 40)
     text = capsys.readouterr().out
     # the table wraps its cells: the rows' text, their lines joined
     row = " ".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3)
@@ -264,9 +266,9 @@ def test_a_spare_that_joins_before_the_survivors_reform_computes_from_the_interr
         {"type": "recovery", "time": t + 11, "step": 20, "from_epoch": 1, "epoch": 3, "alive": 3, "reform_s": 0.3,
          "missing": [4, 5]},
     ]  # fmt: skip
-    (promotion,) = summarize(records, wall_s=1.0)["promotions"]
-    assert (promotion["step"], promotion["epoch"]) == (20, 3)
-    assert promotion["after_death_s"] == pytest.approx(0.05)
+    (promotion,) = RunFacts.of(records).promotions
+    assert promotion.join is not None and (promotion.join.step, promotion.join.epoch) == (20, 3)
+    assert promotion.after_death_s == pytest.approx(0.05)
 
 
 @pytest.mark.timeout(10)
@@ -274,7 +276,7 @@ def test_the_summary_counts_microbatches_in_mecefos_approximate_mode(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     records = [{**r, "efficient": 2} if r["type"] == "step" and 4 <= r["step"] <= 6 else r for r in synthetic_run()]
-    print_summary(tmp_path, records, 1.0, 40)
+    print_summary(tmp_path, records, 40)
     assert "6 microbatches in efficient mode, in steps 4-6" in capsys.readouterr().out
 
 
@@ -621,8 +623,12 @@ def test_the_terminal_view_shows_the_same_facts(finished_view: RunView, tmp_path
     assert "finished" in text and "40 of 40" in text
     assert "process killed by SIGKILL" in text and "worker 1 rejoined at step 24" in text and "(epoch 3)" in text
     assert "epoch 3: members [0, 1, 2] (joined: 1)" in text
+    # the run has ended: its goodput row is the run's whole account (the summary's and the report's), not the
+    # coordinator's last periodic record
+    whole = account(with_goodput(synthetic_run()))
     newest = [r for r in with_goodput(synthetic_run()) if r["type"] == "goodput"][-1]
-    assert f"{newest['tokens_per_s']:,.0f} tokens/s, {100 * newest['ratio']:.1f} % of the ideal" in text
+    assert f"{whole.tokens_per_s:,.0f} tokens/s, {100 * whole.ratio:.1f} % of the ideal" in text
+    assert f"{100 * whole.ratio:.1f}" != f"{100 * newest['ratio']:.1f}"  # the check tells the two apart
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

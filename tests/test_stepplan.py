@@ -4,18 +4,29 @@ collective: the members are given."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from protoparts import mlp_state, protocol_config
+from protoparts import mlp_state, protocol_config, step_context
 
 from unbroken.core.config import RecoveryPolicy
+from unbroken.core.layout import ReplicaLayout
 from unbroken.ft.stepplan import StepPlan
+from unbroken.ft.stops import ProtocolConfig
 
 pytestmark = pytest.mark.timeout(60)
 
 
+def step_plan(cfg: ProtocolConfig, ring: tuple[int, ...], whole: bool) -> StepPlan:
+    """The plan of a worker of MeCeFO's ``ring``; ``whole``: a replica of one rank (else a rank of a replica of two
+    FSDP ranks, which counts its ids by rounds and probes no data)."""
+    layout = ReplicaLayout() if whole else ReplicaLayout(shard=2)
+    return StepPlan(step_context(cfg, mlp_state(), Path("unused"), ring=ring, layout=layout))
+
+
 def test_every_id_planned_once_and_adopted() -> None:
-    plan = StepPlan(protocol_config(microbatches=6), mlp_state(), ring=(0, 1, 2), whole=True)
+    plan = step_plan(protocol_config(microbatches=6), ring=(0, 1, 2), whole=True)
     assignment = plan.make((0, 1, 2))
     assert sorted(j for w in (0, 1, 2) for j in assignment.ids_for(w)) == list(range(6))
     plan.adopt(assignment, epoch=1)
@@ -31,20 +42,20 @@ def test_every_id_planned_once_and_adopted() -> None:
 
 
 def test_a_replan_covers_only_the_ids_given() -> None:
-    plan = StepPlan(protocol_config(microbatches=8), mlp_state(), ring=(0, 1, 2), whole=True)
+    plan = step_plan(protocol_config(microbatches=8), ring=(0, 1, 2), whole=True)
     assignment = plan.make((0, 2), todo=[1, 5, 6])
     assert sorted(assignment.ids_for(0) + assignment.ids_for(2)) == [1, 5, 6]
 
 
 def test_a_rank_of_a_replica_probes_nothing() -> None:
-    plan = StepPlan(protocol_config(), mlp_state(), ring=(0, 1), whole=False)
+    plan = step_plan(protocol_config(), ring=(0, 1), whole=False)
     plan.adopt(plan.make((0, 1)), epoch=1)
     assert plan.probe is None
 
 
 def test_mecefo_gives_a_dead_workers_ids_in_efficient_mode() -> None:
     cfg = protocol_config(microbatches=8, policy=RecoveryPolicy.MECEFO)
-    plan = StepPlan(cfg, mlp_state(), ring=(0, 1, 2, 3), whole=True)
+    plan = step_plan(cfg, ring=(0, 1, 2, 3), whole=True)
     assert plan.make((0, 1, 2, 3)).efficient == frozenset()
     assignment = plan.make((0, 1, 3))  # worker 2 is down: its ids go to its ring neighbour
     assert assignment.efficient and plan.efficient_ids == assignment.efficient
@@ -54,7 +65,7 @@ def test_mecefo_gives_a_dead_workers_ids_in_efficient_mode() -> None:
 
 def test_accounting_of_the_microbatches_computed() -> None:
     cfg = protocol_config(microbatches=4, policy=RecoveryPolicy.MECEFO)
-    plan = StepPlan(cfg, mlp_state(), ring=(0, 1, 2), whole=True)
+    plan = step_plan(cfg, ring=(0, 1, 2), whole=True)
     assignment = plan.make((0, 1))  # worker 2 down: its neighbour computes in efficient mode
     efficient = min(assignment.efficient)
     exact = min(j for j in range(4) if j not in assignment.efficient)
@@ -73,7 +84,7 @@ def test_accounting_of_the_microbatches_computed() -> None:
 
 
 def test_a_rank_of_a_replica_counts_by_rounds() -> None:
-    plan = StepPlan(protocol_config(), mlp_state(), ring=(0,), whole=False)
+    plan = step_plan(protocol_config(), ring=(0,), whole=False)
     plan.after_backward(0, 1.0, tokens=4, seconds=None)
     assert plan.done == []  # its replica's ids are counted when a round is in every rank's accumulator
     plan.round_done([0, 1], seconds=0.5)
@@ -82,7 +93,7 @@ def test_a_rank_of_a_replica_counts_by_rounds() -> None:
 
 
 def test_counts_reset_at_each_step() -> None:
-    plan = StepPlan(protocol_config(), mlp_state(), ring=(0,), whole=True)
+    plan = step_plan(protocol_config(), ring=(0,), whole=True)
     plan.recoveries, plan.recomputed, plan.redos = 2, 3, 1
     plan.reset_counts()
     assert (plan.recoveries, plan.recomputed, plan.redos) == (0, 0, 0)

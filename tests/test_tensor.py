@@ -1,4 +1,4 @@
-"""Tensor parallelism (``ft.tensor``): a model split over 2 real processes (gloo) computes what the whole model
+"""Tensor parallelism (``ft.parallel.tensor``): a model split over 2 real processes (gloo) computes what the whole model
 computes, for the built-in LLaMA (with and without sequence parallelism) and Hugging Face's ``LlamaForCausalLM``.
 
 The oracle: in float64 a split model differs from the whole one only by rounding. A row-wise projection sums 2
@@ -106,19 +106,47 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_in_one_line(reports:
         assert report["refused"] == "parallel.tensor = 2 must divide the model's key/value heads (3)"
 
 
-def test_a_model_it_does_not_know_is_refused_in_one_line() -> None:
+def test_a_model_that_does_not_fit_its_plan_is_refused_in_one_line() -> None:
+    """The plan names the model's blocks and projections (the caller's: the library knows no model); a model without
+    them, the built-in LLaMA under Hugging Face's plan, a plan naming a projection the block lacks, and sequence
+    parallelism under a plan without its norms are each refused in one line, before anything is split."""
+    import dataclasses
+
+    import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unbroken.ft.parallel.tensor import apply_tensor_parallel
+    from unbroken.core.config import ModelConfig, RunConfig
+    from unbroken.core.flavours import ModelArgs
+    from unbroken.ft.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+    from unbroken.train.model import Transformer
+    from unbroken.train.trainer import tensor_plan
 
+    ours, hf = tensor_plan(RunConfig()), tensor_plan(RunConfig(model=ModelConfig(hf_config="llama-tiny")))
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=128, max_seq_len=16))
+    check_tensor_parallel(model, 2, ours, sequence_parallel=True)  # it fits its own plan
+    refusals = [
+        (model, hf, False, "^tensor parallelism's plan does not fit Transformer: it has no blocks at 'model.layers' "),
+        (
+            model,
+            dataclasses.replace(ours, ffn_in=("w1", "w4")),
+            False,
+            "does not fit Transformer: its block layers.0 has no nn.Linear 'feed_forward.w4'; pass the plan",
+        ),
+        (model, dataclasses.replace(ours, norms=None), True, "^parallel.sequence_parallel needs a plan that names"),
+    ]
+    for refused, plan, sequence_parallel, message in refusals:
+        with pytest.raises(ValueError, match=message) as error:
+            check_tensor_parallel(refused, 2, plan, sequence_parallel)
+        assert "\n" not in str(error.value)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tensor",))
-        with pytest.raises(ValueError, match="^tensor parallelism supports the built-in .* not Linear;"):
-            apply_tensor_parallel(nn.Linear(2, 2), mesh)
+        with pytest.raises(ValueError, match="^tensor parallelism's plan does not fit Linear: it has no blocks at"):
+            apply_tensor_parallel(nn.Linear(2, 2), mesh, ours)
         with pytest.raises(ValueError, match="takes the tensor dimension of the mesh .1-D., not a 2-D one"):
-            apply_tensor_parallel(nn.Linear(2, 2), init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")))
+            apply_tensor_parallel(nn.Linear(2, 2), init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b")), ours)
     finally:
         dist.destroy_process_group()

@@ -92,8 +92,9 @@ def test_the_views_and_the_summary_show_tokens_per_gpu_and_mfu() -> None:
     from rich.console import Console
 
     from unbroken.control.status.model import RunView
-    from unbroken.control.status.progress import summarize
+    from unbroken.control.status.progress import summary_rows
     from unbroken.control.status.terminal import render
+    from unbroken.core.runfacts import RunFacts
 
     def step(k: int, tokens_per_s: float, gpus: int) -> dict[str, object]:
         fields = step_throughput(int(tokens_per_s), 1.0, 2, gpus, 1e9, 100.0)
@@ -111,12 +112,14 @@ def test_the_views_and_the_summary_show_tokens_per_gpu_and_mfu() -> None:
     out = io.StringIO()
     Console(file=out, width=80).print(render(view.snapshot(), width=80))
     assert "2,000 tokens/s (median), MFU 2.0 %" in out.getvalue()
-    s = summarize(gpu, wall_s=3.0)
+    s = run_throughput(step.throughput() for step in RunFacts.of(gpu).steps.values())
     # 12,000 tokens over 3 s of 2 GPUs: 2,000 per GPU; 1.2e13 FLOPs over 6 GPU-seconds of 1e14: 0.02
     assert s["tokens_per_s_per_gpu"] == 2_000 and s["mfu"] == pytest.approx(0.02, rel=1e-12)
+    assert dict(summary_rows(RunFacts.of(gpu), 3))["per device"].endswith("2,000 per GPU, MFU 2.0 %")
 
     cpu = [step(k, 2_000.0, gpus=0) for k in range(3)]
     view = RunView(total_steps=3)
     view.extend(cpu)
     assert view.snapshot()["run"]["tokens_per_s_per_gpu"] is None and view.snapshot()["run"]["mfu"] is None
-    assert math.isnan(summarize(cpu, wall_s=3.0)["mfu"])
+    assert math.isnan(run_throughput(step.throughput() for step in RunFacts.of(cpu).steps.values())["mfu"])
+    assert "MFU" not in dict(summary_rows(RunFacts.of(cpu), 3))["per device"]

@@ -21,12 +21,12 @@ from runner import ROOT, final_params, run_command, train
 
 from unbroken.core.config import DataConfig
 from unbroken.core.records import read_records, step_losses
+from unbroken.data.corpus import eval_sampler, open_corpus, tokenizer_sha256, train_sampler
 from unbroken.data.reader import PreparedCorpus
 from unbroken.data.sampler import PreparedMicrobatchSampler
 from unbroken.data.shards import read_index
 from unbroken.data.tokenizer import train_bpe
 from unbroken.ft.checkpoint import schema as ckpt
-from unbroken.train.data import eval_sampler, open_corpus, tokenizer_sha256, train_sampler
 
 VOCAB = 512
 
@@ -124,7 +124,7 @@ def test_open_corpus_reads_prepared_data_in_place(prepared: Path, caplog: pytest
     assert all(torch.equal(a, b) for a, b in zip(sampler.microbatch(5, 1), expected, strict=True))
     x, y = eval_sampler(corpus, cfg, count=2).microbatch(1)
     assert x.shape == y.shape == (2, 32) and int(x.max()) < VOCAB
-    with caplog.at_level(logging.WARNING, logger="unbroken.train.data"):
+    with caplog.at_level(logging.WARNING, logger="unbroken.data.corpus"):
         open_corpus(DataConfig(source=str(prepared), vocab_size=1000, seq_len=32, microbatch_size=2))
     assert "data.vocab_size do not apply to prepared data" in caplog.text
     with pytest.raises(ValueError, match="fewer than data.microbatch_size"):
@@ -135,13 +135,14 @@ def test_open_corpus_reads_prepared_data_in_place(prepared: Path, caplog: pytest
 def test_a_run_on_prepared_data_records_its_vocabulary(prepared: Path, tmp_path: Path) -> None:
     """data.vocab_size is the size of a BPE trained on text; a run on prepared data trains none, so the config it
     records (config.toml, the checkpoints' metadata) says the data's vocabulary, not the key's default."""
-    from unbroken.control.launcher import TRAINER, plan_launch
+    from unbroken.control.launcher import plan_launch
     from unbroken.core.config import dump_config, load_config
+    from unbroken.train.launch import trainer_worker
     from unbroken.train.trainer import validate_launch
 
     cfg = load_config(ROOT / "configs" / "tiny.toml", [f"--data.source={prepared}"])
     assert cfg.data.vocab_size == 8192
-    plan = plan_launch(cfg, tmp_path / "run", 1, False, "127.0.0.1", 0, TRAINER, validate_launch)
+    plan = plan_launch(cfg, tmp_path / "run", 1, False, "127.0.0.1", 0, trainer_worker, validate_launch)
     plan.sock.close()
     assert plan.cfg.data.vocab_size == VOCAB
     (tmp_path / "run").mkdir()

@@ -19,8 +19,11 @@ import pytest
 import torch
 from runner import EXACT, ONE_THREAD, ROOT, final_params, run_command, train
 
+from unbroken.control.host.command import WorkerCommand
 from unbroken.control.host.zygote import FORK_SCRIPTS, ZYGOTE_ENV, forkable
+from unbroken.core.config import RunConfig
 from unbroken.core.records import read_records, step_losses
+from unbroken.train.launch import script_worker, trainer_worker
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,13 +32,21 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 def test_which_commands_the_zygote_forks() -> None:
     """The built-in trainer always (unless ``UNBROKEN_ZYGOTE=0``, ``enabled``); a script, whatever its file is named,
-    only when its launch asked for it (``--fork``); nothing that is not this interpreter running a module or a file."""
-    python, scripts = sys.executable, {ZYGOTE_ENV: FORK_SCRIPTS}
-    assert forkable((python, "-m", "unbroken.train"), {})
-    assert forkable((python, "/jobs/train.py", "--lr", "3"), scripts) and forkable((python, "/jobs/train"), scripts)
-    assert not forkable((python, "/jobs/train.py"), {ZYGOTE_ENV: "1"})
-    assert not forkable((python, "-c", "print(1)"), scripts) and not forkable((python, "-m", "mymodule"), scripts)
-    assert not forkable(("/usr/bin/python2", "/jobs/train.py"), scripts) and not forkable((python,), scripts)
+    only when its launch asked for it (``--fork``); nothing that is not this interpreter running a module or a file.
+    What is safe to fork is the caller's word (``WorkerCommand.fork_safe``): the control plane knows no program."""
+    python, scripts, cfg = sys.executable, {ZYGOTE_ENV: FORK_SCRIPTS}, RunConfig()
+    assert forkable(trainer_worker(cfg), {}) and not forkable(script_worker(trainer_worker(cfg).argv)(cfg), {})
+
+    def script(*argv: str) -> WorkerCommand:
+        return script_worker(argv)(cfg)
+
+    assert forkable(script(python, "/jobs/train.py", "--lr", "3"), scripts)
+    assert forkable(script(python, "/jobs/train"), scripts)
+    assert not forkable(script(python, "/jobs/train.py"), {ZYGOTE_ENV: "1"})
+    assert not forkable(script(python, "-c", "print(1)"), scripts)
+    assert not forkable(script(python, "-m", "mymodule"), scripts)
+    assert not forkable(script("/usr/bin/python2", "/jobs/train.py"), scripts)
+    assert not forkable(script(python), scripts)
 
 
 @pytest.mark.parametrize("how", ["started", "early"])
@@ -64,6 +75,7 @@ def test_a_forked_worker_is_the_agent_s_child_with_its_own_environment_descripto
         assert s["pid"] == out[name]["pid"] and s["forked"] == "1" and s["name"] == "__main__"
         assert s["torch_loaded"]  # imported before the fork: the worker starts at its first line
         assert s["preloaded"]  # the zygote imported what its agent named too (``preload``)
+        assert s["warmed"]  # and ran the warm-up it named (``module:function``), before the fork
         assert not s["numba_loaded"]  # the exact fold's kernels only for an exact run: 57 MiB of every process
         assert s["ppid"] == out["driver"]  # the agent's child from its first line (the intermediate has exited)
         handed = int(s["argv"][2])

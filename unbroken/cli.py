@@ -63,6 +63,10 @@ DRY_RUN_HELP = (
     "check everything a launch checks (config and overrides, the failure schedule, the data, --resume's checkpoint, "
     "devices, the port), print what would run, and stop: nothing started, nothing written"
 )
+LAB_DRY_RUN_HELP = (
+    "check every argument (configs and overrides resolved, files named), print one line of what would run, and "
+    "stop: nothing started, nothing written"
+)
 
 FORK_HELP = (
     "fork each worker of SCRIPT.py from a process that has imported torch and unbroken (a start or restart then "
@@ -178,17 +182,19 @@ def _dry_run(plan: LaunchPlan, what: str, changes: list[KeyChange]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.launcher import Launcher, plan_launch
     from unbroken.control.status.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
+    from unbroken.train.launch import trainer_worker
     from unbroken.train.trainer import validate_launch
 
     cfg, name, stored = _load(args.config, extra, args.resume, args.resume_with_changes)
     run_dir = _run_dir(args, cfg, name)
     check_host_devices(cfg, args.workers, args.spares)
     check_alert_command(cfg.metrics)
+    resume = args.resume is not None
     plan = plan_launch(
-        cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, TRAINER, validate_launch, args.spares
+        cfg, run_dir, args.workers, resume, args.host, args.port, trainer_worker, validate_launch, args.spares
     )
     changes = config_changes(stored, plan.cfg) if stored is not None else []
     if args.dry_run:
@@ -208,15 +214,15 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
         raise ValueError(f"script {args.script} does not exist; unbroken launch [options] SCRIPT.py [ARGS ...]")
     from unbroken.control.status.alerts import check_alert_command
     from unbroken.ft.process import check_host_devices
+    from unbroken.train.launch import script_worker
 
     cfg, name, stored = _load(args.config, extra, args.resume, args.resume_with_changes)
     run_dir = _run_dir(args, cfg, script.stem if args.config is None else name)
     check_host_devices(cfg, args.workers, args.spares)
     check_alert_command(cfg.metrics)
-    command = (sys.executable, str(script.resolve()), *args.args)
-    plan = plan_launch(
-        cfg, run_dir, args.workers, args.resume is not None, args.host, args.port, command, spares=args.spares
-    )
+    worker_for = script_worker((sys.executable, str(script.resolve()), *args.args))
+    resume = args.resume is not None
+    plan = plan_launch(cfg, run_dir, args.workers, resume, args.host, args.port, worker_for, spares=args.spares)
     changes = config_changes(stored, plan.cfg) if stored is not None else []
     if args.dry_run:
         return _dry_run(plan, f"run {args.script}", changes)
@@ -298,10 +304,16 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_agent(args: argparse.Namespace, extra: list[str]) -> int:
     from unbroken.control.host.agent import run_agent
+    from unbroken.train.launch import script_worker, trainer_worker
 
     if extra:
         raise ValueError(f"unrecognised arguments {' '.join(extra)}; the config comes from the coordinator")
-    return run_agent(args)
+    if args.script is None:
+        return run_agent(args, trainer_worker)
+    script = Path(args.script)
+    if not script.is_file():
+        raise ValueError(f"script {args.script} does not exist; unbroken agent [options] [SCRIPT.py [ARGS ...]]")
+    return run_agent(args, script_worker((sys.executable, str(script.resolve()), *args.args)))
 
 
 def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
@@ -347,6 +359,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
         members=args.members,
         news=args.news,
         beats=args.beats,
+        dry_run=args.dry_run,
     )
 
 
@@ -369,7 +382,7 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     if args.churn:
         if args.spares:
             raise ValueError("--spares is for a campaign's runs; --churn makes its membership changes without spares")
-        return run_churn(config, args.churn, args.workers, args.steps or 100000, out, overrides)
+        return run_churn(config, args.churn, args.workers, args.steps or 100000, out, overrides, args.dry_run)
     return run_campaign(
         config,
         args.trials,
@@ -382,6 +395,7 @@ def cmd_chaos(args: argparse.Namespace, extra: list[str]) -> int:
         args.mode,
         args.pace,
         args.spares,
+        args.dry_run,
     )
 
 
@@ -393,15 +407,15 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
             raise ValueError("--replay RUN_DIR takes its scenario from the run: no overrides, --sweep or --out")
         from unbroken.sim.replay import run_replay
 
-        return run_replay(args.replay, args.cores)
+        return run_replay(args.replay, args.cores, args.dry_run)
     out = Path(args.out) if args.out else None
     if args.sweep:
         from unbroken.sim.sweep import run_sweep
 
-        return run_sweep(args.scenario, _split_overrides(extra), args.sweep, out)
+        return run_sweep(args.scenario, _split_overrides(extra), args.sweep, out, args.dry_run)
     from unbroken.sim.report import run_simulate
 
-    return run_simulate(args.scenario, _split_overrides(extra), out)
+    return run_simulate(args.scenario, _split_overrides(extra), out, args.dry_run)
 
 
 def _with_keys(parser: argparse.ArgumentParser, script: bool = False) -> None:
@@ -538,7 +552,21 @@ def build_parser() -> argparse.ArgumentParser:
     prepare_command.add_arguments(prepare)
     prepare.set_defaults(func=cmd_prepare)
 
-    bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md)")
+    _add_bench(sub)
+
+    report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run to report on")
+    report.add_argument("reference", nargs="?", metavar="REFERENCE_RUN_DIR", help="compare the losses with this run")
+    report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
+
+    _add_chaos_and_simulate(sub)
+    return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """``unbroken bench``: its arguments."""
+    bench = sub.add_parser("bench", help="benchmarks (results go in docs/benchmarks.md and the pages it links)")
     from unbroken.lab.bench import BENCHES
 
     bench.add_argument("what", choices=["all", *BENCHES], help="which benchmark (all: every one)")
@@ -546,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
     bench.add_argument("--repeats", type=int, default=2, help="alternating rounds of each system (default 2)")
     bench.add_argument("--steps", type=int, help="steps per run (mecefo: 200, convergence: 300, data: 100)")
-    bench.add_argument("--record", action="store_true", help="also write the figures into docs/benchmarks.md")
+    bench.add_argument("--record", action="store_true", help="also write the figures into their page of docs/")
     bench.add_argument("--corpus-gb", type=float, default=1.0, help="data: the throughput corpus (default 1)")
     bench.add_argument("--reader-gb", type=float, default=10.0, help="data: the reader-memory corpus (default 10)")
     bench.add_argument("--out", help="gpu: where gpu.md, gpu.json and its runs go (default runs/bench-gpu-<time>)")
@@ -568,14 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="control-scale: who sends the crowds' heartbeats: worker (each member), host (one process a crowd, "
         "as an agent under comm.heartbeats = host), or both (default worker)",
     )
+    bench.add_argument("--dry-run", action="store_true", help=LAB_DRY_RUN_HELP)
     bench.set_defaults(func=cmd_bench)
 
-    report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")
-    report.add_argument("run_dir", metavar="RUN_DIR", help="the run to report on")
-    report.add_argument("reference", nargs="?", metavar="REFERENCE_RUN_DIR", help="compare the losses with this run")
-    report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
-    report.set_defaults(func=cmd_report)
 
+def _add_chaos_and_simulate(sub: argparse._SubParsersAction) -> None:
+    """``unbroken chaos`` and ``unbroken simulate``: their arguments."""
     chaos = sub.add_parser("chaos", help="a seeded campaign of short runs with random faults, each run checked")
     chaos.add_argument("config", nargs="?", help="TOML config (default: the packaged tiny)")
     chaos.add_argument("--trials", type=int, default=10, help="runs in the campaign (default 10)")
@@ -601,6 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="warm spares beside the workers in every run (a multiple of the replica's ranks; default 0)",
     )
+    chaos.add_argument("--dry-run", action="store_true", help=LAB_DRY_RUN_HELP)
     chaos.set_defaults(func=cmd_chaos)
     simulate = sub.add_parser("simulate", help="discrete-event model of a cluster: recovery policies side by side")
     simulate.add_argument("scenario", nargs="?", metavar="SCENARIO.toml", help="e.g. configs/sim/recover_512.toml")
@@ -621,8 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the scenario once per value (repeat for a grid) and compare the policies across them in one "
         "table, e.g. --sweep cluster.gpus_per_replica=1,8,64 (with --out: a folder per point, sweep.md)",
     )
+    simulate.add_argument("--dry-run", action="store_true", help=LAB_DRY_RUN_HELP)
     simulate.set_defaults(func=cmd_simulate)
-    return parser
 
 
 LAUNCH_VALUES = (

@@ -26,11 +26,18 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from unbroken.core.config import ModelConfig, RunConfig
 from unbroken.core.ending import run_then_exit
 from unbroken.core.flavours import ModelArgs
 from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
-from unbroken.ft.parallel.tensor import apply_tensor_parallel, tensor_parallel_plan_names
+from unbroken.ft.parallel.tensor import TensorParallelPlan, apply_tensor_parallel, tensor_parallel_plan_names
 from unbroken.train.model import Transformer
+from unbroken.train.trainer import tensor_plan
+
+
+def plan_of(kind: str) -> TensorParallelPlan:
+    """The plan the built-in trainer splits the model of ``kind`` by."""
+    return tensor_plan(RunConfig(model=ModelConfig(hf_config="llama-tiny" if kind == "hf" else "")))
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -62,12 +69,13 @@ def check(mesh: DeviceMesh, kind: str, sequence_parallel: str, efficient: str) -
     if kind == "odd_heads":
         args = ModelArgs(dim=48, n_layers=1, n_heads=6, n_kv_heads=3, vocab_size=8, ffn_hidden=8, max_seq_len=8)
         try:
-            apply_tensor_parallel(Transformer(args), mesh)
+            apply_tensor_parallel(Transformer(args), mesh, plan_of("builtin"))
             return {"refused": ""}
         except ValueError as e:
             return {"refused": str(e)}
     whole = build(kind)
-    split = apply_tensor_parallel(copy.deepcopy(whole), mesh, sequence_parallel=sequence_parallel == "1")
+    plan = plan_of(kind)
+    split = apply_tensor_parallel(copy.deepcopy(whole), mesh, plan, sequence_parallel=sequence_parallel == "1")
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     results = {}
     for name, model in (("whole", whole), ("split", split)):
@@ -82,7 +90,7 @@ def check(mesh: DeviceMesh, kind: str, sequence_parallel: str, efficient: str) -
         results[name] = logits.detach()
     scale = results["whole"].abs().max().item()
     report = {"logits": (results["split"] - results["whole"]).abs().max().item() / scale, "grads": {}, "split": 0}
-    wanted = set(tensor_parallel_plan_names(whole))
+    wanted = set(tensor_parallel_plan_names(whole, plan))
     for (name, p_whole), (_, p_split) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
         grad = p_split.grad
         if isinstance(p_split, DTensor):

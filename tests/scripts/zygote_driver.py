@@ -27,8 +27,10 @@ def main() -> int:
         assert zygotes._early is not None
         early = zygotes._early.pid
     child = str(Path(__file__).with_name("zygote_child.py"))
-    # What the workers import beyond the trainer's (an HF run's model): one module that exists, one that does not.
-    zygote = Zygote({**os.environ, "MARK": "zygote"}, out / "zygote.log", preload=("wave", "no_such_module_here"))
+    # What its caller names for the workers (the trainer, an HF run's model): one module that exists, one that does
+    # not, and a warm-up call (the exact fold's kernels in a real run; here one whose effect a forked worker sees).
+    preload = ("wave", "no_such_module_here", "faulthandler:enable")
+    zygote = Zygote({**os.environ, "MARK": "zygote"}, out / "zygote.log", preload=preload)
     read_fd, write_fd = os.pipe()
     results = {"driver": os.getpid(), "pgid": os.getpgid(0), "early": early, "zygote": zygote.proc.pid}
     for name, new_session, code in (("own", True, "3"), ("group", False, "raise"), ("killed", True, "sleep")):

@@ -1,12 +1,13 @@
 """The single-machine launcher behind ``unbroken train`` and ``unbroken launch``: a coordinator process and
-one host's agent (``control.agent``) with N worker processes.
+one host's agent (``control.host.agent``) with N worker processes.
 
 Owns a run on one host: it validates everything before writing anything, prepares the run directory, starts
 the coordinator (handing it the listening socket it bound, so a port in use is an error before anything
 starts, and keeping it, so a coordinator that dies is replaced at the same address), runs the agent that
 starts and watches the workers, shows progress from ``metrics.jsonl``, runs the ``restart`` baseline, and
 on Ctrl-C stops every process it started. Checkpoints are written atomically by the workers, so an
-interrupted run keeps its last good checkpoint.
+interrupted run keeps its last good checkpoint. What the workers run (``WorkerCommand``: the built-in trainer, or a
+user's script, and what the host's zygote preloads for it) is the caller's: the launcher names no program.
 
 The job's secret token (``UNBROKEN_TOKEN``, generated here unless the environment already has one) goes
 to the coordinator and the workers through their environment; every store connection is authenticated
@@ -27,29 +28,22 @@ from typing import Any
 
 from unbroken.control.console import ConsoleRelay
 from unbroken.control.coordinator.loop import spawn_coordinator
-from unbroken.control.host.agent import (
-    POLL_S,
-    STOP_GRACE_S,
-    Agent,
-    WakePipe,
-    WorkerProcess,
-    check_spares,
-    wait_for_exit,
-    worker_defaults,
-)
+from unbroken.control.host.agent import Agent, worker_defaults
+from unbroken.control.host.command import WorkerCommand, WorkerFor
+from unbroken.control.host.processes import WakePipe, WorkerProcess, wait_for_exit
+from unbroken.control.host.spares import check_spares
+from unbroken.control.host.supervisor import POLL_S, STOP_GRACE_S
 from unbroken.control.launchcheck import launch_warnings
 from unbroken.control.status.progress import ProgressView, describe_error, print_summary
 from unbroken.control.store.connect import bind_listen_socket
 from unbroken.control.store.gateway import TOKEN_ENV, new_token, token_from_env
 from unbroken.core import ckptfiles
-from unbroken.core.config import RecoveryPolicy, Reduction, RunConfig, dump_config, replace
+from unbroken.core.config import RecoveryPolicy, RunConfig, dump_config, replace
 from unbroken.core.failures import COORDINATOR_TARGET, FailureSchedule, build_schedule
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import METRICS_FILE, Quotas, RecordKind, append_records, decode, make, wall_s
-from unbroken.train.hf import worker_imports
+from unbroken.core.records import METRICS_FILE, Quotas, RecordKind, append_records, decode, make
 
 MAX_COORDINATOR_RESTARTS = 10  # a coordinator that keeps dying is a bug, not a fault to ride out
-TRAINER = (sys.executable, "-m", "unbroken.train")  # the built-in trainer's worker
 
 
 @dataclass(frozen=True)
@@ -61,10 +55,10 @@ class LaunchPlan:
     workers: int
     resume: bool
     sock: socket.socket
-    command: tuple[str, ...]  # what each worker runs: the trainer, or a user's script and its arguments
+    worker: WorkerCommand  # what each worker runs: the trainer, or a user's script and its arguments
     host: str = "127.0.0.1"
     restart_after_s: float = 0.0  # restart a worker that died (scheduled or not) after this long; 0 = never
-    spares: int = 0  # warm spares kept ready beside the workers (control.agent)
+    spares: int = 0  # warm spares kept ready beside the workers (control.host.spares)
 
 
 def default_run_dir(config_name: str) -> Path:
@@ -78,13 +72,13 @@ def plan_launch(
     resume: bool,
     host: str,
     port: int,
-    command: tuple[str, ...] = TRAINER,
+    worker_for: WorkerFor,
     validate: Callable[[RunConfig, Path, bool], RunConfig | None] | None = None,
     spares: int = 0,
 ) -> LaunchPlan:
     """Validate the launch (``validate`` checks what the workers will run: the trainer's data and model, and
     may return the config with what it learnt, e.g. prepared data's vocabulary); raises ValueError (one line)
-    and writes nothing if anything is wrong."""
+    and writes nothing if anything is wrong. Each worker runs ``worker_for(the resolved config)``."""
     if workers < 1:
         raise ValueError(f"--workers = {workers} must be >= 1")
     ReplicaLayout.of(cfg.parallel).replicas_in(workers)  # whole replicas only
@@ -118,7 +112,7 @@ def plan_launch(
     except BaseException:
         sock.close()
         raise
-    return LaunchPlan(cfg, run_dir, workers, resume, sock, tuple(command), host, f.mttr_s, spares)
+    return LaunchPlan(cfg, run_dir, workers, resume, sock, worker_for(cfg), host, f.mttr_s, spares)
 
 
 class Launcher:
@@ -161,22 +155,20 @@ class Launcher:
         self.coordinator_kills = sorted(e.step for e in schedule.events if e.targets_coordinator)
         self.agent = Agent(
             list(range(plan.workers)),
-            plan.command,
+            plan.worker,
             env,
             self.run_dir / "logs",
             plan.restart_after_s,
             injections=bool(schedule.events),
             layout=ReplicaLayout.of(self.cfg.parallel),
             spares=plan.spares,
-            fold_kernels=self.cfg.recovery.reduction is Reduction.EXACT,
-            preload=worker_imports(self.cfg.model.hf_config) if plan.command == TRAINER else (),
             heartbeat_timeout_s=self.cfg.comm.heartbeat_timeout_s,
             news_relay=self.cfg.coordinator.news_relay,
             heartbeats=self.cfg.comm.heartbeats,
             heartbeat_interval_s=self.cfg.comm.heartbeat_interval_s,
         )
         self.console = ConsoleRelay()  # what the group's leader prints, shown here (every worker's is in its log)
-        self.agent.console = self.console
+        self.agent.supervisor.console = self.console
 
     @property
     def workers(self) -> dict[int, WorkerProcess]:
@@ -185,7 +177,13 @@ class Launcher:
     # -- processes ----------------------------------------------------------------------------------
     def start_coordinator(self, restore: bool = False) -> None:
         self.coordinator, address = spawn_coordinator(
-            self.sock, self.run_dir, len(self.agent.alive_ids()), self.resume, self.env, restore, self.agent.zygote
+            self.sock,
+            self.run_dir,
+            len(self.agent.alive_ids()),
+            self.resume,
+            self.env,
+            restore,
+            self.agent.starter.zygote,
         )
         self.agent.connect(address, self.token)
 
@@ -223,7 +221,7 @@ class Launcher:
         assert self.coordinator is not None
         how = self.coordinator.returncode
         self.coordinator_restarts += 1
-        self.agent.store = None
+        self.agent.link.store = None
         self.start_coordinator(restore=True)
         progress.note(f"the coordinator died (status {how}); a new one took over at the same address")
         return True
@@ -244,7 +242,7 @@ class Launcher:
         self._failures_seen += sum(1 for r in records if r.get("type") == RecordKind.FAILURE)
         self._final_seen = self._final_seen or any(r.get("type") == RecordKind.FINAL for r in records)
         self._stopped_seen = self._stopped_seen or any(r.get("type") == RecordKind.STOPPED for r in records)
-        self.agent.finished = self._final_seen
+        self.agent.supervisor.finished = self._final_seen
         return records
 
     def _show(self, progress: ProgressView) -> None:
@@ -348,7 +346,7 @@ class Launcher:
         self.sock.close()
         self.sock = bind_listen_socket(self.plan.host, 0)
         self.resume = True
-        self.agent.reported = set(self.agent.down)
+        self.agent.supervisor.reported = set(self.agent.supervisor.down)
         self.start_coordinator()
         self.agent.start_all()
         alive = self.agent.alive_ids()
@@ -359,7 +357,7 @@ class Launcher:
     def _needs_restart(self) -> bool:
         if self.cfg.recovery.policy is not RecoveryPolicy.RESTART:
             return False
-        exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.agent.down)
+        exited = any(p.poll() not in (None, 0) for w, p in self.workers.items() if w not in self.agent.supervisor.down)
         return self._failures_seen > self.failures_handled or exited
 
     def _on_sigint(self, _signum: int, _frame: object) -> None:
@@ -412,7 +410,7 @@ class Launcher:
             return 1
         if self.show_summary:
             records = self._earlier + self._records
-            print_summary(self.run_dir, records, wall_s(self._records), self.cfg.train.steps)
+            print_summary(self.run_dir, records, self.cfg.train.steps)
         if not done:
             print(f"unbroken: the run did not finish; see {self.run_dir / 'logs'}", file=sys.stderr)
             for wid in sorted(self.workers):

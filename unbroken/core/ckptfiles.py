@@ -2,14 +2,14 @@
 
 Owns the file layout of ``RUN_DIR/checkpoints/``: ``step_<N>.pt`` (the encoded state: bytes whose meaning is
 ``ft.checkpoint``'s) and ``step_<N>.json``, its manifest (format, step, file, bytes, sha256, time). Both are
-written to a temporary file named after the writing process, fsynced and renamed, the manifest last, so a
-checkpoint is either complete and verifiable or ignored. Pure Python: the launcher and the per-host agent
-verify checkpoints without torch.
+sealed by ``core.atomic`` (written to a temporary file named after the writing process, fsynced, renamed, the
+folder fsynced), the manifest last, so a checkpoint is either complete and verifiable or ignored. Pure Python:
+the launcher and the per-host agent verify checkpoints without torch.
 
 A replica of several ranks writes a *sharded* checkpoint instead: the directory ``step_<N>.dcp/`` (its files
-are ``ft.distcp``'s), written as ``step_<N>.dcp.<tag>.tmp/``, sealed (every file fsynced, the directory
-renamed into place) and then named by the same manifest, which lists every file's size and sha256 (``dir``,
-``files``) instead of one file's.
+are ``ft.distcp``'s), written as ``step_<N>.dcp.<tag>.tmp/``, sealed (``core.atomic.seal_folder``: every file
+fsynced, the directory renamed into place) and then named by the same manifest, which lists every file's size
+and sha256 (``dir``, ``files``) instead of one file's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+
+from unbroken.core.atomic import SealedFile, seal_folder, sealed
 
 MANIFEST_FORMAT = 2
 
@@ -34,32 +36,21 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, data: bytes, midway: Callable[[], None] | None = None) -> None:
-    """Write ``data`` to ``path`` through a temporary file of this process, fsync it, rename it into place.
-    ``midway`` (failure injection) is called with half of the data written."""
-    _write_through_temporary(path, lambda sink: sink.write(data), midway, len(data) // 2)
+    """Write ``data`` to ``path`` through a temporary file of this process, fsync it, rename it into place, fsync
+    the folder. ``midway`` (failure injection) is called with half of the data written."""
+    _write_through_temporary(path, lambda sink: sink.write(data), midway, len(data) // 2, sync_dir=True)
 
 
 def _write_through_temporary(
-    path: Path, write: Callable[[_Sink], Any], midway: Callable[[], None] | None, midway_at: int
+    path: Path, write: Callable[[_Sink], Any], midway: Callable[[], None] | None, midway_at: int, sync_dir: bool
 ) -> _Sink:
-    """``write(sink)`` into a temporary file of this process, fsync it, rename it to ``path``; returns the sink
-    (the size and sha256 of what was written)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers never share a half-written file
-    with open(tmp, "wb") as f:
+    """``write(sink)`` into a temporary file of this process, fsync it, rename it to ``path`` (then fsync the folder
+    if ``sync_dir``); returns the sink (the size and sha256 of what was written)."""
+    # Named after the process: two writers never share a half-written file, and ``clean_partial`` knows its own.
+    with sealed(path, path.with_name(f"{path.name}.{os.getpid()}.tmp"), sync_dir) as f:
         sink = _Sink(f, midway, midway_at)
         write(sink)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return sink
 
 
@@ -67,7 +58,7 @@ class _Sink:
     """The file a checkpoint is streamed into: counts and hashes what passes (the manifest's size and sha256),
     and calls ``midway`` (failure injection) once, with ``midway_at`` bytes written."""
 
-    def __init__(self, f: BinaryIO, midway: Callable[[], None] | None, midway_at: int) -> None:
+    def __init__(self, f: SealedFile, midway: Callable[[], None] | None, midway_at: int) -> None:
         self._f = f
         self._midway = midway
         self._midway_at = midway_at
@@ -111,7 +102,8 @@ def write_checkpoint_stream(
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     data_path = checkpoint_path(run_dir, step)
-    sink = _write_through_temporary(data_path, write, midway, midway_at)
+    # The folder is fsynced once, by the manifest's write (the same folder: both renames are made durable then).
+    sink = _write_through_temporary(data_path, write, midway, midway_at, sync_dir=False)
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,
@@ -121,7 +113,6 @@ def write_checkpoint_stream(
         "time": time.time(),
     }
     write_atomic(data_path.with_suffix(".json"), json.dumps(manifest, indent=1).encode())
-    _fsync_dir(directory)
     prune(directory, keep)
     return data_path
 
@@ -158,20 +149,14 @@ def seal_directory(run_dir: Path, step: int, temp: Path, keep: int) -> Path:
     checkpoints. Returns the directory."""
     entries: dict[str, dict[str, int | str]] = {}
     for path in sorted(p for p in temp.iterdir() if p.is_file()):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
         entries[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256_of(path)}
-    _fsync_dir(temp)
     final = sharded_path(run_dir, step)
     if final.exists():  # a writer that died after renaming but before the manifest: never verified, replaced
         shutil.rmtree(final)
-    os.replace(temp, final)
-    directory = checkpoint_dir(run_dir)
-    _fsync_dir(directory)
+    seal_folder(temp, final)
     manifest = {"format": MANIFEST_FORMAT, "step": step, "dir": final.name, "files": entries, "time": time.time()}
     write_atomic(checkpoint_path(run_dir, step).with_suffix(".json"), json.dumps(manifest, indent=1).encode())
-    _fsync_dir(directory)
-    prune(directory, keep)
+    prune(checkpoint_dir(run_dir), keep)
     return final
 
 

@@ -25,6 +25,7 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.atomic import write_sealed
 from unbroken.core.records import RecordKind, append_records, make
 
 FLAVOURS = ("tiny", "small", "60m", "130m", "350m", "1b", "7b")  # core.flavours.FLAVOURS (test_model checks)
@@ -695,9 +696,7 @@ def _toml_value(value: Any) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_sealed(path, text.encode(), path.with_suffix(".toml.tmp"))
 
 
 def dump_config(cfg: RunConfig, out_dir: str | os.PathLike[str]) -> Path:

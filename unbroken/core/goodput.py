@@ -1,11 +1,12 @@
 """Goodput: committed tokens per second of the run's wall time, against the ideal, and where the rest went.
 
-Owns the one definition, computed from the metrics records alone (so the summary, the status page, the
-periodic ``goodput`` record and ``unbroken report`` agree, and any finished run can be accounted again):
+Owns the one account, computed from the run's facts (``core.runfacts``: its records folded once, the same facts
+the summary, the status view and ``unbroken report`` read), so any finished run can be accounted again; the
+coordinator's periodic ``goodput`` record is the account so far (``Tracker``):
 
-- **wall**: each session's span, first record to last (``records.wall_s``), plus the time a restart-policy
+- **wall**: ``RunFacts.wall_s``: each session's span, first record to last, plus the time a restart-policy
   relaunch spent between its sessions (the job was down, not finished).
-- **goodput**: the tokens of committed steps (each step once) per second of wall.
+- **goodput**: the run's tokens (``RunFacts.tokens``: committed steps, each once) per second of wall.
 - **ideal**: the failure-free rate of the configuration: the median tokens over the median step time of the
   *clean* steps (committed, every worker of the run up, no recovery, no recomputed microbatch, no overflow redo,
   not a session's first), each without its wait for a member slower than the median member (``slow`` below),
@@ -30,15 +31,18 @@ taken in full):
   included): the recovery durations the records measured inside it, in full: ``detection`` (a failure
   record's ``detection_s``: from a delivered kill to its declaration; unknown for a kill from outside),
   ``reformation`` (each recovery's ``reform_s``) and ``transfer`` (state sent to joiners: a join's
-  ``time_recovered - time_reformed``); then ``slow``, up to what is left: the wait for the slowest member
+  ``time_recovered`` less the later of its ``time_reformed`` and the interval's start: a joiner's group formed
+  ahead, while the survivors still computed the step before, waits for that step's end, and that wait is the
+  step's own time, not the transfer's); then ``slow``, up to what is left: the wait for the slowest member
   beyond the median member (each member's quota times its seconds per microbatch, from the step record);
   then all that is left to ``recompute`` if the step recomputed lost microbatches, ``nonfinite`` if it redid
   microbatches after an overflow, ``workers_down`` if fewer workers than the run's full strength computed it,
   else ``unattributed``. Measured durations that overdraw the step's excess (they overlapped the survivors'
   own work) come off ``unattributed``.
 
-``unattributed`` is what no record explains (noise between steps of the same kind, which can be negative:
-steps faster than the median); its share of the badput says how much of the account to trust.
+``unattributed`` is what no record explains: steps of the same kind slower or faster than the median one (on a
+loaded machine the step times are skewed: their mean lies above their median, and that surplus is unattributed),
+and gaps between steps beyond the cadence; its share of the badput says how much of the account to trust.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from unbroken.core.records import RecordKind, is_join, sessions
+from unbroken.core.records import RecordKind
+from unbroken.core.runfacts import Mark, RunFacts, Step, kind_of
 
 
 class Bucket(StrEnum):
@@ -134,10 +139,6 @@ class Goodput:
         )
 
 
-def _number(x: Any) -> float | None:
-    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else None
-
-
 class _Ledger:
     """Seconds by bucket."""
 
@@ -166,204 +167,167 @@ class _Ledger:
         self.buckets[rest if left >= 0 else Bucket.UNATTRIBUTED] += left
 
 
-def _slow_wait(step: Mapping[str, Any]) -> float:
-    """The seconds the step waited for its slowest member beyond the median member: each member's microbatches
-    (``quotas``) times its seconds per microbatch (``speeds``)."""
-    if (kept := _number(step.get("slow_wait_s"))) is not None:
-        return kept  # a Tracker's slim copy of the record
-    quotas, speeds = step.get("quotas") or {}, step.get("speeds") or {}
-    busy = []
-    for worker, quota in quotas.items():
-        count, per_microbatch = _number(quota), _number(speeds.get(worker))
-        if count is not None and per_microbatch is not None:
-            busy.append(count * per_microbatch)
-    return max(busy) - statistics.median(busy) if len(busy) > 1 else 0.0
-
-
 class _Timeline:
-    """Records by time, for the records inside an interval (half-open: ``start < time <= stop``)."""
+    """A session's marks by time, for those inside an interval (half-open: ``start < time <= stop``)."""
 
-    def __init__(self, records: Iterable[Mapping[str, Any]]) -> None:
-        timed = sorted(((t, i, r) for i, r in enumerate(records) if (t := _number(r.get("time"))) is not None))
-        self.times = [t for t, _, _ in timed]
-        self.records = [r for _, _, r in timed]
+    def __init__(self, marks: Iterable[Mark]) -> None:
+        self.marks = sorted(marks, key=lambda m: m.time)  # stable: records of the same time keep the file's order
+        self.times = [m.time for m in self.marks]
 
-    def between(self, start: float, stop: float) -> list[Mapping[str, Any]]:
-        return self.records[bisect.bisect_right(self.times, start) : bisect.bisect_right(self.times, stop)]
-
-
-def _timed_steps(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    return [r for r in records if r.get("type") == RecordKind.STEP and _number(r.get("step_time_s")) is not None]
+    def between(self, start: float, stop: float) -> list[Mark]:
+        return self.marks[bisect.bisect_right(self.times, start) : bisect.bisect_right(self.times, stop)]
 
 
-def _is_clean(step: Mapping[str, Any], full: int) -> bool:
-    return (
-        bool(step.get("committed", True))
-        and not step.get("skipped")
-        and not step.get("recoveries")
-        and not step.get("recomputed")
-        and not step.get("overflow_redos")
-        and int(step.get("alive", 0)) == full
-    )
+def _is_clean(step: Step, full: int) -> bool:
+    return step.committed and not (step.recoveries or step.recomputed or step.overflow_redos) and step.alive == full
 
 
-def account(records: Iterable[Mapping[str, Any]]) -> Goodput:
-    """The goodput account of ``records`` (a run's metrics records, every session, in file order)."""
-    records = [r for r in records if isinstance(r, Mapping)]
-    final: dict[int, Mapping[str, Any]] = {}
-    for r in _timed_steps(records):
-        final[int(r["step"])] = r  # a step's last record is the one that counts (as ``records.committed_steps``)
-    committed = [r for r in final.values() if r.get("committed", True) and not r.get("skipped")]
-    counted = {id(r) for r in committed}
-    tokens = sum(int(r.get("tokens", 0)) for r in committed)
-    # A step known only from a republished record (its leader did not take part in its commit, or died before
-    # publishing it: the record has no tokens or timing of its own) committed as usual: the run's usual tokens
-    # per step, less what it dropped.
-    untimed = {
-        int(r["step"]): r
-        for r in records
-        if r.get("type") == RecordKind.STEP and r.get("republished") and int(r["step"]) not in final
-    }
-    untimed_tokens: list[tuple[float, int]] = []  # (when it was recorded, its tokens)
-    if committed and untimed:
-        usual = statistics.median(int(r.get("tokens", 0)) for r in committed)
-        for r in untimed.values():
-            if r.get("committed", True) and not r.get("skipped"):
-                m = int(r.get("microbatches") or 1)
-                untimed_tokens.append((float(r["time"]), round(usual * (m - int(r.get("dropped") or 0)) / m)))
-        tokens += sum(n for _, n in untimed_tokens)
-    full = max((int(r.get("alive", 0)) for r in final.values()), default=0)
+def _time(step: Step) -> float:
+    return float(step.time)  # type: ignore[arg-type]  # a timed step's
 
-    # The sessions' timelines, and the steps of each in commit order.
-    runs = [(_Timeline(session), session) for session in sessions(records)]
-    runs = [(t, session) for t, session in runs if t.times]
-    ordered = [sorted(_timed_steps(session), key=lambda r: float(r["time"])) for _, session in runs]
-    # The cadence: the usual time from one commit to the next step's start (publishing, the data of the next
-    # step), the median over the gaps in which nothing else was recorded. Part of every step's ideal.
-    quiet: list[float] = []
-    clean: list[Mapping[str, Any]] = []
-    for (timeline, _), steps in zip(runs, ordered, strict=True):
-        for before, r in zip(steps, steps[1:], strict=False):
-            start = float(r["time"]) - float(r["step_time_s"])
-            if all(x.get("type") == RecordKind.STEP for x in timeline.between(float(before["time"]), start)):
-                quiet.append(max(0.0, start - float(before["time"])))
-            if id(r) in counted and _is_clean(r, full):
-                clean.append(r)  # not a session's first step: its time holds the warm-up (``start``)
-    cadence = statistics.median(quiet) if quiet else 0.0
-    clean = clean or committed
-    # A clean step's time without its wait for a member slower than the median one: a slow worker is not ideal.
-    balanced = [float(r["step_time_s"]) - min(_slow_wait(r), float(r["step_time_s"])) for r in clean]
-    ideal_step = statistics.median(balanced) + cadence if clean else math.nan
-    ideal_tokens = statistics.median(r.get("tokens", 0) for r in clean) if clean else 0
-    ideal_rate = ideal_tokens / ideal_step if clean and ideal_step > 0 else math.nan
-    per_token = 1.0 / ideal_rate if ideal_rate > 0 else 0.0  # (nan > 0 is False: then every step is excess)
 
-    def productive(begin: float, end: float) -> float:
+def _start(step: Step) -> float:
+    return float(step.time) - float(step.step_time_s)  # type: ignore[arg-type]  # a timed step's
+
+
+class _Account:
+    """The walk over a run's sessions (``account``): the ideal first, then every interval of every session."""
+
+    def __init__(self, facts: RunFacts) -> None:
+        self.facts = facts
+        timed = [s for s in facts.steps.values() if s.step_time_s is not None and s.time is not None]
+        self.counted = {id(s) for s in timed if s.committed}  # a step's last record: the attempt that counts
+        self.full = max((s.alive for s in timed), default=0)
+        self.untimed = facts.untimed_tokens()
+        self.runs = [  # each session with a time, its marks, and its timed steps in commit order
+            (session, _Timeline(session.marks), sorted((s for s in session.steps if s.time is not None), key=_time))
+            for session in facts.sessions
+            if session.begin is not None
+        ]
+        self.cadence, clean = self._cadence()
+        clean = clean or [s for s in timed if s.committed]
+        # A clean step's time without its wait for a member slower than the median one: a slow worker is not ideal.
+        balanced = [s.step_time_s - min(s.slow_wait_s, s.step_time_s) for s in clean]  # type: ignore[operator]
+        self.ideal_step = statistics.median(balanced) + self.cadence if clean else math.nan
+        ideal_tokens = statistics.median(s.tokens for s in clean) if clean else 0
+        self.ideal_rate = ideal_tokens / self.ideal_step if clean and self.ideal_step > 0 else math.nan
+        self.per_token = 1.0 / self.ideal_rate if self.ideal_rate > 0 else 0.0  # (nan > 0 is False: all excess)
+        self.ledger = _Ledger()
+
+    def _cadence(self) -> tuple[float, list[Step]]:
+        """The usual time from one commit to the next step's start (publishing, the data of the next step), the
+        median over the gaps in which nothing else was recorded, part of every step's ideal; and the clean steps
+        (never a session's first: its time holds the warm-up)."""
+        quiet: list[float] = []
+        clean: list[Step] = []
+        for _, timeline, steps in self.runs:
+            for before, s in zip(steps, steps[1:], strict=False):
+                if not timeline.between(before.time, _start(s)):  # type: ignore[arg-type]
+                    quiet.append(max(0.0, _start(s) - before.time))  # type: ignore[operator]
+                if id(s) in self.counted and _is_clean(s, self.full):
+                    clean.append(s)
+        return (statistics.median(quiet) if quiet else 0.0), clean
+
+    def productive(self, begin: float, end: float) -> float:
         """The ideal time of the untimed steps recorded in (begin, end]: productive, not a gap's badput."""
-        return sum(n for t, n in untimed_tokens if begin < t <= end) * per_token
+        return sum(n for t, n in self.untimed if begin < t <= end) * self.per_token
 
-    members = {int(r["epoch"]): list(r["members"]) for r in records if r.get("type") == RecordKind.MEMBERSHIP}
-    events = _Timeline(r for r in records if r.get("type") in (RecordKind.FAILURE, RecordKind.RECOVERY))
+    def run(self) -> Goodput:
+        previous_end: float | None = None
+        for n, (session, timeline, steps) in enumerate(self.runs):
+            begin, end = float(session.begin), float(session.end)  # type: ignore[arg-type]
+            if session.relaunch and previous_end is not None and begin > previous_end:
+                self.ledger.buckets[Bucket.RESTART] += begin - previous_end  # the job was down, restarting
+            previous_end = end
+            opening = Bucket.RESTART if session.relaunch else Bucket.START
+            cursor = self._steps(timeline, steps, begin, opening)
+            if n + 1 < len(self.runs) and self.runs[n + 1][0].relaunch:  # it ended in a failure and a relaunch
+                self.ledger.split(end - cursor - self.productive(cursor, end), [], Bucket.RESTART)
+            else:
+                _gap(self.ledger, timeline.between(cursor, end), end - cursor - self.productive(cursor, end), cursor)
+        f = self.facts
+        return Goodput(f.wall_s, f.tokens, self.ideal_step, self.ideal_rate, self.ledger.buckets, self.cadence)
 
-    ledger = _Ledger()
-    wall = 0.0
-    previous_end: float | None = None
-    relaunches = [any(r.get("type") == RecordKind.RESTART for r in session) for _, session in runs]
-    for n, ((timeline, _), steps) in enumerate(zip(runs, ordered, strict=True)):
-        begin, end = timeline.times[0], timeline.times[-1]
-        relaunch = relaunches[n]
-        relaunched = n + 1 < len(runs) and relaunches[n + 1]  # this session ended in a failure and a restart
-        opening = Bucket.RESTART if relaunch else Bucket.START
-        wall += end - begin
-        if relaunch and previous_end is not None and begin > previous_end:
-            wall += begin - previous_end  # the job was down between the two sessions, restarting
-            ledger.buckets[Bucket.RESTART] += begin - previous_end
-        previous_end = end
-        cursor = begin
-        for k, r in enumerate(steps):
-            seconds, stop = float(r["step_time_s"]), float(r["time"])
+    def _steps(self, timeline: _Timeline, steps: list[Step], cursor: float, opening: Bucket) -> float:
+        """A session's steps and the gaps before them; the time of its last commit."""
+        for k, s in enumerate(steps):
+            seconds, stop = float(s.step_time_s), float(s.time)  # type: ignore[arg-type]
             start = stop - seconds
             if k == 0:
-                ledger.split(start - cursor - productive(cursor, start), [], opening)
+                self.ledger.split(start - cursor - self.productive(cursor, start), [], opening)
                 usual = 0.0
             else:
-                usual = min(max(0.0, start - cursor), cadence)
-                gap = start - cursor - usual - productive(cursor, start)
-                _gap(ledger, timeline.between(cursor, start), gap, members)
+                usual = min(max(0.0, start - cursor), self.cadence)
+                gap = start - cursor - usual - self.productive(cursor, start)
+                _gap(self.ledger, timeline.between(cursor, start), gap, cursor)
             cursor = stop
-            seconds -= productive(start, stop)  # an untimed step recorded while this one ran
-            if r.get("skipped") or not r.get("committed", True):
-                ledger.split(seconds + usual, [], Bucket.NONFINITE)
-            elif id(r) not in counted:  # computed again later (after a restart or resume): this attempt is lost
-                ledger.split(seconds + usual, [], Bucket.RESTART)
+            seconds -= self.productive(start, stop)  # an untimed step recorded while this one ran
+            if not s.committed:
+                self.ledger.split(seconds + usual, [], Bucket.NONFINITE)
+            elif id(s) not in self.counted:  # computed again later (after a restart or resume): this attempt is lost
+                self.ledger.split(seconds + usual, [], Bucket.RESTART)
             else:
-                excess = seconds + usual - r.get("tokens", 0) * per_token
+                excess = seconds + usual - s.tokens * self.per_token
                 if k == 0:
-                    ledger.split(excess, [], opening)  # the first step's warm-up
+                    self.ledger.split(excess, [], opening)  # the first step's warm-up
                 else:
-                    _step(ledger, r, excess, full, events.between(start, stop), members)
-        if relaunched:
-            ledger.split(end - cursor - productive(cursor, end), [], Bucket.RESTART)
-        else:
-            _gap(ledger, timeline.between(cursor, end), end - cursor - productive(cursor, end), members)
-    return Goodput(wall, tokens, ideal_step, ideal_rate, ledger.buckets, cadence)
+                    _step(self.ledger, s, excess, self.full, timeline.between(start, stop), start)
+        return cursor
 
 
-def _gap(ledger: _Ledger, inside: list[Mapping[str, Any]], length: float, members: dict[int, list[int]]) -> None:
-    """The time between two steps of a session, or after its last, with the records written in it (a recovery
-    between two steps, a join's above all, is measured here as inside a step)."""
-    kinds = {r.get("type") for r in inside}
-    checkpoint = sum(_number(r.get("seconds")) or 0.0 for r in inside if r.get("type") == RecordKind.CHECKPOINT)
-    lost = RecordKind.COORDINATOR_LOST in kinds or any(
-        r.get("type") == RecordKind.COORDINATOR and r.get("restored_epoch") for r in inside
-    )
+def account(source: RunFacts | Iterable[Mapping[str, Any]]) -> Goodput:
+    """The goodput account of a run: its facts (``core.runfacts``), or its metrics records (every session, in
+    file order)."""
+    facts = source if isinstance(source, RunFacts) else RunFacts.of(source)
+    return _Account(facts).run()
+
+
+def _gap(ledger: _Ledger, inside: list[Mark], length: float, begin: float) -> None:
+    """The time between two steps of a session, or after its last, from ``begin`` on, with the marks in it (a
+    recovery between two steps, a join's above all, is measured here as inside a step)."""
+    kinds = {m.kind for m in inside}
+    checkpoint = sum(m.seconds for m in inside if m.kind is RecordKind.CHECKPOINT)
+    lost = any(m.lost for m in inside)
     rest = Bucket.COORDINATOR if lost else Bucket.EVALUATION if RecordKind.EVAL in kinds else Bucket.UNATTRIBUTED
-    events = [r for r in inside if r.get("type") in (RecordKind.FAILURE, RecordKind.RECOVERY)]
-    ledger.split(length, [(Bucket.CHECKPOINT, checkpoint)], rest, _measured(events, members))
+    ledger.split(length, [(Bucket.CHECKPOINT, checkpoint)], rest, _measured(inside, begin))
 
 
-def _measured(events: list[Mapping[str, Any]], members: dict[int, list[int]]) -> list[tuple[Bucket, float]]:
-    """What the failures and recoveries among ``events`` measured: detection (a delivered kill's), each
-    re-formation, and a join's state transfer."""
+def _measured(marks: list[Mark], begin: float) -> list[tuple[Bucket, float]]:
+    """What the failures and recoveries among the ``marks`` of an interval from ``begin`` on measured: detection
+    (a delivered kill's), each re-formation, and a join's state transfer from the later of its group's formation
+    and ``begin`` (a group formed ahead, while the survivors still computed the step before, waited for that
+    step's end, which is that step's time)."""
     measured: list[tuple[Bucket, float]] = []
-    for r in events:
-        if r.get("type") == RecordKind.FAILURE:
-            measured.append((Bucket.DETECTION, _number(r.get("detection_s")) or 0.0))  # known for a delivered kill
-        else:
-            measured.append((Bucket.REFORMATION, _number(r.get("reform_s")) or 0.0))
-            if is_join(r, members) and r.get("state_bytes"):
-                formed, recovered = _number(r.get("time_reformed")), _number(r.get("time_recovered"))
-                if formed is not None and recovered is not None:
-                    measured.append((Bucket.TRANSFER, recovered - formed))
+    for m in marks:
+        if m.kind is RecordKind.FAILURE:
+            measured.append((Bucket.DETECTION, m.seconds))
+        elif m.kind is RecordKind.RECOVERY:
+            measured.append((Bucket.REFORMATION, m.seconds))
+            if m.transfer is not None:
+                formed, received = m.transfer
+                measured.append((Bucket.TRANSFER, received - max(formed, begin)))
     return measured
 
 
-def _step(
-    ledger: _Ledger,
-    step: Mapping[str, Any],
-    excess: float,
-    full: int,
-    events: list[Mapping[str, Any]],
-    members: dict[int, list[int]],
-) -> None:
+def _step(ledger: _Ledger, step: Step, excess: float, full: int, marks: list[Mark], start: float) -> None:
     """A committed step's time beyond its ideal (``excess``, negative for a step faster than the median), with
     the failures and recoveries inside it."""
-    measured = _measured(events, members)
-    if step.get("recomputed"):
+    if step.recomputed:
         rest = Bucket.RECOMPUTE
-    elif step.get("overflow_redos"):
+    elif step.overflow_redos:
         rest = Bucket.NONFINITE
-    elif int(step.get("alive", full)) < full:
+    elif step.alive < full:
         rest = Bucket.WORKERS_DOWN
     else:
         rest = Bucket.UNATTRIBUTED
-    ledger.split(excess, [(Bucket.SLOW, _slow_wait(step))], rest, measured)
+    ledger.split(excess, [(Bucket.SLOW, step.slow_wait_s)], rest, _measured(marks, start))
 
 
 class Tracker:
-    """The live account: the run's records so far, and a ``goodput`` record's fields every ``every`` committed
-    steps (the coordinator writes it; ``every`` 0: never). Each account reads every record kept (the step
-    records and the few others it needs), so a record every ``every`` steps costs O(steps) each time."""
+    """The live account: the run's records so far folded (``core.runfacts``), and a ``goodput`` record's fields
+    every ``every`` committed steps (the coordinator writes it; ``every`` 0: never). It folds only the kinds the
+    account reads (``KINDS``); each account walks every step folded, so a record every ``every`` steps costs
+    O(steps) each time."""
 
     KINDS = frozenset(
         {
@@ -381,28 +345,22 @@ class Tracker:
         }
     )
 
-    # What the account reads of a step record: the members' quotas and speeds (as many as there are members, at
-    # every step) are kept as the one number they give (the wait for the slowest member).
-    STEP_FIELDS = ("type", "time", "step", "step_time_s", "tokens", "alive", "committed", "skipped", "recoveries")
-    STEP_FIELDS += ("recomputed", "overflow_redos", "republished")
-
     def __init__(self, every: int, records: Iterable[Mapping[str, Any]] = ()) -> None:
         self.every = every
-        self.records: list[Mapping[str, Any]] = []
+        self.facts = RunFacts()
         self.committed = 0
         for r in records:
             self.add(r, replaying=True)
 
     def add(self, record: Mapping[str, Any], replaying: bool = False) -> dict[str, Any] | None:
-        """Keep ``record``; the fields of a ``goodput`` record when one is due (never while ``replaying``)."""
-        if record.get("type") not in self.KINDS:
+        """Fold ``record``; the fields of a ``goodput`` record when one is due (never while ``replaying``)."""
+        kind = kind_of(record)
+        if kind not in self.KINDS:
             return None
-        if record.get("type") == RecordKind.STEP:
-            record = {**{k: record[k] for k in self.STEP_FIELDS if k in record}, "slow_wait_s": _slow_wait(record)}
-        self.records.append(record)
-        if record.get("type") != RecordKind.STEP or not record.get("committed") or record.get("republished"):
+        self.facts.add(record)
+        if kind is not RecordKind.STEP or not record.get("committed") or record.get("republished"):
             return None
         self.committed += 1
         if self.every <= 0 or self.committed % self.every or replaying:
             return None
-        return {"step": record.get("step"), **account(self.records).fields()}
+        return {"step": record.get("step"), **account(self.facts).fields()}

@@ -14,7 +14,9 @@ done, which is the step the run continues at. One file holds every session of a 
 restart-policy relaunch appends to it, starting at a ``coordinator`` record with ``restored_epoch`` 0
 (``sessions``; a resume that changed the config writes a ``config_change`` record just before it); steps
 trained again after a resume are recorded again, and ``committed_steps`` counts each step once (its last
-record). ``is_join`` tells a re-formation that admitted workers from a recovery.
+record). ``is_join`` tells a re-formation that admitted workers from a recovery. What a run's records say (its
+steps, sessions and wall time, failures, joins, goodput) is read once, by ``core.runfacts``; compare records by
+``RecordKind``, never by a string.
 """
 
 from __future__ import annotations
@@ -400,16 +402,6 @@ def sessions(records: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
                 out[-1] = head
         out[-1].append(r)
     return out if out[0] else []
-
-
-def wall_s(records: Iterable[dict[str, Any]]) -> float:
-    """The wall time of the records: for each session, from its first record (its coordinator's start) to its
-    last, summed (the time between sessions, when nothing ran, is not counted)."""
-    total = 0.0
-    for session in sessions(records):
-        times = [r["time"] for r in session if isinstance(r.get("time"), int | float)]
-        total += max(times) - min(times) if times else 0.0
-    return total
 
 
 def is_join(recovery: Mapping[str, Any], members: Mapping[int, Collection[int]]) -> bool:

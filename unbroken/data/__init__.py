@@ -1,10 +1,12 @@
-"""Data at scale: ``unbroken prepare`` and memory-mapped reading of prepared corpora.
+"""Data: ``unbroken prepare``, the text cache of ``unbroken train``, and reading either in place.
 
-Modules, one concern each (``prepare`` and ``reader`` are the entry points):
+Modules, one concern each (``corpus``, ``prepare`` and ``reader`` are the entry points):
 
+- ``corpus``: a ``[data]`` section's corpus and samplers (``open_corpus``, ``train_sampler``, ``eval_sampler``).
+- ``textcache``: text for ``unbroken train``, tokenized once into a cache entry (the split, the entry).
 - ``prepare``: the preparation: parallel, resumable tokenization into shards.
 - ``command``: the ``unbroken prepare`` command line (``run_prepare``, ``add_arguments``).
-- ``sources``: naming the input files and streaming their documents in pieces.
+- ``sources``: naming the input files and streaming their documents in pieces (every text source's reader).
 - ``tokenizer``: finding, loading or training the tokenizer; id type; fingerprint.
 - ``encode``: text to ids, in a tokenizing process.
 - ``shards``: the shard files, the index and the journal of a preparation.
@@ -13,19 +15,24 @@ Modules, one concern each (``prepare`` and ``reader`` are the entry points):
 - ``progress``: the progress bar or lines of a preparation.
 - ``stream``: a view of ids across files, read in place (positional reads, or memory maps).
 - ``reader``: opening prepared data (any of the formats), checking it, and the train/validation split.
-- ``sampler``: deterministic training and validation microbatches of prepared data.
+- ``sampler``: deterministic training and validation microbatches.
 
-Nothing here imports torch except ``sampler``; ``prepare`` runs without it.
+Nothing here imports torch except ``sampler`` (and ``corpus``, which returns samplers); ``prepare`` runs
+without it. Files are sealed (written whole or not at all) by ``core.atomic``.
 
-A training script of its own reads prepared data with ``open_prepared`` (the corpus, split, read in place),
-``PreparedMicrobatchSampler`` (``microbatch(step, id)``: a pure function of the seed, as the built-in trainer
-reads it) and ``EvalSampler`` (fixed validation microbatches), importable from here (lazily: importing the
-package loads neither torch nor numpy).
+A training script of its own reads a ``[data]`` section with ``open_corpus`` (prepared data or text, split,
+read in place) and ``train_sampler`` / ``eval_sampler`` (``microbatch(step, id)``: a pure function of the
+seed, as the built-in trainer reads it); prepared data alone with ``open_prepared``,
+``PreparedMicrobatchSampler`` and ``EvalSampler``. All are importable from here (lazily: importing the package
+loads neither torch nor numpy).
 """
 
 from typing import Any
 
 _PUBLIC = {
+    "open_corpus": "corpus",
+    "train_sampler": "corpus",
+    "eval_sampler": "corpus",
     "open_prepared": "reader",
     "PreparedCorpus": "reader",
     "PreparedMicrobatchSampler": "sampler",

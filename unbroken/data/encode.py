@@ -1,4 +1,5 @@
-"""Tokenizing pieces of text into token ids: the work ``unbroken prepare`` hands to each process.
+"""Tokenizing pieces of text into token ids: the work ``unbroken prepare`` hands to each process, and the text
+cache of ``unbroken train`` does in its own.
 
 Owns one function of text to ids, ``Encoder.encode``, and its worker-process wrapper (``init_worker`` /
 ``encode_in_worker``) for a ``ProcessPoolExecutor``. A worker holds only its tokenizer and the task in hand;

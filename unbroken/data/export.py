@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.core.atomic import fsync_dir
 from unbroken.data.formats import write_llmc, write_megatron, write_nanogpt
-from unbroken.data.shards import JOURNAL, Index, ShardRecord, file_sha256, fsync_dir, write_json_atomic
+from unbroken.data.shards import JOURNAL, Index, ShardRecord, file_sha256, write_json_atomic
 
 MANIFEST = "prepare.json"
 MEGATRON_PREFIX = "text_document"

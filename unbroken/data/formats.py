@@ -14,21 +14,23 @@ code (no code of theirs is used or needed):
   version 7 for uint32 ids; then the number of ids), then the ids.
 
 Readers return ``Segment``s (and, for Megatron, document ends) for the memory-mapped ``TokenStream``;
-writers stream chunks of ids to disk through temporary files renamed into place, holding no corpus in
-memory. Which files make up a dataset, and the train/validation split, belong to ``reader``.
+writers stream chunks of ids to disk through sealed files (``core.atomic``: a temporary file renamed into
+place), holding no corpus in memory. Which files make up a dataset, and the train/validation split, belong
+to ``reader``.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
+from unbroken.core.atomic import SealedFile, sealed
 from unbroken.data.stream import Segment
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -121,6 +123,9 @@ def megatron_doc_start(index: MegatronIndex, k: int) -> int:
 def write_megatron(prefix: Path, chunks: Iterable[tuple[np.ndarray, np.ndarray]], dtype: np.dtype) -> tuple[int, int]:
     """Write ``prefix.bin`` and ``prefix.idx``, one sequence per document; returns (ids, documents).
 
+    Both are sealed (``core.atomic``) once both are written, the ``.idx`` last: a prefix with an ``.idx`` is
+    complete.
+
     Args:
         prefix: the path prefix (Megatron's ``--data-path``).
         chunks: (ids, document ends) pairs in order; the ends are exclusive offsets into the chunk's ids.
@@ -131,66 +136,72 @@ def write_megatron(prefix: Path, chunks: Iterable[tuple[np.ndarray, np.ndarray]]
         ValueError: a document longer than an int32 length allows.
     """
     out_dtype = np.dtype("<u2") if np.dtype(dtype).itemsize == 2 else np.dtype("<i4")
-    code = 8 if out_dtype.itemsize == 2 else 4  # the codes of uint16 and int32
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
-    folder = bin_path.parent
+    folder, tag = bin_path.parent, f"{bin_path.name}-{os.getpid()}"
+    data = SealedFile(bin_path, folder / f".bin-{tag}")
+    lens_path = folder / f".len-{tag}"  # the sequence lengths, until the index is written
+    idx: SealedFile | None = None
+    try:
+        with open(lens_path, "wb") as lens:
+            num_ids, num_seqs = _write_megatron_ids(data, lens, chunks, out_dtype)
+        idx = SealedFile(idx_path, idx_path.with_name(f".{idx_path.name}.tmp-{os.getpid()}"))
+        _write_megatron_index(idx, lens_path, num_seqs, out_dtype)
+        data.seal()
+        idx.seal()  # last: a prefix with an .idx is complete
+    except BaseException:
+        for sink in (data, idx):
+            if sink is not None:
+                sink.discard()
+        raise
+    finally:
+        lens_path.unlink(missing_ok=True)
+    return num_ids, num_seqs
+
+
+def _write_megatron_ids(
+    data: SealedFile, lens: BinaryIO, chunks: Iterable[tuple[np.ndarray, np.ndarray]], out_dtype: np.dtype
+) -> tuple[int, int]:
+    """Stream the ids into ``data`` and one int32 length per document into ``lens``; returns (ids, documents)."""
     num_ids = 0
     num_seqs = 0
     open_len = 0  # ids of the document not yet ended
-    with (
-        tempfile.NamedTemporaryFile("wb", dir=folder, prefix=".bin-", delete=False) as data,
-        tempfile.NamedTemporaryFile("wb", dir=folder, prefix=".len-", delete=False) as lens,
-    ):
-        try:
-            for ids, ends in chunks:
-                data.write(np.asarray(ids).astype(out_dtype, copy=False).tobytes())
-                bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
-                doc_lens = np.diff(bounds)
-                if len(doc_lens):
-                    doc_lens[0] += open_len
-                    open_len = len(ids) - int(bounds[-1])
-                else:
-                    open_len += len(ids)
-                if len(doc_lens) and int(doc_lens.max()) >= 2**31:
-                    raise ValueError(f"a document of {int(doc_lens.max())} ids is too long for a Megatron index")
-                lens.write(doc_lens.astype("<i4").tobytes())
-                num_ids += len(ids)
-                num_seqs += len(doc_lens)
-            if open_len:
-                lens.write(np.array([open_len], dtype="<i4").tobytes())
-                num_seqs += 1
-            for f in (data, lens):
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            for f in (data, lens):
-                Path(f.name).unlink(missing_ok=True)
-            raise
-    idx_tmp = idx_path.with_name(f".{idx_path.name}.tmp-{os.getpid()}")
-    try:
-        with open(idx_tmp, "wb") as f:
-            f.write(_MEGATRON_HEADER.pack(MEGATRON_MAGIC, MEGATRON_VERSION, code, num_seqs, num_seqs + 1))
-            with open(lens.name, "rb") as src:
-                while block := src.read(4 * _BLOCK):
-                    f.write(block)
-            offset = 0
-            lengths = np.memmap(lens.name, dtype="<i4", mode="r") if num_seqs else np.zeros(0, "<i4")
-            for lo in range(0, num_seqs, _BLOCK):
-                ids = np.asarray(lengths[lo : lo + _BLOCK], dtype=np.int64)
-                starts = offset + np.concatenate([[0], np.cumsum(ids)[:-1]])
-                f.write((starts * out_dtype.itemsize).astype("<i8").tobytes())
-                offset += int(ids.sum())
-            del lengths
-            for lo in range(0, num_seqs + 1, _BLOCK):
-                f.write(np.arange(lo, min(num_seqs + 1, lo + _BLOCK), dtype="<i8").tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(data.name, bin_path)
-        os.replace(idx_tmp, idx_path)  # last: a prefix with an .idx is complete
-    finally:
-        for name in (data.name, lens.name, str(idx_tmp)):
-            Path(name).unlink(missing_ok=True)
+    for ids, ends in chunks:
+        data.write(np.asarray(ids).astype(out_dtype, copy=False).tobytes())
+        bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
+        doc_lens = np.diff(bounds)
+        if len(doc_lens):
+            doc_lens[0] += open_len
+            open_len = len(ids) - int(bounds[-1])
+        else:
+            open_len += len(ids)
+        if len(doc_lens) and int(doc_lens.max()) >= 2**31:
+            raise ValueError(f"a document of {int(doc_lens.max())} ids is too long for a Megatron index")
+        lens.write(doc_lens.astype("<i4").tobytes())
+        num_ids += len(ids)
+        num_seqs += len(doc_lens)
+    if open_len:
+        lens.write(np.array([open_len], dtype="<i4").tobytes())
+        num_seqs += 1
     return num_ids, num_seqs
+
+
+def _write_megatron_index(idx: SealedFile, lens_path: Path, num_seqs: int, out_dtype: np.dtype) -> None:
+    """The ``.idx``: header, the lengths of ``lens_path``, the byte offsets, the document index 0..S."""
+    code = 8 if out_dtype.itemsize == 2 else 4  # the codes of uint16 and int32
+    idx.write(_MEGATRON_HEADER.pack(MEGATRON_MAGIC, MEGATRON_VERSION, code, num_seqs, num_seqs + 1))
+    with open(lens_path, "rb") as src:
+        while block := src.read(4 * _BLOCK):
+            idx.write(block)
+    offset = 0
+    lengths = np.memmap(lens_path, dtype="<i4", mode="r") if num_seqs else np.zeros(0, "<i4")
+    for lo in range(0, num_seqs, _BLOCK):
+        ids = np.asarray(lengths[lo : lo + _BLOCK], dtype=np.int64)
+        starts = offset + np.concatenate([[0], np.cumsum(ids)[:-1]])
+        idx.write((starts * out_dtype.itemsize).astype("<i8").tobytes())
+        offset += int(ids.sum())
+    del lengths
+    for lo in range(0, num_seqs + 1, _BLOCK):
+        idx.write(np.arange(lo, min(num_seqs + 1, lo + _BLOCK), dtype="<i8").tobytes())
 
 
 def nanogpt_segment(path: Path) -> Segment:
@@ -265,17 +276,10 @@ def write_llmc(path: Path, chunks: Iterable[np.ndarray], num_ids: int, dtype: np
 
 
 def _write_flat(path: Path, header: bytes, chunks: Iterable[np.ndarray], dtype: np.dtype) -> int:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     count = 0
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for ids in chunks:
-                f.write(np.asarray(ids).astype(dtype, copy=False).tobytes())
-                count += len(ids)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with sealed(path, path.with_name(f".{path.name}.tmp-{os.getpid()}")) as f:
+        f.write(header)
+        for ids in chunks:
+            f.write(np.asarray(ids).astype(dtype, copy=False).tobytes())
+            count += len(ids)
     return count

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.core.atomic import fsync_dir
 from unbroken.data.encode import EncodeError, Encoder, encode_in_worker, init_worker
 from unbroken.data.export import LLMC_PATTERN, MANIFEST, MEGATRON_PREFIX, NANOGPT_FILE, check_export, export
 from unbroken.data.progress import MODES, Progress
@@ -53,7 +54,6 @@ from unbroken.data.shards import (
     ShardWriter,
     check_shards,
     docs_name,
-    fsync_dir,
     read_index,
     tokens_name,
     write_atomic,

@@ -45,7 +45,8 @@ class PreparedCorpus:
         eot_id: the end-of-text id (None when unknown: a foreign file without a tokenizer).
         tokenizer_path: the tokenizer the data was made with (None when unknown).
         tokenizer_sha256: sha256 of that file (None when unknown).
-        format: ``unbroken``, ``megatron``, ``nanogpt`` or ``llmc``.
+        format: ``unbroken``, ``megatron``, ``nanogpt`` or ``llmc``; ``text`` for the text cache of ``unbroken
+            train`` (opened by ``textcache``, not here).
         description: what it is, for logs.
 
     Pickling sends file names and offsets; the other side opens the files again.

@@ -1,20 +1,26 @@
 """Microbatches addressed by ``(step, microbatch id)``: a pure function of the seed.
 
-Owns the deterministic map from ``(seed, step, mb_id)`` to token windows of prepared data (a
-``TokenStream``), and the fixed validation windows of any token array (a ``TokenStream`` or, for the built-in
-data path of ``unbroken.train.data``, a numpy array). Window ``k`` is ids ``[k*seq_len, k*seq_len + seq_len + 1)``
-of the split. Sample ``b`` of microbatch ``j`` of step ``s`` has the global id
-``g = (s*M + j)*microbatch_size + b`` (it does not depend on how many workers there are or which computes
-it); it reads window ``P_e(g mod W)`` of epoch ``e = g div W``, where ``P_e`` is a pseudo-random permutation
-of the ``W`` windows keyed by ``(seed, e)``: a four-round Feistel network over the next power of four,
-cycle-walked into ``[0, W)``. ``P_e`` is computed per sample in O(1) memory, so a worker's memory does not
-grow with the corpus (a stored permutation of 5 G ids / 256 would be 160 MB per worker). It knows nothing
-about files or formats.
+Owns the deterministic map from ``(seed, step, mb_id)`` to token windows of a training split (a
+``TokenStream``, or a numpy array), and the fixed validation windows of a validation split. Window ``k`` is
+ids ``[k*seq_len, k*seq_len + seq_len + 1)`` of the split. Sample ``b`` of microbatch ``j`` of step ``s`` has
+the global id ``g = (s*M + j)*microbatch_size + b`` (it does not depend on how many workers there are or
+which computes it); it reads window ``P_e(g mod W)`` of epoch ``e = g div W``, where ``P_e`` is a
+pseudo-random permutation of the ``W`` windows keyed by ``(seed, e)``, in one of two orders
+(``WindowOrder``):
+
+- ``FEISTEL`` (prepared data): a four-round Feistel network over the next power of four, cycle-walked into
+  ``[0, W)``, computed per sample in O(1) memory, so a worker's memory does not grow with the corpus (a
+  stored permutation of 5 G ids / 256 would be 160 MB per worker);
+- ``STORED`` (the text cache of ``unbroken train``, which fits in memory): numpy's
+  ``default_rng([seed, e]).permutation(W)``, computed once per epoch: the order runs on text have always had.
+
+It knows nothing about files or formats.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from enum import Enum
 
 import numpy as np
 import torch
@@ -93,6 +99,32 @@ class WindowPermutation:
         return x.astype(np.int64)
 
 
+class StoredPermutation:
+    """numpy's permutation of ``[0, n)`` keyed by ``(seed, epoch)``, held in memory (``WindowOrder.STORED``).
+
+    Args:
+        n: the number of items (>= 1).
+        seed: the data-order seed (>= 0).
+        epoch: the epoch (>= 0); each epoch has its own permutation.
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        assert n >= 1 and seed >= 0 and epoch >= 0, (n, seed, epoch)
+        self.n = n
+        self._perm = np.random.default_rng([seed, epoch]).permutation(n)
+
+    def __call__(self, i: np.ndarray) -> np.ndarray:
+        """The images of ``i`` (int64 in ``[0, n)``)."""
+        return self._perm[i].astype(np.int64, copy=False)
+
+
+class WindowOrder(Enum):
+    """How a sampler permutes an epoch's windows (see the module docstring)."""
+
+    FEISTEL = "feistel"  # ``WindowPermutation``: computed per sample, O(1) memory, for prepared data of any size
+    STORED = "stored"  # ``StoredPermutation``: the text cache's order
+
+
 def num_windows(num_tokens: int, seq_len: int) -> int:
     """Non-overlapping windows of ``seq_len + 1`` ids (consecutive windows share one id)."""
     return max(0, (num_tokens - 1) // seq_len)
@@ -104,7 +136,7 @@ def gather(tokens: TokenStream | np.ndarray, window_ids: np.ndarray, seq_len: in
         index = window_ids[:, None] * seq_len + np.arange(seq_len + 1)  # (B, seq_len + 1)
         rows = np.asarray(tokens[index], dtype=np.int64)
     else:
-        rows = np.stack([tokens.read(int(w) * seq_len, seq_len + 1) for w in window_ids]).astype(np.int64)
+        rows = tokens.read_many(window_ids * seq_len, seq_len + 1).astype(np.int64)
     inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))  # (B, seq_len)
     targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))  # (B, seq_len)
     return inputs, targets
@@ -119,6 +151,7 @@ class PreparedMicrobatchSampler:
         microbatch_size: sequences per microbatch.
         microbatches_per_step: M, the microbatches of one optimizer step (mb ids are in ``[0, M)``).
         seed: data-order seed (>= 0).
+        order: how an epoch's windows are permuted (``corpus.train_sampler`` picks the corpus's).
 
     Raises:
         ValueError: a negative seed, or fewer windows than one microbatch.
@@ -127,7 +160,13 @@ class PreparedMicrobatchSampler:
     _EPOCHS_CACHED = 2
 
     def __init__(
-        self, tokens: TokenStream, seq_len: int, microbatch_size: int, microbatches_per_step: int, seed: int
+        self,
+        tokens: TokenStream | np.ndarray,
+        seq_len: int,
+        microbatch_size: int,
+        microbatches_per_step: int,
+        seed: int,
+        order: WindowOrder = WindowOrder.FEISTEL,
     ) -> None:
         assert seq_len >= 1 and microbatch_size >= 1 and microbatches_per_step >= 1
         if seed < 0:
@@ -137,6 +176,7 @@ class PreparedMicrobatchSampler:
         self.microbatch_size = microbatch_size
         self.microbatches_per_step = microbatches_per_step
         self.seed = seed
+        self.order = order
         self.num_windows = num_windows(len(tokens), seq_len)
         if self.num_windows < microbatch_size:
             raise ValueError(
@@ -144,12 +184,13 @@ class PreparedMicrobatchSampler:
                 f"{seq_len + 1} tokens, fewer than microbatch_size = {microbatch_size}; "
                 "lower data.seq_len or data.microbatch_size, or prepare more text"
             )
-        self._perms: dict[int, WindowPermutation] = {}
+        self._perms: dict[int, WindowPermutation | StoredPermutation] = {}
 
-    def _perm(self, epoch: int) -> WindowPermutation:
+    def _perm(self, epoch: int) -> WindowPermutation | StoredPermutation:
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = WindowPermutation(self.num_windows, self.seed, epoch)
+            kind = WindowPermutation if self.order is WindowOrder.FEISTEL else StoredPermutation
+            perm = kind(self.num_windows, self.seed, epoch)
             if len(self._perms) >= self._EPOCHS_CACHED:
                 self._perms.pop(min(self._perms))
             self._perms[epoch] = perm
@@ -184,7 +225,7 @@ class EvalSampler:
     ``microbatch(0) .. microbatch(count - 1)``.
 
     Args:
-        tokens: the validation split (``PreparedCorpus.val``, or the built-in path's numpy array).
+        tokens: the validation split (``PreparedCorpus.val``, or a numpy array).
         seq_len: tokens the model sees per sequence.
         microbatch_size: sequences per microbatch.
         count: microbatches per evaluation.

@@ -12,10 +12,10 @@ Owns the files ``unbroken prepare`` writes in its output folder and what makes t
     index.json              when done: dtype, vocabulary, end-of-text id, tokenizer fingerprint, and per
                             shard its files, token and document counts and sha256 checksums
 
-A shard is written as ``*.tmp``, fsynced and renamed into place, and only then entered in the journal
-(itself replaced atomically), so after a crash the journal lists exactly the shards that are complete;
-anything else is discarded by the next run. ``index.json`` appears last, atomically: a folder with an index
-is a finished preparation. It knows nothing about sources or tokenizers.
+A shard is written as ``*.tmp``, fsynced and renamed into place (sealed by ``core.atomic``), and only then
+entered in the journal (itself replaced atomically), so after a crash the journal lists exactly the shards
+that are complete; anything else is discarded by the next run. ``index.json`` appears last, atomically: a
+folder with an index is a finished preparation. It knows nothing about sources or tokenizers.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
+
+from unbroken.core.atomic import SealedFile, fsync_dir, write_sealed
 
 FORMAT = "unbroken-shards"
 VERSION = 1
@@ -83,27 +85,18 @@ class ShardRecord:
         )
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a reader (or a crash) sees the old file or the new one."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_sealed(path, data, path.with_name(f"{path.name}.tmp-{os.getpid()}"))
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def _sealed_shard(path: Path) -> SealedFile:
+    """A shard file written as ``<name>.tmp`` (what a resumed preparation discards) until it is sealed."""
+    return SealedFile(path, path.with_name(path.name + ".tmp"))
 
 
 def file_sha256(path: Path) -> str:
@@ -141,14 +134,14 @@ class ShardWriter:
         self.shard = first_shard
         self.count = 0  # ids in the open shard
         self.num_docs = 0
-        self._tokens: BinaryIO | None = None
-        self._docs: BinaryIO | None = None
+        self._tokens: SealedFile | None = None
+        self._docs: SealedFile | None = None
         self._hash = hashlib.sha256()
         self._docs_hash = hashlib.sha256()
 
     def _open(self) -> None:
-        self._tokens = open(self.out / (tokens_name(self.shard) + ".tmp"), "wb")
-        self._docs = open(self.out / (docs_name(self.shard) + ".tmp"), "wb")
+        self._tokens = _sealed_shard(self.out / tokens_name(self.shard))
+        self._docs = _sealed_shard(self.out / docs_name(self.shard))
         self._hash = hashlib.sha256()
         self._docs_hash = hashlib.sha256()
         self.count = 0
@@ -207,18 +200,13 @@ class ShardWriter:
         """Close and delete the open shard's temporary files (a crash or an error; nothing is renamed)."""
         for f in (self._tokens, self._docs):
             if f is not None:
-                f.close()
-                Path(f.name).unlink(missing_ok=True)
+                f.discard()
         self._tokens = self._docs = None
 
     def _finish(self, cursor: list[int]) -> None:
         assert self._tokens is not None and self._docs is not None
         for f in (self._tokens, self._docs):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        os.replace(self.out / (tokens_name(self.shard) + ".tmp"), self.out / tokens_name(self.shard))
-        os.replace(self.out / (docs_name(self.shard) + ".tmp"), self.out / docs_name(self.shard))
+            f.seal(sync_dir=False)
         fsync_dir(self.out)
         record = ShardRecord(
             tokens_name(self.shard),

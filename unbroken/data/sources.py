@@ -1,4 +1,5 @@
-"""Source text for ``unbroken prepare``: naming the input files and streaming their documents in pieces.
+"""Source text for ``unbroken prepare`` and the text cache of ``unbroken train``: naming the input files and
+streaming their documents in pieces (the only reader of text, JSONL, parquet and datasets sources).
 
 Owns turning ``SRC...`` arguments (files, globs, folders, JSONL, parquet, ``datasets`` save_to_disk folders,
 gzip- or zstd-compressed text and JSONL) into an ordered list of ``Unit``s, checking what can be checked
@@ -15,7 +16,8 @@ whole document; the cut depends only on the text, so a resumed run cuts in the s
 
 Encoding: UTF-8. Invalid bytes are refused (``errors="strict"``, the default: a one-line error naming the
 file and the byte) or replaced with U+FFFD (``errors="replace"``). A NUL byte in a text file marks it binary
-and is always refused.
+and is always refused. Error messages call the sources and the settings that fix them what ``Names`` says:
+the command line's words, or the ``[data]`` section's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,32 @@ ALLOWED = (
 _LINE_BREAK = re.compile(r"(?<=\S)\n(?=\S)")
 _SPACE_BREAK = re.compile(r"(?<=\S) (?=\S)")
 _GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True)
+class Names:
+    """What error messages call the sources and the settings that fix them: ``unbroken prepare``'s command line
+    (``CLI``), or ``unbroken train``'s ``[data]`` section (``CONFIG``).
+
+    Attributes:
+        source: the sources (``SRC``).
+        field: the setting naming the text field of JSONL lines.
+        column: the setting naming the text column of parquet files and datasets folders.
+        replace: the setting that replaces invalid UTF-8 ("" where there is none).
+    """
+
+    source: str = "SRC"
+    field: str = "--field"
+    column: str = "--column"
+    replace: str = "--errors=replace"
+
+    def or_replace(self) -> str:
+        """The second way out of invalid UTF-8, after fixing the input ("" where there is none)."""
+        return f", or pass {self.replace} to replace invalid bytes with U+FFFD" if self.replace else ""
+
+
+CLI = Names()
+CONFIG = Names("data.source", "data.text_field", "data.text_field", "")
 
 
 @dataclass(frozen=True)
@@ -103,31 +131,34 @@ class Piece:
 # Naming the inputs
 
 
-def resolve_sources(specs: Sequence[str], column: str = "text") -> list[Unit]:
-    """The units named by ``specs``, in order (each folder or glob sorted by path); nothing is written.
+def resolve_sources(specs: Sequence[str], column: str = "text", names: Names = CLI) -> list[Unit]:
+    """The units named by ``specs``, in order (each folder or glob sorted by path); nothing is written. Error
+    messages use ``names``.
 
     Raises:
         ValueError: a spec matches nothing, a file is empty or unreadable, a parquet file or datasets folder
             lacks ``column`` (or it is not text), or nothing usable was named.
     """
     if not specs:
-        raise ValueError(f"no SRC given; {ALLOWED}")
+        raise ValueError(f"no {names.source} given; {ALLOWED}")
     units: list[Unit] = []
     for spec in specs:
         path = Path(spec).expanduser()
         if path.is_dir():
-            units.extend(_folder_units(path, column))
+            units.extend(_folder_units(path, column, names))
         elif path.is_file():
-            units.extend(_file_units(path, column, explicit=True))
+            units.extend(_file_units(path, column, names, explicit=True))
         elif _GLOB_CHARS.search(spec):
             matches = sorted(glob.glob(os.path.expanduser(spec), recursive=True))
             if not matches:
-                raise ValueError(f"SRC {spec} matches no file; {ALLOWED}")
+                raise ValueError(f"{names.source} {spec} matches no file; {ALLOWED}")
             for match in matches:
                 p = Path(match)
-                units.extend(_folder_units(p, column) if p.is_dir() else _file_units(p, column, explicit=True))
+                units.extend(
+                    _folder_units(p, column, names) if p.is_dir() else _file_units(p, column, names, explicit=True)
+                )
         else:
-            raise ValueError(f"SRC {spec} does not exist; {ALLOWED}")
+            raise ValueError(f"{names.source} {spec} does not exist; {ALLOWED}")
     return units  # (JSONL fields are checked line by line while reading)
 
 
@@ -147,7 +178,7 @@ def _classify(path: Path) -> tuple[str, str]:
     return "", compression
 
 
-def _file_units(path: Path, column: str, explicit: bool) -> list[Unit]:
+def _file_units(path: Path, column: str, names: Names, explicit: bool) -> list[Unit]:
     kind, compression = _classify(path)
     if not kind:
         if not explicit:
@@ -158,17 +189,19 @@ def _file_units(path: Path, column: str, explicit: bool) -> list[Unit]:
         with open(path, "rb"):
             pass
     except OSError as e:
-        raise ValueError(f"SRC file {path} cannot be read ({e.strerror}); every source file must be readable") from None
+        raise ValueError(
+            f"{names.source} file {path} cannot be read ({e.strerror}); every source file must be readable"
+        ) from None
     if st.st_size == 0:
-        raise ValueError(f"SRC file {path} is empty; remove it or name only files that hold text")
+        raise ValueError(f"{names.source} file {path} is empty; remove it or name only files that hold text")
     if kind == "parquet":
-        _check_parquet(path, column)
+        _check_parquet(path, column, names)
     return [Unit(str(path.resolve()), kind, compression, "", st.st_size, st.st_mtime_ns)]
 
 
-def _folder_units(path: Path, column: str) -> list[Unit]:
+def _folder_units(path: Path, column: str, names: Names) -> list[Unit]:
     if any((path / marker).is_file() for marker in DATASETS_MARKERS):
-        return _datasets_units(path, column)
+        return _datasets_units(path, column, names)
     files = sorted(
         (
             p
@@ -177,57 +210,60 @@ def _folder_units(path: Path, column: str) -> list[Unit]:
         ),
         key=lambda p: p.relative_to(path).as_posix(),
     )
-    units = [u for p in files for u in _file_units(p, column, explicit=False)]
+    units = [u for p in files for u in _file_units(p, column, names, explicit=False)]
     if not units:
-        raise ValueError(f"SRC folder {path} holds no file we read; {ALLOWED}")
+        raise ValueError(f"{names.source} folder {path} holds no file we read; {ALLOWED}")
     return units
 
 
-def _check_parquet(path: Path, column: str) -> None:
+def _check_parquet(path: Path, column: str, names: Names) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         schema = pq.ParquetFile(path).schema_arrow
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"SRC file {path} is not a readable parquet file ({_first_line(e)})") from None
+        raise ValueError(f"{names.source} file {path} is not a readable parquet file ({_first_line(e)})") from None
     if column not in schema.names:
         raise ValueError(
-            f"SRC file {path} has no column {column!r} (columns: {', '.join(schema.names)}); "
-            "set --column to the column holding the text"
+            f"{names.source} file {path} has no column {column!r} (columns: {', '.join(schema.names)}); "
+            f"set {names.column} to the column holding the text"
         )
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ValueError(f"SRC file {path}: column {column!r} is {kind}, not text; --column must name a text column")
+        raise ValueError(
+            f"{names.source} file {path}: column {column!r} is {kind}, not text; {names.column} must name a text column"
+        )
 
 
-def _load_datasets(path: Path) -> Any:
+def _load_datasets(path: Path, names: Names) -> Any:
     import datasets
 
     try:
         return datasets.load_from_disk(str(path))
     except Exception as e:  # datasets raises many types (FileNotFoundError, ArrowInvalid, ...)
         raise ValueError(
-            f"SRC {path} cannot be loaded with datasets.load_from_disk ({type(e).__name__}: {_first_line(e)})"
+            f"{names.source} {path} cannot be loaded with datasets.load_from_disk "
+            f"({type(e).__name__}: {_first_line(e)})"
         ) from None
 
 
-def _datasets_units(path: Path, column: str) -> list[Unit]:
+def _datasets_units(path: Path, column: str, names: Names) -> list[Unit]:
     import datasets
 
-    loaded = _load_datasets(path)
+    loaded = _load_datasets(path, names)
     parts = list(loaded.items()) if isinstance(loaded, datasets.DatasetDict) else [("", loaded)]
     units = []
     for split, part in parts:
         where = f"{path}[{split}]" if split else str(path)
         if column not in part.column_names:
             raise ValueError(
-                f"SRC {where} has no column {column!r} (columns: {', '.join(part.column_names)}); "
-                "set --column to the column holding the text"
+                f"{names.source} {where} has no column {column!r} (columns: {', '.join(part.column_names)}); "
+                f"set {names.column} to the column holding the text"
             )
         dtype = getattr(part.features[column], "dtype", None)
         if dtype not in ("string", "large_string"):
-            raise ValueError(f"SRC {where}: column {column!r} is {part.features[column]}, not text")
+            raise ValueError(f"{names.source} {where}: column {column!r} is {part.features[column]}, not text")
         files = [Path(f["filename"]) for f in part.cache_files]
         size = sum(f.stat().st_size for f in files)
         mtime = max((f.stat().st_mtime_ns for f in files), default=0)
@@ -249,8 +285,10 @@ def iter_pieces(
     column: str = "text",
     errors: str = "strict",
     start: tuple[int, int, int] = (0, 0, 0),
+    names: Names = CLI,
 ) -> Iterator[Piece]:
-    """Every piece of every unit, in order, beginning at ``start`` = (unit, record, piece).
+    """Every piece of every unit, in order, beginning at ``start`` = (unit, record, piece). Error messages use
+    ``names``.
 
     Raises:
         ValueError: unreadable or corrupt data, invalid UTF-8 (with ``errors="strict"``), a JSONL line that
@@ -263,25 +301,25 @@ def iter_pieces(
         unit = units[u]
         skip = (first_record, first_piece) if u == first_unit else (0, 0)
         produced = skip != (0, 0)
-        for piece in _unit_pieces(u, unit, field, column, errors, *skip):
+        for piece in _unit_pieces(u, unit, field, column, errors, names, *skip):
             produced = True
             yield piece
         if not produced:
-            raise ValueError(f"SRC {unit.describe()} holds no text (no document that is not blank)")
+            raise ValueError(f"{names.source} {unit.describe()} holds no text (no document that is not blank)")
 
 
 def _unit_pieces(
-    u: int, unit: Unit, field: str, column: str, errors: str, first_record: int, first_piece: int
+    u: int, unit: Unit, field: str, column: str, errors: str, names: Names, first_record: int, first_piece: int
 ) -> Iterator[Piece]:
     if unit.kind == "text":
-        return _text_pieces(u, unit, errors, first_piece)
+        return _text_pieces(u, unit, errors, names, first_piece)
     if unit.kind == "jsonl":
-        records = _jsonl_records(unit, field, errors, first_record)
+        records = _jsonl_records(unit, field, errors, names, first_record)
     elif unit.kind == "parquet":
-        records = _parquet_records(unit, column, errors, first_record)
+        records = _parquet_records(unit, column, errors, names, first_record)
     else:
         assert unit.kind == "datasets", unit.kind
-        records = _datasets_records(unit, column, errors, first_record)
+        records = _datasets_records(unit, column, errors, names, first_record)
     return _document_pieces(u, records, first_record, first_piece)
 
 
@@ -342,12 +380,12 @@ def _open_binary(unit: Unit) -> tuple[IO[bytes], Callable[[], int]]:
     return raw, raw.tell
 
 
-def _read_error(unit: Unit, e: BaseException) -> ValueError:
+def _read_error(unit: Unit, e: BaseException, names: Names) -> ValueError:
     what = f"{unit.compression} file" if unit.compression else "file"
-    return ValueError(f"SRC {unit.path} is not a readable {what} ({_first_line(e)})")
+    return ValueError(f"{names.source} {unit.path} is not a readable {what} ({_first_line(e)})")
 
 
-def _text_pieces(u: int, unit: Unit, errors: str, first_piece: int) -> Iterator[Piece]:
+def _text_pieces(u: int, unit: Unit, errors: str, names: Names, first_piece: int) -> Iterator[Piece]:
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
     stream, tell = _open_binary(unit)
     buffer = ""
@@ -358,19 +396,20 @@ def _text_pieces(u: int, unit: Unit, errors: str, first_piece: int) -> Iterator[
             try:
                 block = stream.read(READ_BYTES)
             except (OSError, EOFError) as e:
-                raise _read_error(unit, e) from None
+                raise _read_error(unit, e, names) from None
             final = not block
             nul = block.find(b"\x00")
             if nul != -1:
                 raise ValueError(
-                    f"SRC file {unit.path} is binary (a NUL byte at offset {offset + nul}), not text; {ALLOWED}"
+                    f"{names.source} file {unit.path} is binary (a NUL byte at offset {offset + nul}), not text; "
+                    f"{ALLOWED}"
                 )
             try:
                 text = decoder.decode(block, final)
             except UnicodeDecodeError as e:
                 raise ValueError(
-                    f"SRC file {unit.path} is not UTF-8 (invalid byte near offset {offset + max(e.start, 0)}); "
-                    "fix the file, or pass --errors=replace to replace invalid bytes with U+FFFD"
+                    f"{names.source} file {unit.path} is not UTF-8 (invalid byte near offset "
+                    f"{offset + max(e.start, 0)}); fix the file{names.or_replace()}"
                 ) from None
             offset += len(block)
             if text.startswith("\ufeff") and p == 0 and not buffer:
@@ -391,7 +430,9 @@ def _text_pieces(u: int, unit: Unit, errors: str, first_piece: int) -> Iterator[
                     return
 
 
-def _jsonl_records(unit: Unit, field: str, errors: str, first_record: int) -> Iterator[tuple[int, str, int]]:
+def _jsonl_records(
+    unit: Unit, field: str, errors: str, names: Names, first_record: int
+) -> Iterator[tuple[int, str, int]]:
     stream, tell = _open_binary(unit)
     with stream:
         lineno = -1
@@ -399,19 +440,18 @@ def _jsonl_records(unit: Unit, field: str, errors: str, first_record: int) -> It
             try:
                 line = stream.readline()
             except (OSError, EOFError) as e:
-                raise _read_error(unit, e) from None
+                raise _read_error(unit, e, names) from None
             if not line:
                 return
             lineno += 1
             if lineno < first_record or not line.strip():
                 continue
-            where = f"SRC {unit.path} line {lineno + 1}"
+            where = f"{names.source} {unit.path} line {lineno + 1}"
             try:
                 decoded = line.decode("utf-8", errors)
             except UnicodeDecodeError as e:
                 raise ValueError(
-                    f"{where} is not UTF-8 (invalid byte at column {e.start + 1}); fix the file, or pass "
-                    "--errors=replace to replace invalid bytes with U+FFFD"
+                    f"{where} is not UTF-8 (invalid byte at column {e.start + 1}); fix the file{names.or_replace()}"
                 ) from None
             try:
                 record = json.loads(decoded)
@@ -422,19 +462,21 @@ def _jsonl_records(unit: Unit, field: str, errors: str, first_record: int) -> It
             if not isinstance(record, dict) or field not in record:
                 found = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
                 raise ValueError(
-                    f"{where} has no field {field!r} (found: {found}); set --field to the field holding the text"
+                    f"{where} has no field {field!r} (found: {found}); set {names.field} to the field holding the text"
                 )
             value = record[field]
             if value is None:
                 continue
             if not isinstance(value, str):
                 raise ValueError(
-                    f"{where}: field {field!r} is {type(value).__name__}, not a string; --field must name text"
+                    f"{where}: field {field!r} is {type(value).__name__}, not a string; {names.field} must name text"
                 )
             yield lineno, value, tell()
 
 
-def _decode_values(values: list[bytes | None], unit: Unit, column: str, errors: str, first_row: int) -> list[str]:
+def _decode_values(
+    values: list[bytes | None], unit: Unit, column: str, errors: str, names: Names, first_row: int
+) -> list[str]:
     out = []
     for i, value in enumerate(values):
         if value is None:
@@ -444,13 +486,15 @@ def _decode_values(values: list[bytes | None], unit: Unit, column: str, errors: 
             out.append(value.decode("utf-8", errors))
         except UnicodeDecodeError as e:
             raise ValueError(
-                f"SRC {unit.describe()} row {first_row + i}, column {column!r} is not UTF-8 (invalid byte at "
-                f"{e.start}); fix the data, or pass --errors=replace to replace invalid bytes with U+FFFD"
+                f"{names.source} {unit.describe()} row {first_row + i}, column {column!r} is not UTF-8 (invalid "
+                f"byte at {e.start}); fix the data{names.or_replace()}"
             ) from None
     return out
 
 
-def _parquet_records(unit: Unit, column: str, errors: str, first_record: int) -> Iterator[tuple[int, str, int]]:
+def _parquet_records(
+    unit: Unit, column: str, errors: str, names: Names, first_record: int
+) -> Iterator[tuple[int, str, int]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -468,7 +512,7 @@ def _parquet_records(unit: Unit, column: str, errors: str, first_record: int) ->
         )
         for batch in batches:
             values = batch.column(0).cast(pa.large_binary()).to_pylist()
-            texts = _decode_values(values, unit, column, errors, row)
+            texts = _decode_values(values, unit, column, errors, names, row)
             for i, text in enumerate(texts):
                 if row + i >= first_record:
                     yield row + i, text, unit.size * (row + i + 1) // total
@@ -477,17 +521,19 @@ def _parquet_records(unit: Unit, column: str, errors: str, first_record: int) ->
         raise _read_error(unit, e) from None
 
 
-def _datasets_records(unit: Unit, column: str, errors: str, first_record: int) -> Iterator[tuple[int, str, int]]:
+def _datasets_records(
+    unit: Unit, column: str, errors: str, names: Names, first_record: int
+) -> Iterator[tuple[int, str, int]]:
     import pyarrow as pa
 
-    loaded = _load_datasets(Path(unit.path))
+    loaded = _load_datasets(Path(unit.path), names)
     part = loaded[unit.split] if unit.split else loaded
     table = part.select_columns([column]).with_format("arrow")
     total = max(1, len(table))
     for row in range(first_record, len(table), ROWS_PER_BATCH):
         batch = table[row : row + ROWS_PER_BATCH]
         values = batch.column(0).cast(pa.large_binary()).to_pylist()
-        for i, text in enumerate(_decode_values(values, unit, column, errors, row)):
+        for i, text in enumerate(_decode_values(values, unit, column, errors, names, row)):
             yield row + i, text, unit.size * (row + i + 1) // total
 
 
@@ -501,7 +547,7 @@ def sample_texts(
     share = max(1, sample_bytes // max(1, len(units)))
     for u in range(len(units)):
         taken = 0
-        for piece in _unit_pieces(u, units[u], field, column, errors, 0, 0):
+        for piece in _unit_pieces(u, units[u], field, column, errors, CLI, 0, 0):
             text = piece.text[: share - taken]
             taken += len(text)
             yield text

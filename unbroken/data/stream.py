@@ -1,10 +1,11 @@
 """A read-only view of token ids laid out in one or more files, read in place (never loaded).
 
 Owns ``Segment`` (a run of ids at a byte offset of one file) and ``TokenStream`` (consecutive segments seen
-as one array, or a sub-range of them). A read copies out only the ids asked for; files are opened lazily,
-on the first read that touches them, so a process touches only the shards its samples fall in and holds
-no ids in its own memory; pickling a stream (to hand it to a spawned worker) sends file names and offsets,
-not ids. It knows nothing about formats, indexes or sampling.
+as one array, or a sub-range of them). A read (``read``, or ``read_many`` for a microbatch's windows at once)
+copies out only the ids asked for; files are opened lazily, on the first read that touches them, so a process
+touches only the shards its samples fall in and holds no ids in its own memory; pickling a stream (to hand it
+to a spawned worker) sends file names and offsets, not ids. It knows nothing about formats, indexes or
+sampling.
 
 Two ways to reach the bytes, the same ids either way:
 
@@ -124,10 +125,7 @@ class TokenStream:
         """A copy of ids ``[start, start + count)`` of this view."""
         assert 0 <= start and start + count <= len(self), (start, count, len(self))
         if self.access == "mmap":
-            self._mapped_bytes += count * self.dtype.itemsize + 2 * _PAGE
-            if self._mapped_bytes > MAP_BUDGET_BYTES:
-                self._maps.clear()
-                self._mapped_bytes = 0
+            self._count_mapped(count * self.dtype.itemsize + 2 * _PAGE)
         first = self.start + start
         i = int(np.searchsorted(self._starts, first, side="right")) - 1
         out = np.empty(count, dtype=self.dtype)
@@ -143,6 +141,27 @@ class TokenStream:
             done += take
             i += 1
         return out
+
+    def read_many(self, starts: np.ndarray, count: int) -> np.ndarray:
+        """Copies of ids ``[s, s + count)`` of this view for each ``s`` of ``starts``: shape (len(starts), count).
+
+        One indexing of the mapping where the view is one memory-mapped file (the text cache), else one ``read``
+        per start."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if not len(starts):
+            return np.empty((0, count), dtype=self.dtype)
+        if self.access != "mmap" or len(self.segments) != 1:
+            return np.stack([self.read(int(s), count) for s in starts])
+        assert int(starts.min()) >= 0 and int(starts.max()) + count <= len(self), (starts, count, len(self))
+        self._count_mapped(len(starts) * (count * self.dtype.itemsize + 2 * _PAGE))
+        return self._map(0)[(self.start + starts)[:, None] + np.arange(count)]
+
+    def _count_mapped(self, nbytes: int) -> None:
+        """mmap access: drop every mapping once ``MAP_BUDGET_BYTES`` have been read through them."""
+        self._mapped_bytes += nbytes
+        if self._mapped_bytes > MAP_BUDGET_BYTES:
+            self._maps.clear()
+            self._mapped_bytes = 0
 
     def close(self) -> None:
         """Drop the mappings and close the files (the next read opens them again)."""

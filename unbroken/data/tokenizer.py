@@ -1,10 +1,11 @@
-"""Tokenizers for prepared data: finding one, training one on a sample, and what the shards record of it.
+"""Tokenizers for prepared data and the text cache: finding one, training one, and what the data records of it.
 
 Owns turning a ``--tokenizer`` argument (a ``tokenizer.json`` path, a folder holding one, or the name of a
 Hugging Face tokenizer already in the local cache) into a ``tokenizers.Tokenizer``; training a byte-level
-BPE on a bounded sample of text; the end-of-text id put after every document; the token id type (uint16
-when every id fits, else uint32); and the tokenizer's fingerprint (sha256 of its canonical JSON), which
-prepared shards record so a reader can refuse a different tokenizer. It reads no corpus and writes no shards.
+BPE on a bounded stream of text (``unbroken prepare``'s sample, or the text cache's training split); the
+end-of-text id put after every document; the token id type (uint16 when every id fits, else uint32); and the
+tokenizer's fingerprint (sha256 of its canonical JSON), which prepared shards record so a reader can refuse a
+different tokenizer. It reads no corpus and writes no shards.
 """
 
 from __future__ import annotations
@@ -137,15 +138,22 @@ def describe(tokenizer: Tokenizer, eot: str, description: str) -> TokenizerInfo:
     tokenizer.no_truncation()
     tokenizer.no_padding()
     text = tokenizer.to_str()
-    candidates = (eot,) if eot else EOT_CANDIDATES
-    for token in candidates:
+    token_id = find_eot(tokenizer, eot)
+    if token_id is None:
+        raise ValueError(
+            f"{description} has no end-of-text token {' or '.join((eot,) if eot else EOT_CANDIDATES)}; "
+            "name the token that ends a document with --eot"
+        )
+    return TokenizerInfo(tokenizer, text, fingerprint(text), vocab_size_of(tokenizer), token_id, description)
+
+
+def find_eot(tokenizer: Tokenizer, eot: str = "") -> int | None:
+    """The id of the end-of-text token ``eot`` ("": the first of ``EOT_CANDIDATES`` the tokenizer has), or None."""
+    for token in (eot,) if eot else EOT_CANDIDATES:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
-            return TokenizerInfo(tokenizer, text, fingerprint(text), vocab_size_of(tokenizer), token_id, description)
-    raise ValueError(
-        f"{description} has no end-of-text token {' or '.join(candidates)}; "
-        "name the token that ends a document with --eot"
-    )
+            return token_id
+    return None
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -13,14 +13,14 @@
             step.backward(loss)
         step.commit(opt)                              # the step's explicit end
 
-Owns ``Context`` (the worker's handle on the job) and ``Step`` (one optimizer step), thin shells over the
-step protocol (``protocol.StepProtocol``): ``microbatches()`` yields the ids the plan gives this worker and,
-after the last one, reduces; if a member died meanwhile it recovers and yields the ids that were lost, so the
-loop body runs for them too; ``commit`` applies the agreed gradient (or skips a non-finite one on every
-member) and steps the optimizer. Nothing here raises into model code; when this worker must leave (the job
-stops, it was excluded) the process ends with the status the launcher expects. An exception of the user's
-code that nothing catches ends the worker once it has told the coordinator what and where (``crash``: the
-step, and the microbatch whose loop body raised, are known here).
+Owns ``Context`` (the worker's handle on the job) and ``init``. ``Context.steps`` joins the job on first use:
+it builds the step protocol (``protocol.StepProtocol``) on one ``stepcontext.StepContext`` (the settings, the
+coordinator client, the training state, the fault hook: ``inject.phase_hook``, the null one when nothing is
+scheduled) and yields ``step.Step`` objects, the thin shells the user's loop drives. Nothing here raises into
+model code: every call into the protocol runs under ``leaving.Leaving.guard``, and when this worker must leave
+(the job stops, it was excluded) the process ends with the status the launcher expects. An exception of the
+user's code that nothing catches ends the worker once it has told the coordinator what and where (``crash``,
+``Leaving.report_crash``). ``Context.evaluate`` is ``evaluation.Evaluation``'s.
 
 The run's ``[train]`` settings that act on the model are applied here too, so every loop gets them:
 ``register_state`` applies activation checkpointing, MeCeFO's efficient backward and ``torch.compile`` (in
@@ -35,11 +35,11 @@ use of any call here is one ``ValueError``.
 
 Replicas of several ranks (``[parallel] shard`` / ``pipeline`` / ``tensor``, docs/parallel.md): ``Context.mesh``
 is the replica's device mesh, its dimensions named ``pp``, ``shard`` and ``tensor`` (those above 1): split the
-model on it (``tensor.apply_tensor_parallel`` on ``mesh["tensor"]``, then ``fsdp.apply_fsdp`` on
-``mesh["shard"]``); ``Context.stage`` / ``stages`` say which pipeline stage this rank builds;
-``Step.microbatches`` then yields this rank's ids round by round (a rank with nothing left in a round gets a
-padding microbatch that counts for nothing; the tensor ranks of a shard compute the same ids together), and a
-pipelined replica runs its microbatches with ``Step.pipeline`` instead.
+model on it (``ft.apply_tensor_parallel`` on ``mesh["tensor"]``, then ``ft.apply_fsdp`` on ``mesh["shard"]``);
+``Context.stage`` / ``stages`` say which pipeline stage this rank builds; ``Step.microbatches`` then yields this
+rank's ids round by round (a rank with nothing left in a round gets a padding microbatch that counts for
+nothing; the tensor ranks of a shard compute the same ids together), and a pipelined replica runs its
+microbatches with ``Step.pipeline`` instead.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ import logging
 import math
 import os
 import threading
-import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -67,24 +65,22 @@ from unbroken.core.failures import FailureSchedule
 from unbroken.core.layout import DEFAULT_INCARNATION, INCARNATION_ENV, ReplicaLayout
 from unbroken.core.records import ErrorPhase, RecordKind, check_script_record
 from unbroken.core.throughput import table_peak_tflops
-from unbroken.ft import comm, crash, datacheck, determinism, foldkernel, process
-from unbroken.ft.inject import FaultInjector, remove
-from unbroken.ft.mecefo import EfficientConfig, apply_efficient_backward
-from unbroken.ft.protocol import (
-    EXIT_COORDINATOR_LOST,
-    EXIT_STOPPED,
-    ProtocolConfig,
-    StepProtocol,
-    StopRun,
-)
+from unbroken.ft import comm, crash, datacheck, foldkernel, process
+from unbroken.ft.evaluation import Evaluation
+from unbroken.ft.inject import phase_hook
+from unbroken.ft.leaving import Leaving
+from unbroken.ft.mecefo import EfficientBackward, EfficientConfig, apply_efficient_backward
+from unbroken.ft.protocol import ProtocolConfig, StepProtocol, StopRun
+from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.step import Autocast, Loop, Step
+from unbroken.ft.stepcontext import StepContext
+from unbroken.ft.transforms import apply_activation_checkpointing, apply_compile, check_compiler
 
 if TYPE_CHECKING:  # imported where a replica of several ranks needs them: they cost a worker about a second
     from torch.distributed.device_mesh import DeviceMesh
 
     from unbroken.ft.parallel.pipeline import BatchOf, Pipeline
     from unbroken.ft.parallel.replica import Replica
-from unbroken.ft.state import StepOutcome, TrainingState
-from unbroken.ft.transforms import apply_activation_checkpointing, apply_compile, check_compiler
 
 log = logging.getLogger(__name__)
 
@@ -102,26 +98,28 @@ class Context:
         self.state = TrainingState()
         self._proto: StepProtocol | None = None
         self._client: CoordinatorClient | None = None
+        self._evaluation: Evaluation | None = None
+        self._leaving = Leaving(job, self._where, self.close)
         self._closed = False
-        self._autocasts = 0  # how many times autocast() was entered under bf16 (a forward outside it is warned)
         self._flops_per_token = 0.0
-        self._warned_precision = False
-        self._inputs_seen = False  # step.backward was given a microbatch's inputs (the data check can run)
         self.layout = ReplicaLayout.of(self.config.parallel)
-        self._replica = self._join_replica() if self.layout.size > 1 else None
+        self._replica = self._leaving.replica = (
+            _form_replica(job, self.layout, self._leaving.replica_down) if self.layout.size > 1 else None
+        )
+        autocast = Autocast(self.config.train.precision, self.state, lambda: job.device)
+        self._loop = Loop(self._leaving.guard, autocast, self.layout, self._replica, self.pipeline)
         self._pipeline: Pipeline | None = None
         self._current: Step | None = None  # the step the user's loop is in (or has just committed)
-        self._evaluating = False  # inside evaluate()'s loss function
         install_tee(self._speaks_for_job, self._console_place)  # under a launcher: the leader's prints on its console
         atexit.register(self._at_exit)
         if job.exit_process and threading.current_thread() is threading.main_thread():
-            crash.install(self._report_crash)
+            crash.install(self._leaving.report_crash)
 
     def _speaks_for_job(self, before_joining: bool) -> bool:
         """Whether a line this worker prints goes to the launcher's console: while it publishes the group's
         records (the leader), or before it has joined, when the launcher said so (worker 0's first start)."""
         proto = self._proto
-        return before_joining if proto is None else proto.publisher
+        return before_joining if proto is None else proto.membership.publisher
 
     def _console_place(self) -> tuple[int | None, int]:
         """What a line this worker prints is tagged with on the launcher's console: its id, and the step it is in
@@ -129,39 +127,6 @@ class Context:
         return self._job.worker_id, self._current.index if self._current is not None else -1
 
     # -- a replica of several ranks -------------------------------------------------------------------
-    def _join_replica(self) -> Replica:
-        """Form this rank's replica (its own process group and mesh) with its replica-mates."""
-        from unbroken.ft.parallel.replica import Replica
-
-        job = self._job
-        spare = job.worker_id is None and job.spare is not None  # a rank of a whole spare replica (control.agent)
-        if (job.worker_id is None and not spare) or job.local is not None:
-            raise ValueError(
-                f"parallel.shard = {self.layout.shard}, parallel.pipeline = {self.layout.pipeline}, parallel.tensor "
-                f"= {self.layout.tensor}: a replica of several ranks needs a job of several workers with known ids "
-                "(unbroken launch / agent set UNBROKEN_WORKER_ID; torchrun sets RANK)"
-            )
-        try:
-            return Replica(
-                self.layout,
-                job.spare if spare else job.worker_id,
-                job.connect(),
-                os.environ.get(INCARNATION_ENV, DEFAULT_INCARNATION),
-                4 * self.config.comm.op_timeout_s,
-                job.device,
-                job.backend,
-                self._replica_down,
-                spare=spare,
-            )
-        except (RuntimeError, TunnelError) as e:
-            self._replica_down(f"its ranks did not meet ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-
-    def _replica_down(self, reason: str) -> NoReturn:
-        """This rank's replica is down: end the process now (any thread; the replica restarts whole)."""
-        log.error("leaving: %s", reason)
-        self._job.leave(EXIT_STOPPED)
-        raise AssertionError("leave() returned")  # pragma: no cover
-
     @property
     def mesh(self) -> DeviceMesh | None:
         """The replica's device mesh for a replica of several ranks: dimensions ``"pp"``, ``"shard"`` (apply FSDP2
@@ -192,24 +157,7 @@ class Context:
         loss (and an evaluation's): ``torch.autocast`` to bfloat16 on the model's device type under
         ``"bf16"``, nothing under ``"fp32"``. The weights, their gradients (what the reduction sums, in exact
         mode too) and the optimizer stay float32. Call ``step.backward`` after leaving it."""
-        if self.config.train.precision is Precision.FP32:
-            return contextlib.nullcontext()
-        self._autocasts += 1
-        return torch.autocast(self._device_type(), dtype=torch.bfloat16)
-
-    def _device_type(self) -> str:
-        model = self.state.model
-        param = next(model.parameters(), None) if model is not None else None
-        return param.device.type if param is not None else self.device.type
-
-    def _check_autocast(self, seen: int) -> None:
-        """Under bf16, a microbatch whose forward never entered ``autocast()``: warn once (it ran in float32)."""
-        if self.config.train.precision is Precision.FP32 or self._warned_precision or self._autocasts != seen:
-            return
-        if torch.is_autocast_enabled(self._device_type()):
-            return  # the user's own autocast, around the backward too
-        self._warned_precision = True
-        log.warning('train.precision = "bf16" but the forward ran outside ctx.autocast(): it computed in float32')
+        return self._loop.autocast()
 
     # -- what the user registers ------------------------------------------------------------------
     def register_state(
@@ -252,18 +200,7 @@ class Context:
         self.state.extra = dict(extra)
         self._flops_per_token = float(flops_per_token)
         self.state.metadata = dict(metadata or {})
-        tc = self.config.train
-        if tc.activation_checkpointing is ActivationCheckpointing.BLOCK:
-            apply_activation_checkpointing(model)
-        if self.config.recovery.policy.mecefo:
-            m = self.config.mecefo
-            self.state.efficient = apply_efficient_backward(
-                model, EfficientConfig(m.rank, m.refresh_every, m.oversample, m.power_iters)
-            )
-        if tc.compile:
-            if self._device_type() == "cpu":
-                check_compiler()
-            apply_compile(model)
+        self.state.efficient = _apply_transforms(model, self.config, self._loop.autocast.device_type())
 
     # -- the steps --------------------------------------------------------------------------------
     @property
@@ -285,9 +222,9 @@ class Context:
 
     def _group(self, what: str) -> Any:
         """The current group, or ValueError naming ``what`` was asked before there is one."""
-        if self._proto is None or self._proto.group is None:
+        if self._proto is None or self._proto.membership.group is None:
             raise ValueError(f"{what} is known once steps() has started (the group forms there)")
-        return self._proto.group
+        return self._proto.membership.group
 
     def generator(self, step: int, microbatch: int, device: torch.device | str | None = None) -> torch.Generator:
         """A ``torch.Generator`` (CPU unless ``device``) seeded from (``train.seed``, ``step``, ``microbatch``), the
@@ -302,18 +239,18 @@ class Context:
         total = self.config.train.steps if total is None else total
         if total < 1:
             raise ValueError(f"steps(total={total}): must be >= 1")
-        with self._guard():
+        with self._leaving.guard():
             proto = self._join(total)
         while proto.state.step < total:
             if (reason := self._client.stopped) is not None:  # type: ignore[union-attr]
-                self._leave(StopRun(reason))
-            step = Step(self, proto, proto.state.step)
+                self._leaving.leave(StopRun(reason))
+            step = Step(self._loop, proto, proto.state.step)
             self._current = step
             yield step
-            if step._status in (_Status.OPEN, _Status.REDUCED) and proto.state.step == step.index:
+            if step._open and proto.state.step == step.index:
                 # Without it the next step would start on this one's reduced gradient (still in param.grad).
                 raise ValueError(f"step {step.index}: call step.commit() before the next step")
-        with self._guard():
+        with self._leaving.guard():
             proto.finish()
 
     def _join(self, total: int) -> StepProtocol:
@@ -322,43 +259,42 @@ class Context:
         if self.state.model is None:
             raise ValueError("call register_state(model=...) before steps()")
         job = self._job
-        model = self.state.model
-        device = next(model.parameters()).device
+        device = next(self.state.model.parameters()).device
         if self.config.recovery.reduction is Reduction.EXACT and foldkernel.kernels_serve(device):
             foldkernel.warm()  # before the heartbeats start, not in the first backward (see warm)
         try:
-            self._client = job.register()
+            self._client = client = self._leaving.client = job.register()
         except Refused as e:  # exact mode: another fingerprint than the group's (core.numerics)
             raise StopRun(str(e), fatal=False) from None
-        process.name_logs(f"worker {self._client.worker_id}")
-        if self._replica is not None and self._replica.worker_id != self._client.worker_id:
+        process.name_logs(f"worker {client.worker_id}")
+        if self._replica is not None and self._replica.worker_id != client.worker_id:
             try:  # a rank of a spare replica, promoted
-                self._replica.take_place(self._client.worker_id)
+                self._replica.take_place(client.worker_id)
             except RuntimeError as e:
-                self._replica_down(str(e))
-        injector = FaultInjector(FailureSchedule.parse(self.config.failures.schedule))
-        injector.attach(self._client.store, self._client.worker_id)
-        self._proto = StepProtocol(
+                self._leaving.replica_down(str(e))
+        step_ctx = StepContext(
             ProtocolConfig.of(self.config),
-            self._client,
+            client,
             self.state,
             self.run_dir,
-            injector,
-            job.backend,
+            phase_hook(FailureSchedule.parse(self.config.failures.schedule), client.store, client.worker_id),
             device,
+            job.backend,
+            self.layout,
+            self._replica,
             self.layout.replicas(range(job.expected_workers())),  # MeCeFO's ring: the configured replicas
             total,
-            self._replica,
+            self._flops_per_token,
+            _peak_tflops(device, self.config),
         )
-        self._proto.flops_per_token = self._flops_per_token
-        self._proto.peak_tflops = _peak_tflops(device, self.config)
+        self._proto = self._leaving.proto = proto = StepProtocol(step_ctx)
+        self._evaluation = Evaluation(proto, self.layout, self._replica, self._leaving.guard)
         if self._replica is not None:
-            client = self._client
             # No news of a replica-mate's death within a heartbeat or two: the error was a bug, raised on every rank
             # (waiting the replica's collective timeout instead, 4 minutes by default, only delayed the bug's stop).
-            self._replica.removed = lambda: client.wait_removed(self._news_s)
-        self._proto.join(resume=job.resume(), late=self._client.late)
-        return self._proto
+            self._replica.removed = lambda: client.wait_removed(self._leaving.news_s)
+        proto.join(resume=job.resume(), late=client.late)
+        return proto
 
     def evaluate(self, num_items: int, loss_of: Callable[[int], float], *, record: bool = True) -> float | None:
         """The mean of ``loss_of(k)`` over ``k in range(num_items)``, the items split over the members (each
@@ -366,28 +302,7 @@ class Context:
         ``record=False``: only returned). None if a failure interrupted it, or the step it follows (the members
         may have recovered at different points: every one skips it): skip this evaluation (the protocol has
         already recovered, and the next step goes on as usual)."""
-        proto = self._proto
-        if proto is None or proto.group is None:
-            raise ValueError("ctx.evaluate() runs between steps, once steps() has started")
-        if self.layout.pipeline > 1:
-            raise ValueError("under parallel.pipeline > 1, evaluate with evaluate_pipeline()")
-        if proto.skips_evaluation:
-            return None
-        total = torch.zeros(2, dtype=torch.float64)
-        # The items are split over every rank computing a forward of its own: the members, and under FSDP each
-        # member's shards. A replica's ranks run as many forwards each (FSDP gathers the weights together):
-        # one with fewer items runs item 0 again and ignores it.
-        lanes = proto.group.size * self.layout.shard
-        lane = proto.group.rank * self.layout.shard + (self._replica.shard if self._replica is not None else 0)
-        rounds = math.ceil(num_items / lanes) if self._replica is not None else 0
-        self._evaluating = True  # left set if loss_of raises: the crash report says where
-        for k in range(lane, max(num_items, rounds * lanes), lanes):
-            value = float(loss_of(k if k < num_items else 0))
-            if k < num_items and self._counts_losses:
-                total[0] += value
-                total[1] += 1
-        self._evaluating = False
-        return self._mean_over_members(total, record)
+        return self._evaluator("ctx.evaluate()").evaluate(num_items, loss_of, record)
 
     def evaluate_pipeline(
         self,
@@ -399,39 +314,14 @@ class Context:
     ) -> float | None:
         """``evaluate`` for a pipelined replica: the mean loss of items ``batch_of(k) -> (inputs, targets)``,
         ``k < num_items``, each replica running its share through its pipeline (forward only)."""
-        proto = self._proto
-        if proto is None or proto.group is None:
-            raise ValueError("ctx.evaluate_pipeline() runs between steps, once steps() has started")
-        if proto.skips_evaluation:
-            return None  # as ``evaluate`` says
-        ids = list(range(proto.group.rank, num_items, proto.group.size))
-        total = torch.zeros(2, dtype=torch.float64)
-        if ids:
-            with self._guard():
-                losses = self.pipeline(loss_fn).evaluate(ids, batch_of)
-            if self._counts_losses and (self._replica is None or self._replica.shard == 0):  # shards run alike
-                total[0], total[1] = sum(losses), len(losses)
-        return self._mean_over_members(total, record)
+        evaluator = self._evaluator("ctx.evaluate_pipeline()")
+        return evaluator.evaluate_pipeline(num_items, lambda: self.pipeline(loss_fn), batch_of, record)
 
-    @property
-    def _counts_losses(self) -> bool:
-        """Whether this rank's losses count: the tensor ranks of a replica compute the same ones, the first speaks."""
-        return self._replica is None or self._replica.tensor == 0
-
-    def _mean_over_members(self, total: torch.Tensor, record: bool) -> float | None:
-        """The mean over the members of an evaluation (``total``: this rank's sum and count); with ``record``,
-        published as the last committed step's ``eval`` record."""
-        proto = self._proto
-        assert proto is not None
-        with self._guard():
-            proto._combine_sum(total)
-            if not proto.allreduce_interruptible(total):
-                return None
-            mean = float(total[0] / total[1])
-            if record:
-                step = proto.state.step - 1  # the parameters evaluated are those of the last committed step
-                proto.publish(RecordKind.EVAL, step=step, val_loss=mean, val_ppl=math.exp(min(mean, 50.0)))
-        return mean
+    def _evaluator(self, what: str) -> Evaluation:
+        evaluation = self._evaluation
+        if evaluation is None or evaluation.proto.membership.group is None:
+            raise ValueError(f"{what} runs between steps, once steps() has started")
+        return evaluation
 
     def pipeline(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
         """This rank's pipeline stage (the registered model) under its replica's schedule (``parallel.schedule``);
@@ -451,12 +341,12 @@ class Context:
                 replica.stage_group,
                 loss_fn,
                 self.config.parallel.schedule,
-                proto.reducer,
+                proto.reduction.reducer,
                 proto.M,
             )
-            eb = self.state.efficient
+            eb, plan = self.state.efficient, proto.plan
             if eb is not None:  # MeCeFO: each microbatch's forward on every stage in its plan's mode
-                self._pipeline.before_forward = lambda j: eb.set_active(proto.is_efficient(j))
+                self._pipeline.before_forward = lambda j: eb.set_active(plan.is_efficient(j))
         self._pipeline.loss_fn = loss_fn
         return self._pipeline
 
@@ -473,114 +363,20 @@ class Context:
             fields["val_ppl"] = math.exp(min(float(fields["val_loss"]), 50.0))
         if self._proto is None:
             raise ValueError(f"ctx.log({kind!r}, ...) publishes through the job: call it once steps() has started")
-        with self._guard():
-            self._proto.publish(record_kind, **fields)
+        with self._leaving.guard():
+            self._proto.membership.publish(record_kind, **fields)
 
     # -- leaving -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        """Around every call into the protocol: a decision to stop, or a broken connection to the coordinator,
-        ends this worker (``_leave``); the user's code never sees either."""
-        try:
-            yield
-        except StopRun as e:
-            self._leave(e)
-        except (RuntimeError, TunnelError) as e:
-            if self._replica is not None:
-                self._replica.collective_failed(e)  # leaves if the replica is down (a replica-mate died)
-            if not self._connection_error(e):
-                raise
-            self._leave(StopRun(str(e).splitlines()[0] if str(e) else type(e).__name__))
-
-    def _connection_error(self, e: Exception) -> bool:
-        """A store call failed (the connection to the coordinator broke), as opposed to a bug: only an error
-        raised by a call into the control plane is looked into (a ``RuntimeError`` of the user's backward or
-        optimizer ends the worker as the bug it is, at once)."""
-        client = self._client
-        if client is None or not _raised_by_control_plane(e):
-            return False
-        return client.wait_lost(self._news_s) is not None
-
-    @property
-    def _news_s(self) -> float:
-        """How long a failure takes at most to become news to the membership: a dead worker's agent reports its
-        exit at once, a lost host or coordinator is found by silence (the heartbeat timeout), and one more
-        heartbeat timeout and a second for the decision to reach this worker."""
-        return 2 * self.config.comm.heartbeat_timeout_s + 1.0
-
-    def _leave(self, e: StopRun) -> None:
-        """This worker stops: say why, tell the others if the job must stop, and end (``process.leave``)."""
-        client, proto = self._client, self._proto
-        code = e.code
-        if client is not None and client.lost == "coordinator":
-            line = process.stop_without_coordinator(proto, self.run_dir)
-            log.error("%s", line)
-            code = EXIT_COORDINATOR_LOST
-        elif client is not None and client.lost == "cut":
-            log.error("stopping: %s; leaving the job (the others go on without this worker)", client.stopped)
-            code = EXIT_STOPPED
-        elif client is not None and client.done():
-            log.info("the run finished before this worker could take part; leaving")
-            code = 0
-        else:
-            log.error("stopping: %s", e)
-            if e.fatal and client is not None:
-                # The records published so far (the last committed step's) reach the file whoever stops first.
-                client.flush_metrics(timeout_s=5.0)
-            if e.fatal and client is not None and client.stopped is None:
-                if e.shared and proto is not None and proto.group is not None and not proto.leader:
-                    # The leader saw the same; it stops the job once its records are out. If it died
-                    # meanwhile, stop it from here.
-                    client.wait_stopped(2 * self.config.comm.heartbeat_timeout_s)
-                if client.stopped is None:
-                    client.stop_job(str(e))  # the coordinator records why (the first reason given)
-            if client is not None and client.stopped is not None and client.named_to_save():
-                client.tell_saved(process.save_at_stop(proto, self.run_dir))
-        self.close()
-        self._job.leave(code)
-
     def _where(self) -> tuple[ErrorPhase, int, int | None]:
         """Where the user's code is in the protocol: the phase, the step's index (-1 before the first) and the
         microbatch whose loop body runs (None outside one)."""
         step = self._current
         index = step.index if step is not None else -1
-        if self._evaluating:
+        if self._evaluation is not None and self._evaluation.evaluating:
             return ErrorPhase.EVAL, index, None
         if step is None:
             return ErrorPhase.SETUP, index, None
-        if step._committing:
-            return ErrorPhase.COMMIT, index, None
-        if step._body is not None:
-            return ErrorPhase.MICROBATCH, index, step._body
-        if step._status in (_Status.OPEN, _Status.REDUCED):
-            return ErrorPhase.STEP, index, None
-        return ErrorPhase.BETWEEN_STEPS, index, None
-
-    def _report_crash(self, error: Exception) -> None:
-        """``error`` ends this worker (nothing caught it): tell the coordinator what and where (``crash``), after
-        the records already queued. An op without a deterministic implementation is no bug of the user's code
-        but of the run's settings, the same on every worker: the job stops at once with the line that says so."""
-        op = determinism.nondeterministic_op(error)
-        if op is not None:
-            self._leave(StopRun(determinism.stop_line(op), shared=True))
-        client = self._client
-        worker = client.worker_id if client is not None else self._job.worker_id
-        report = crash.describe(error, -1 if worker is None else worker, *self._where())
-        if client is not None:
-            client.flush_metrics(timeout_s=2.0)
-            told = client.report_error(report)
-        else:
-            told = self._job.report_error(report)
-        if not told:
-            log.error("could not tell the coordinator of this exception; ending")
-            return
-        log.info("the coordinator was told of this exception")
-        if client is not None:
-            # Its answer comes at once: a new epoch without this worker, or a stop for a bug, which may name this
-            # worker to save the state it holds (nobody who did not raise is left).
-            client.wait_removed(2 * self.config.comm.heartbeat_timeout_s)
-            if client.stopped is not None and client.named_to_save():
-                client.tell_saved(process.save_at_stop(self._proto, self.run_dir))
+        return (phase := step._where())[0], index, phase[1]
 
     def close(self) -> None:
         """Stop the heartbeats and watchers (done at exit; idempotent)."""
@@ -601,296 +397,50 @@ class Context:
             self.state.efficient.settle(self.config.comm.op_timeout_s)
 
 
-class _Status:
-    OPEN = "open"  # microbatches not finished yet
-    REDUCED = "reduced"  # the gradient is agreed: commit() next
-    COMMITTED = "committed"
-    ELSEWHERE = "elsewhere"  # the others committed it while this worker recovered; it received their state
+def _form_replica(job: process.Job, layout: ReplicaLayout, down: Callable[[str], NoReturn]) -> Replica:
+    """Form this rank's replica (its own process group and mesh) with its replica-mates (``down``: the replica
+    cannot form; this worker leaves)."""
+    from unbroken.ft.parallel.replica import Replica
+
+    spare = job.worker_id is None and job.spare is not None  # a rank of a whole spare replica (control.agent)
+    if (job.worker_id is None and not spare) or job.local is not None:
+        raise ValueError(
+            f"parallel.shard = {layout.shard}, parallel.pipeline = {layout.pipeline}, parallel.tensor "
+            f"= {layout.tensor}: a replica of several ranks needs a job of several workers with known ids "
+            "(unbroken launch / agent set UNBROKEN_WORKER_ID; torchrun sets RANK)"
+        )
+    try:
+        return Replica(
+            layout,
+            job.spare if spare else job.worker_id,
+            job.connect(),
+            os.environ.get(INCARNATION_ENV, DEFAULT_INCARNATION),
+            4 * job.config.comm.op_timeout_s,
+            job.device,
+            job.backend,
+            down,
+            spare=spare,
+        )
+    except (RuntimeError, TunnelError) as e:
+        down(f"its ranks did not meet ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
 
-class Step:
-    """One optimizer step: ``microbatches()``, ``backward()`` for each, then ``commit()``."""
-
-    def __init__(self, ctx: Context, proto: StepProtocol, index: int) -> None:
-        self._ctx = ctx
-        self._proto = proto
-        self.index = index
-        self._status = _Status.OPEN
-        self._awaiting: int | None = None
-        self._started = time.perf_counter()
-        self._t0 = 0.0
-        self._hooks: list[Any] = []
-        self._first = True
-        self._factor = 1.0
-        self._autocasts = 0
-        self._padding = False
-        self._body: int | None = None  # the microbatch whose loop body runs (the user's code), for a crash report
-        self._committing = False
-        self._probing = False  # the current microbatch is the data check's probe: its forward only
-        self._probed = False
-        self._saved: tuple[Any, ...] = ()  # what the probe's forward must not change: RNG states, buffers
-
-    def microbatches(self) -> Iterator[int]:
-        """The microbatch ids this worker computes in this step: its share of the plan, then, if a member died
-        meanwhile, its share of the lost ones (so the loop body runs for those too). Call ``backward`` once
-        per id. When the iteration ends, ``param.grad`` holds the step's agreed gradient."""
-        if self._status is not _Status.OPEN:
-            raise ValueError(f"step {self.index}: microbatches() was already iterated")
-        if self._ctx.layout.pipeline > 1:
-            raise ValueError("under parallel.pipeline > 1 a step runs its microbatches with step.pipeline()")
-        proto, guard = self._proto, self._ctx._guard
-        try:
-            with guard():
-                todo = proto.start_step()
-            while not self._elsewhere(todo):
-                lanes = _rounds(todo, self._ctx.layout.shard, self._ctx._replica)
-                started = time.perf_counter()
-                for k, (j, padding, round_ids) in enumerate(lanes):
-                    with guard():
-                        self._enter(j, first=k == 0, last=k == len(lanes) - 1, padding=padding)
-                    self._body = j
-                    yield j
-                    self._body = None
-                    if self._awaiting is not None:
-                        raise ValueError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
-                    if round_ids is not None:
-                        proto.round_done(round_ids)
-                self._round_timed(started, len(lanes))
-                if self._probe_due(bool(lanes)):
-                    j = self._enter_probe()
-                    yield j
-                    if self._awaiting is not None:
-                        raise ValueError(f"step {self.index}: call step.backward(loss) for microbatch {j}")
-                todo_next = self._reduce()
-                if todo_next is None:
-                    return
-                todo = todo_next
-        finally:
-            self._exit()
-
-    def _round_timed(self, started: float, computed: int) -> None:
-        """On a GPU: the seconds per microbatch of the round just computed, once its kernels have run (one wait
-        for the compute stream a round; the gradients' reduction, on its own stream, goes on)."""
-        device = self._proto.device
-        if device.type != "cuda" or computed == 0:
-            return
-        torch.cuda.current_stream(device).synchronize()
-        self._proto.note_speed((time.perf_counter() - started) / computed)
-
-    def _probe_due(self, computed: bool) -> bool:
-        """Whether this worker runs the data check's probe now: it is this step's prober, has not run it yet,
-        and its loop gives the library its inputs (known from its own microbatches, if it had any)."""
-        probe = self._proto.probe
-        if probe is None or probe.prober != self._proto.unit or self._probed:
-            return False
-        self._probed = True
-        return self._ctx._inputs_seen or not computed
-
-    def _enter_probe(self) -> int:
-        """The probe's microbatch comes next: only its forward runs (``backward`` takes its inputs' fingerprint
-        and back-propagates nothing); the RNG states and the model's buffers it may change are put back then."""
-        proto = self._proto
-        assert proto.probe is not None and proto.state.model is not None
-        cuda = proto.device.type == "cuda"
-        buffers = [(b, b.detach().clone()) for b in proto.state.model.buffers()]
-        self._saved = (torch.random.get_rng_state(), torch.cuda.get_rng_state(proto.device) if cuda else None, buffers)
-        eb = proto.state.efficient
-        if eb is not None:
-            eb.set_active(False)
-        self._probing = True
-        self._awaiting = proto.probe.microbatch
-        return proto.probe.microbatch
-
-    @torch.no_grad()
-    def _leave_probe(self, inputs: Any) -> None:
-        proto = self._proto
-        if inputs is not None:
-            proto.probe_fps[1] = datacheck.fingerprint(inputs)
-        cpu_rng, cuda_rng, buffers = self._saved
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, proto.device)
-        for b, saved in buffers:
-            b.copy_(saved)
-        self._saved = ()
-        self._probing = False
-        self._awaiting = None
-
-    def _elsewhere(self, todo: list[int]) -> bool:
-        """The others committed this step while this worker recovered (it received their state): keep ``todo``,
-        its share of the next step, for when that starts."""
-        if self._proto.state.step == self.index:
-            return False
-        self._proto.pending_todo = todo
-        self._status = _Status.ELSEWHERE
-        return True
-
-    def _reduce(self) -> list[int] | None:
-        """Reduce this worker's microbatches: None once the step's gradient is agreed, else the ids to compute
-        next (its share of those a failure lost, or all its own again after a fixed-point overflow)."""
-        with self._ctx._guard():
-            todo = self._proto.reduce_step()
-        if todo is None:
-            self._status = _Status.REDUCED
-        return todo
-
-    def pipeline(self, batch_of: BatchOf, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """Under ``parallel.pipeline`` > 1, instead of ``microbatches()``: run this replica's microbatches through
-        its pipeline (``batch_of(id) -> (inputs, targets)``, stacked along the first dimension; ``loss_fn(output,
-        target)`` the mean loss of one microbatch, on the last stage), then, if a replica died meanwhile, its
-        share of the lost ones. When it returns, ``param.grad`` holds the step's agreed gradient."""
-        if self._status is not _Status.OPEN:
-            raise ValueError(f"step {self.index}: its microbatches already ran")
-        ctx, proto, guard = self._ctx, self._proto, self._ctx._guard
-        model = proto.state.model
-        assert model is not None
-        with guard():
-            pipe = ctx.pipeline(loss_fn)
-            todo = proto.start_step()
-        while not self._elsewhere(todo):
-            proto.injector.step = self.index
-            hooks = proto.injector.phase_hooks(model, first=True, last=True)
-            started = time.perf_counter()
-            # Under FSDP each shard's pipeline runs its lane of the rounds (a padding microbatch where a lane has
-            # none left), so that every stage's ranks run as many backwards and reduce-scatters.
-            lanes = _rounds(todo, ctx.layout.shard, ctx._replica)
-            ids = [j for j, _, _ in lanes]
-            padding = {i for i, (_, pad, _) in enumerate(lanes) if pad}
-            try:
-                with guard():
-                    losses = pipe.run(ids, batch_of, padding) if ids else {}
-            finally:
-                remove(hooks)
-                if proto.state.efficient is not None:
-                    proto.state.efficient.set_active(False)
-            proto.injector.slow_down(time.perf_counter() - started, len(ids))  # this rank (so its replica) slower
-            if pipe.last:
-                proto.pipelined(losses, {j: int(batch_of(j)[1].numel()) for j in losses})
-            proto.round_done(todo, (time.perf_counter() - started) / max(1, len(todo)))
-            todo_next = self._reduce()
-            if todo_next is None:
-                return
-            todo = todo_next
-
-    def _enter(self, microbatch: int, first: bool, last: bool, padding: bool = False) -> None:
-        proto = self._proto
-        proto.injector.step = self.index
-        model = proto.state.model
-        assert model is not None
-        self._hooks = proto.injector.phase_hooks(model, first=first, last=last)
-        self._hooks += proto.injector.poison_hook(model, first_of_step=self._first)
-        self._first = False
-        if last:
-            proto.before_last_microbatch(microbatch)
-        eb = proto.state.efficient
-        if eb is not None:
-            eb.set_active(proto.is_efficient(microbatch))
-        self._awaiting = microbatch
-        self._padding = padding
-        proto.before_backward(microbatch, padding)
-        self._factor = proto.injector.loss_factor(microbatch)
-        self._autocasts = self._ctx._autocasts
-        self._t0 = time.perf_counter()
-
-    def _exit(self) -> None:
-        remove(self._hooks)
-        self._hooks = []
-        eb = self._proto.state.efficient
-        if eb is not None:
-            eb.set_active(False)
-
-    def backward(self, loss: torch.Tensor, tokens: int = 0, inputs: Any = None) -> None:
-        """Back-propagate this microbatch's loss (its mean over its tokens); the library divides it by M, the
-        microbatches of a step, so the step's gradient is their average whoever computed them. ``tokens``:
-        how many tokens the microbatch trained on (for the step records' throughput). ``inputs``: the
-        microbatch's input tensors (a tensor, or a tuple, list or dict of them), which the data check compares
-        across workers (``unbroken.ft.datacheck``): give them, and data that is not a pure function of (seed,
-        step, id) is caught."""
-        j = self._awaiting
-        if j is None:
-            raise ValueError("step.backward() outside the microbatches() loop, or twice for one microbatch")
-        if inputs is not None:
-            datacheck.check_inputs(inputs)
-            self._ctx._inputs_seen = True
-        if self._probing:
-            self._leave_probe(inputs)
-            return
-        proto = self._proto
-        probe = proto.probe
-        if inputs is not None and probe is not None and probe.microbatch == j:
-            proto.probe_fps[0] = datacheck.fingerprint(inputs)
-        self._ctx._check_autocast(self._autocasts)
-        if self._factor != 1.0:
-            loss = loss * self._factor
-        if self._padding:
-            loss = loss * 0.0  # a padding microbatch of a round: it takes part in FSDP's collectives only
-        with self._ctx._guard():  # failure injection inside the backward talks to the launcher
-            try:
-                (loss / proto.M).backward()
-            except RuntimeError as e:
-                op = determinism.nondeterministic_op(e)
-                if op is None:
-                    raise
-                raise StopRun(determinism.stop_line(op), shared=True) from None  # the same on every worker
-        remove(self._hooks)
-        self._hooks = []
-        eb = proto.state.efficient
-        if eb is not None:
-            eb.set_active(False)
-        elapsed = time.perf_counter() - self._t0
-        elapsed += proto.injector.slow_down(elapsed)  # an injected slow-down: this worker computes slower
-        self._awaiting = None
-        if not self._padding:
-            # On a GPU the time so far is the kernels' launch, not their run (timed per round, ``_round_timed``);
-            # the loss stays on the device: nothing here waits for it.
-            seconds = None if proto.device.type == "cuda" else elapsed
-            proto.after_backward(j, loss.detach(), tokens, seconds)
-
-    def commit(self, optimizer: torch.optim.Optimizer | None = None, clip_grad_norm: float = 0.0) -> StepOutcome:
-        """End the step: unless the gradient is not finite (then the step is skipped on every member alike),
-        clip it to ``clip_grad_norm`` (0: no clipping) and step ``optimizer`` (default: the registered one);
-        then save the checkpoint if one is due. Returns what the step did (the others' outcome if they
-        committed it while this worker was recovering)."""
-        proto, ctx = self._proto, self._ctx
-        if self._status == _Status.ELSEWHERE:
-            self._status = _Status.COMMITTED
-            return proto.state.last
-        if self._status != _Status.REDUCED:
-            raise ValueError(f"step {self.index}: iterate microbatches() to the end before commit()")
-        optimizer = optimizer if optimizer is not None else proto.state.optimizer
-        self._committing = True  # left set if the optimizer raises: the crash report says where
-        with ctx._guard():
-            outcome = proto.commit(optimizer, clip_grad_norm, time.perf_counter() - self._started)
-            self._status = _Status.COMMITTED
-            proto.save_checkpoint_if_due()
-        self._committing = False
-        return outcome
-
-
-_CONTROL_PLANE = str(Path(__file__).resolve().parent.parent / "control") + os.sep
-
-
-def _raised_by_control_plane(e: BaseException) -> bool:
-    """Whether ``e`` was raised inside a call into the control plane (a store call, a new connection)."""
-    return isinstance(e, TunnelError) or any(
-        os.path.realpath(frame.f_code.co_filename).startswith(_CONTROL_PLANE)
-        for frame, _ in traceback.walk_tb(e.__traceback__)
-    )
-
-
-def _rounds(todo: list[int], shard: int, replica: Replica | None) -> list[tuple[int, bool, list[int] | None]]:
-    """This rank's microbatches of ``todo`` as (id, padding, the round's ids): a replica of ``shard`` FSDP ranks
-    computes them in rounds of ``shard``, rank j taking the j-th id of each (a microbatch is never split over
-    ranks, so its gradient is the same bits whoever computes it); a rank with none left in the last round
-    runs the round's first id as padding. A replica of one rank: its ids, no rounds."""
-    if replica is None:
-        return [(j, False, None) for j in todo]
-    out: list[tuple[int, bool, list[int] | None]] = []
-    for start in range(0, len(todo), shard):
-        ids = todo[start : start + shard]
-        mine = replica.shard < len(ids)
-        out.append((ids[replica.shard] if mine else ids[0], not mine, ids))
-    return out
+def _apply_transforms(model: nn.Module, cfg: RunConfig, device_type: str) -> EfficientBackward | None:
+    """The ``[train]`` transforms of the registered model, in order: activation checkpointing, MeCeFO's efficient
+    backward (returned, or None), ``torch.compile``."""
+    efficient = None
+    if cfg.train.activation_checkpointing is ActivationCheckpointing.BLOCK:
+        apply_activation_checkpointing(model)
+    if cfg.recovery.policy.mecefo:
+        m = cfg.mecefo
+        efficient = apply_efficient_backward(
+            model, EfficientConfig(m.rank, m.refresh_every, m.oversample, m.power_iters)
+        )
+    if cfg.train.compile:
+        if device_type == "cpu":
+            check_compiler()
+        apply_compile(model)
+    return efficient
 
 
 def _peak_tflops(device: torch.device, cfg: RunConfig) -> float:

@@ -1,12 +1,15 @@
-"""Fault injection inside a worker: the failure schedule's events that fire at named points of a step.
+"""Fault injection inside a worker: the one hook the step's parts call at its named points.
 
-Owns the worker's side of the schedule (``core.failures``): at a named phase of a step it asks the process
-that started it (launcher or agent) for the real signal (``kill``, ``hang``, ``pause``) or cuts its own
-connections (``cut``); and it applies the faults a worker produces in itself: a slowed-down microbatch
-(``slow``), a poisoned microbatch gradient (``nan``, ``inf``), a scaled microbatch (``scale``, to force a
-fixed-point overflow), a stall inside the reduction while the heartbeats go on (``stall``) and a
-microbatch reported twice (``dup``, to prove the accounting check). With an empty schedule it does
-nothing (the null object every worker holds).
+Owns ``PhaseHook``, the hook every part of a step holds (``stepcontext.StepContext.hook``) and calls at the
+step's named points (``core.failures.Phase``): ``at`` for the start, the reduction, the optimizer step, a state
+received and a checkpoint half-written; ``enter`` / ``leave`` around each microbatch (the forward and backward
+phases fire inside the model); and the faults a worker produces in itself. ``PhaseHook`` itself is the null
+object a worker holds when no fault is scheduled: every call does nothing. ``FaultInjector`` is the worker's side
+of a schedule: at a named phase of a step it asks the process that started it (launcher or agent) for the real
+signal (``kill``, ``hang``, ``pause``) or cuts its own connections (``cut``); and it applies the faults a worker
+produces in itself: a slowed-down microbatch (``slow``), a poisoned microbatch gradient (``nan``, ``inf``), a
+scaled microbatch (``scale``, to force a fixed-point overflow), a stall inside the reduction while the
+heartbeats go on (``stall``) and a microbatch reported twice (``dup``, to prove the accounting check).
 """
 
 from __future__ import annotations
@@ -41,24 +44,63 @@ def wake_agent() -> None:
             pass
 
 
-class FaultInjector:
+class PhaseHook:
+    """The step's hook at its named points, as the step's parts call it. This class is the null object: a
+    worker with no fault scheduled holds one, and every call does nothing (``FaultInjector`` acts)."""
+
+    enabled = False  # whether any fault is scheduled
+
+    def at(self, phase: Phase, step: int | None = None) -> None:
+        """Named point ``phase`` of step ``step`` (default: the step of the microbatch last entered)."""
+
+    def stall(self, step: int) -> None:
+        """Inside the reduction of ``step``, once this worker's gradients are sent."""
+
+    def reported(self, done: list[int], step: int) -> list[int]:
+        """The microbatch ids this worker reports computed in ``step`` (it computed ``done``)."""
+        return done
+
+    def enter(self, model: nn.Module, step: int, first: bool, last: bool, first_of_step: bool = False) -> None:
+        """A microbatch of step ``step`` comes next (``first`` / ``last`` of this worker's round of them;
+        ``first_of_step``: its first of the step): arm what fires inside ``model``'s forward and backward."""
+
+    def leave(self) -> None:
+        """The microbatch's backward ran, or the loop left it: disarm what ``enter`` armed."""
+
+    def loss_factor(self, microbatch: int) -> float:
+        """The factor microbatch ``microbatch``'s loss is multiplied by (of the step last entered)."""
+        return 1.0
+
+    def slow_down(self, elapsed_s: float, microbatches: int = 1) -> float:
+        """After ``microbatches`` computed in ``elapsed_s``: the seconds this worker was slowed down by."""
+        return 0.0
+
+
+def phase_hook(schedule: FailureSchedule, store: Any, worker: int) -> PhaseHook:
+    """Worker ``worker``'s hook: the null one when nothing is scheduled, else a ``FaultInjector`` on ``store``."""
+    if not schedule.events:
+        return PhaseHook()
+    injector = FaultInjector(schedule)
+    injector.attach(store, worker)
+    return injector
+
+
+class FaultInjector(PhaseHook):
     """The schedule's events for one worker. ``store`` and ``worker`` are set once it has joined."""
 
     def __init__(self, schedule: FailureSchedule) -> None:
         self.schedule = schedule
         self.store: Any = None
         self.worker = -1
-        self.step = 0  # the step the worker is in (set by the protocol)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.schedule.events)
+        self.step = 0  # the step of the microbatch last entered (``enter``)
+        self._handles: list[Any] = []
+        self.enabled = bool(schedule.events)
 
     def attach(self, store: Any, worker: int) -> None:
         self.store = store
         self.worker = worker
 
-    def inject(self, phase: Phase, step: int | None = None) -> None:
+    def at(self, phase: Phase, step: int | None = None) -> None:
         """If the schedule says so, tell the launcher we reached (step, phase) and wait to be signalled.
 
         A kill, hang or pause is a real signal from the launcher (SIGKILL, SIGSTOP, SIGSTOP + SIGCONT);
@@ -97,18 +139,27 @@ class FaultInjector:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL if event.kind is FailureKind.KILL else signal.SIGSTOP)
 
-    def phase_hooks(self, model: nn.Module, first: bool, last: bool) -> list[Any]:
-        """One-shot hooks that fire inside the forward of the first / the backward of the last microbatch
-        (on the model's middle sub-module)."""
-        if not self.enabled:
-            return []
+    def enter(self, model: nn.Module, step: int, first: bool, last: bool, first_of_step: bool = False) -> None:
+        """One-shot hooks that fire inside the forward of the first / the backward of the last microbatch (on
+        the model's middle sub-module: the ``forward`` / ``backward`` phases), and a ``nan`` / ``inf`` event's
+        poison in the first microbatch of the step."""
+        self.step = step
+        self._handles = self._phase_hooks(model, first, last)
+        if first_of_step:
+            self._handles += self._poison_hook(model)
+
+    def leave(self) -> None:
+        remove(self._handles)
+        self._handles = []
+
+    def _phase_hooks(self, model: nn.Module, first: bool, last: bool) -> list[Any]:
         handles = []
         modules = [m for m in model.modules() if m is not model] or [model]
         middle = modules[len(modules) // 2]
         if first and self.schedule.injection(self.worker, self.step, Phase.FORWARD) is not None:
-            handles.append(middle.register_forward_hook(lambda *_: self.inject(Phase.FORWARD)))
+            handles.append(middle.register_forward_hook(lambda *_: self.at(Phase.FORWARD)))
         if last and self.schedule.injection(self.worker, self.step, Phase.BACKWARD) is not None:
-            handles.append(middle.register_full_backward_hook(lambda *_: self.inject(Phase.BACKWARD)))
+            handles.append(middle.register_full_backward_hook(lambda *_: self.at(Phase.BACKWARD)))
         return handles
 
     def slow_down(self, elapsed_s: float, microbatches: int = 1) -> float:
@@ -125,10 +176,10 @@ class FaultInjector:
         computes it (so a recomputation after a failure is the same microbatch)."""
         return self.schedule.scale_factor(self.step, microbatch)
 
-    def poison_hook(self, model: nn.Module, first_of_step: bool) -> list[Any]:
+    def _poison_hook(self, model: nn.Module) -> list[Any]:
         """``nan`` / ``inf`` events: the first microbatch this worker computes in the step gets a gradient with
         one non-finite value in the model's middle parameter (its loss stays finite)."""
-        event = self.schedule.poison(self.worker, self.step) if first_of_step else None
+        event = self.schedule.poison(self.worker, self.step)
         if event is None:
             return []
         names = [name for name, _ in model.named_parameters()]
@@ -162,9 +213,11 @@ class FaultInjector:
         log.warning("stalling %.1f s inside the reduction: %s", event.seconds, event.describe())
         time.sleep(event.seconds)
 
-    def duplicates(self, step: int) -> bool:
+    def reported(self, done: list[int], step: int) -> list[int]:
         """``dup`` events: report one microbatch twice in this step's counts."""
-        return self.schedule.duplicate(self.worker, step)
+        if done and self.schedule.duplicate(self.worker, step):
+            return [*done, done[0]]
+        return done
 
 
 class _Handles:

@@ -7,7 +7,8 @@ waits on the group's collectives (``Interrupted`` when the membership changes un
 the ranks of a replica of several ranks on every such outcome, the state transfer on a new group
 (``sync_state``), and the metrics records the group publishes (with the recent ones, for a coordinator that
 dies undrained). It does not plan, reduce gradients or commit: ``protocol.StepProtocol`` decides when to
-form the next group (a recovery) and what to do after.
+form the next group (a recovery) and what to do after. It is built from the step's ``StepContext`` and calls
+its fault hook when a state is received (``receive`` phase).
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from unbroken.control.member.client import CoordinatorClient, Epoch
+from unbroken.control.member.client import Epoch
 from unbroken.core.config import Reduction
 from unbroken.core.failures import Phase
-from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, append_records, make
 from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.comm import (
@@ -38,12 +37,9 @@ from unbroken.ft.comm import (
     retire_group,
     wait_all,
 )
-from unbroken.ft.inject import FaultInjector
-from unbroken.ft.state import TrainingState
-from unbroken.ft.stops import Interrupted, InvariantViolation, ProtocolConfig, StopRun
+from unbroken.ft.stepcontext import StepContext
+from unbroken.ft.stops import Interrupted, InvariantViolation, StopRun
 
-if TYPE_CHECKING:
-    from unbroken.ft.parallel.replica import Replica
 log = logging.getLogger(__name__)
 
 RECENT_RECORDS = 64  # metrics records a leader keeps, to write them itself if the coordinator dies
@@ -53,27 +49,13 @@ class Membership:
     """This worker in the current group. ``group`` is None until the first one forms (``form_next_group``);
     ``recovering`` is set by the protocol while it recovers (any newer epoch interrupts then)."""
 
-    def __init__(
-        self,
-        cfg: ProtocolConfig,
-        client: CoordinatorClient,
-        state: TrainingState,
-        injector: FaultInjector,
-        backend: str,
-        device: torch.device,
-        layout: ReplicaLayout,
-        replica: Replica | None,
-        run_dir: Path,
-    ) -> None:
-        self.cfg = cfg
-        self.client = client
-        self.state = state
-        self.injector = injector
-        self.backend = backend
-        self.device = device
-        self.layout = layout
-        self.replica = replica
-        self.run_dir = run_dir
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.client = client = ctx.client
+        self.state = ctx.state
+        self.layout = ctx.layout
+        self.replica = ctx.replica
         self.group: Group | None = None
         self.state_bytes = 0  # the state sent to members behind in the last recovery (one rank index's share)
         self.workload = ""  # the current epoch's workload when the coordinator switched it (else the config's)
@@ -82,9 +64,9 @@ class Membership:
         self.former = GroupFormer(
             client.new_connection,
             client.worker_id,
-            backend,
-            cfg.op_timeout_s,
-            device,
+            ctx.backend,
+            ctx.cfg.op_timeout_s,
+            ctx.device,
             lambda epoch: client.latest_epoch > epoch or client.stopped is not None,
             self.coordinate,
         )
@@ -195,9 +177,9 @@ class Membership:
                 epoch.epoch,
                 members,
                 self.wid,
-                self.backend,
+                self.ctx.backend,
                 self.cfg.op_timeout_s,
-                self.device,
+                self.ctx.device,
                 lambda e=epoch.epoch: client.latest_epoch > e or client.stopped is not None,
                 self.coordinate,
             )
@@ -318,7 +300,7 @@ class Membership:
         self.wait([broadcast_async(self.group, header, src)])
         self.state_bytes = int(header[0])  # what one member sent to those behind (a rank: its shard)
         if self.group.rank != src:
-            self.injector.inject(Phase.RECEIVE, step=int(header[1]))
+            self.ctx.hook.at(Phase.RECEIVE, step=int(header[1]))
         data = torch.zeros(int(header[0]), dtype=torch.uint8)
         if self.group.rank == src:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
@@ -346,6 +328,6 @@ class Membership:
     def append_undrained(self, closing: dict[str, Any]) -> None:
         """The coordinator died: append the recent records it never wrote, then ``closing``, to metrics.jsonl."""
         try:
-            append_records(self.run_dir, [*self.recent, closing])
+            append_records(self.ctx.run_dir, [*self.recent, closing])
         except OSError as e:
-            log.warning("could not append to the metrics of %s: %s", self.run_dir, e)
+            log.warning("could not append to the metrics of %s: %s", self.ctx.run_dir, e)

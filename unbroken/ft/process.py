@@ -4,10 +4,10 @@ Owns ``Job``: reading the environment a launcher, the per-host agent, torchrun o
 (``UNBROKEN_COORDINATOR``, ``UNBROKEN_TOKEN``, ``UNBROKEN_WORKER_ID`` or ``RANK`` / ``SLURM_PROCID``,
 ``UNBROKEN_LOCAL_WORKERS``), fetching the run's config from the coordinator, setting the process up
 (intra-op threads, logging, host memory; its device, one GPU per worker by its index on the host, and the
-NCCL environment), registering (which starts the heartbeats), and leaving: a
-process that must stop ends with ``os._exit`` so no C++ thread still blocked in a rendezvous can abort it
-on the way out. Without a coordinator in the environment, ``Job`` runs one in this process (a job of one
-worker), which is what a plain ``python my_script.py`` gets.
+NCCL environment), registering (which starts the heartbeats), and the end of the process: a worker that
+must stop ends with ``os._exit`` so no C++ thread still blocked in a rendezvous can abort it on the way out
+(what it says and saves first is ``leaving``'s). Without a coordinator in the environment, ``Job`` runs one
+in this process (a job of one worker), which is what a plain ``python my_script.py`` gets.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -43,7 +43,6 @@ from unbroken.control.store import keys
 from unbroken.control.store.connect import bind_listen_socket, publish_record, reach, report_error
 from unbroken.control.store.gateway import TOKEN_ENV, TunnelError, new_token
 from unbroken.control.store.netif import use_job_interface
-from unbroken.core import ckptfiles
 from unbroken.core.config import (
     CoordinatorConfig,
     Reduction,
@@ -61,10 +60,8 @@ from unbroken.core.records import RecordKind, SpareState, WorkerError, make
 from unbroken.ft import determinism
 from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.hostmem import retain_freed_memory
-from unbroken.ft.protocol import EXIT_STOPPED
+from unbroken.ft.stops import EXIT_STOPPED
 
-if TYPE_CHECKING:
-    from unbroken.ft.protocol import StepProtocol
 log = logging.getLogger(__name__)
 
 
@@ -471,43 +468,3 @@ def _reach(addresses: list[str], token: str | None) -> Any:
     """A store connection to the first of ``addresses`` that answers (the leading coordinator); one the network
     does not reach is tried again for up to the default ``coordinator.hold_s`` (the config is not known yet)."""
     return reach(addresses, token, REACH_PATIENCE_S)[0]  # its tunnel lives as long as the store (GC)
-
-
-def save_at_stop(proto: StepProtocol | None, run_dir: Path) -> str:
-    """The coordinator stopped the job for a bug in the user's code and named this worker, which holds a good
-    state (the last committed step, bitwise every member's), to keep it: save it unless its checkpoint (or a
-    newer one) is on disk already. Returns the words naming the last good checkpoint."""
-    saved = ckpt.list_checkpoints(run_dir)
-    if proto is not None and proto.replica is None and proto.state.step > max(saved, default=0):
-        step, t0 = proto.state.step, time.perf_counter()
-        try:
-            path = ckpt.save_checkpoint(run_dir, step, proto.state.snapshot(), proto.cfg.checkpoint_keep)
-        except OSError as e:
-            log.error("could not save the state of step %d: %s", step, e)
-        else:
-            seconds = time.perf_counter() - t0
-            log.info("saved the state of step %d (%s) before leaving", step, path)
-            record = make(RecordKind.CHECKPOINT, time.time(), step=step, path=str(path), seconds=seconds)
-            proto.client.publish_metrics(record)
-            proto.client.flush_metrics(timeout_s=5.0)
-    return ckptfiles.last_checkpoint_words(run_dir)
-
-
-def stop_without_coordinator(proto: StepProtocol | None, run_dir: Path) -> str:
-    """The coordinator is gone: no membership can change any more, so the job stops. The leader of this
-    worker's group checkpoints the last committed state (every member holds it, bitwise) and writes the
-    metrics records the coordinator did not drain. Returns the line to log."""
-    hint = f"continue with: unbroken train --resume {run_dir}"
-    if proto is None or proto.group is None or not proto.leader or proto.state.step <= 0:
-        return f"the coordinator is gone; stopping (the leader checkpoints the last committed step); {hint}"
-    step = proto.state.step
-    saved = ckpt.list_checkpoints(run_dir)
-    if saved and saved[0] >= step:
-        path = ckpt.checkpoint_path(run_dir, saved[0])
-    elif proto.replica is not None:  # the ranks of the leading replica, together
-        proto.write_checkpoint()
-        path = ckpt.sharded_path(run_dir, step)
-    else:
-        path = ckpt.save_checkpoint(run_dir, step, proto.state.snapshot(), proto.cfg.checkpoint_keep)
-    proto.append_undrained({"type": "coordinator_lost", "step": step, "path": str(path), "time": time.time()})
-    return f"the coordinator is gone; saved the state of step {step} ({path}); {hint}"

@@ -8,13 +8,16 @@ commit: only when the reduced counts show each of the M ids exactly once (``drop
 members agree on the epoch, and the gradient is finite; otherwise the step is redone (fixed-point overflow),
 skipped on every member alike (a non-finite gradient) or the run stops cleanly (a broken invariant).
 
-``StepProtocol`` is that sequence; each part is a collaborator that owns its state and can be read alone:
-``membership`` (the group, the waits on its collectives, the next epoch's group, the state transfer, the
-records), ``stepplan`` (the step's plan and this worker's accounting), ``reduction`` (the reduced gradient
-and side vector, and the checks on them), ``commit`` (the optimizer step or the skip, the step record) and
-``ckptio`` (checkpoints); the settings and the ways a worker stops are ``protocoldefs``'s (imported here too).
-It knows nothing of the user's model, data or loop, which drive it through ``api.Step``. It is an object,
-not a process: unit tests drive several of them from threads of one process on real gloo groups.
+``StepProtocol`` is that sequence (start, reduce, recover, commit); each part is a collaborator that owns its
+state and can be read alone, and every one is built from the same ``stepcontext.StepContext`` (the settings,
+the client, the training state, the run directory, the fault hook, the device, the replica): ``membership``
+(the group, the waits on its collectives, the next epoch's group, the state transfer, the records),
+``stepplan`` (the step's plan and this worker's accounting), ``reduction`` (the reduced gradient and side
+vector, and the checks on them), ``update`` (the optimizer step or the skip, the step record) and
+``checkpoint.policy`` (checkpoints). Callers reach a part directly (``proto.plan``, ``proto.membership``);
+the settings and the ways a worker stops are ``stops``'s (imported here too). It knows nothing of the
+user's model, data or loop, which drive it through ``step.Step``. It is an object, not a process: unit tests
+drive several of them from threads of one process on real gloo groups.
 
 With replicas of several ranks (``replica``: FSDP shards or pipeline stages, docs/parallel.md) the member
 that plans, counts and commits is the replica; each rank runs the protocol on the group of its rank index
@@ -27,24 +30,19 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.control.member.client import CoordinatorClient
 from unbroken.core.config import RecoveryPolicy, Workload
 from unbroken.core.failures import Phase
-from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind
-from unbroken.ft import datacheck
 from unbroken.ft.checkpoint import schema as ckpt
 from unbroken.ft.checkpoint.policy import Checkpoints
-from unbroken.ft.comm import GradientReducer, Group, allreduce_async
-from unbroken.ft.inject import FaultInjector
+from unbroken.ft.comm import allreduce_async
 from unbroken.ft.membership import Membership
 from unbroken.ft.reduction import StepReduction
-from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.state import StepOutcome
+from unbroken.ft.stepcontext import StepContext
 from unbroken.ft.stepplan import StepPlan
 from unbroken.ft.stops import (
     EXIT_COORDINATOR_LOST,
@@ -58,8 +56,6 @@ from unbroken.ft.stops import (
 )
 from unbroken.ft.update import StepCommit
 
-if TYPE_CHECKING:
-    from unbroken.ft.parallel.replica import Replica
 __all__ = [
     "EXIT_COORDINATOR_LOST",
     "EXIT_INVARIANT",
@@ -76,42 +72,25 @@ log = logging.getLogger(__name__)
 
 
 class StepProtocol:
-    """One worker's side of the protocol. Call order per step (``api.Step`` does it):
-    ``start_step`` -> for each id: the user's forward, ``before_backward`` (``before_last_microbatch`` first for
-    the last one), the backward, ``after_backward`` -> ``reduce_step``
-    (again with the ids it returns until it returns None) -> ``commit``."""
+    """One worker's side of the protocol: ``join`` once, then per step ``start_step`` -> the microbatches ->
+    ``reduce_step`` (again with the ids it returns until it returns None) -> ``commit``; ``recover`` whenever
+    the membership changes, ``finish`` after the last step. Around each microbatch the caller (``step.Step``)
+    drives the parts directly: ``reduction.arm`` before the last one, ``reduction.before_backward``, the
+    backward, ``reduction.after_backward`` and ``plan.after_backward``; the records go through ``membership``
+    and the checkpoints through ``checkpoints``."""
 
-    def __init__(
-        self,
-        cfg: ProtocolConfig,
-        client: CoordinatorClient,
-        state: TrainingState,
-        run_dir: Path,
-        injector: FaultInjector,
-        backend: str,
-        device: torch.device,
-        ring: tuple[int, ...],
-        total: int,
-        replica: Replica | None = None,
-    ) -> None:
-        assert state.model is not None
-        self.replica = replica
-        self.cfg = cfg
-        self.M = cfg.microbatches
-        self.client = client
-        self.state = state
-        self.run_dir = run_dir
-        self.injector = injector
-        self.device = device
-        layout = replica.layout if replica is not None else ReplicaLayout()
-        self.membership = Membership(cfg, client, state, injector, backend, device, layout, replica, run_dir)
-        self.plan = StepPlan(cfg, state, ring, whole=replica is None)
-        self.reduction = StepReduction(cfg, self.membership, self.plan, state, injector)
-        self.committer = StepCommit(
-            cfg, self.membership, self.plan, self.reduction.tensors, state, injector, device, run_dir
-        )
-        self.checkpoints = Checkpoints(cfg, self.membership, state, injector, run_dir, total)
-        client.on_epoch = self.membership.epoch_published
+    def __init__(self, ctx: StepContext) -> None:
+        assert ctx.state.model is not None
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.M = ctx.cfg.microbatches
+        self.state = ctx.state
+        self.membership = Membership(ctx)
+        self.plan = StepPlan(ctx)
+        self.reduction = StepReduction(ctx, self.membership, self.plan)
+        self.committer = StepCommit(ctx, self.membership, self.plan, self.reduction.tensors)
+        self.checkpoints = Checkpoints(ctx, self.membership)
+        ctx.client.on_epoch = self.membership.epoch_published
         self.resume_pending = False  # --resume: the leader loads the newest checkpoint in its first recovery
         self.pending_todo: list[int] | None = None  # this worker's share of a step, planned while it recovered
         # The evaluation after a step that the group recovered in from a failure is skipped on every member: they
@@ -124,98 +103,15 @@ class StepProtocol:
         self.failure_in_step = False
         self.failed_step = -1
 
-    # -- the parts, as the user's loop (api) and the process reach them -----------------------------
-    @property
-    def group(self) -> Group | None:
-        return self.membership.group
-
-    @property
-    def unit(self) -> int:
-        return self.membership.unit
-
-    @property
-    def leader(self) -> bool:
-        return self.membership.leader
-
-    @property
-    def publisher(self) -> bool:
-        return self.membership.publisher
-
-    @property
-    def reducer(self) -> GradientReducer:
-        return self.reduction.reducer
-
-    @property
-    def probe(self) -> datacheck.Probe | None:
-        return self.plan.probe
-
-    @property
-    def probe_fps(self) -> list[float]:
-        return self.plan.probe_fps
-
-    @property
-    def flops_per_token(self) -> float:
-        return self.committer.flops_per_token
-
-    @flops_per_token.setter
-    def flops_per_token(self, value: float) -> None:
-        self.committer.flops_per_token = value
-
-    @property
-    def peak_tflops(self) -> float:
-        return self.committer.peak_tflops
-
-    @peak_tflops.setter
-    def peak_tflops(self, value: float) -> None:
-        self.committer.peak_tflops = value
-
-    def publish(self, kind: RecordKind, **fields: Any) -> None:
-        self.membership.publish(kind, **fields)
-
-    def append_undrained(self, closing: dict[str, Any]) -> None:
-        self.membership.append_undrained(closing)
-
-    def _combine_sum(self, tensor: torch.Tensor) -> None:
-        self.membership.combine_sum(tensor)
-
-    def is_efficient(self, microbatch: int) -> bool:
-        return self.plan.is_efficient(microbatch)
-
-    def before_last_microbatch(self, microbatch: int) -> None:
-        self.reduction.arm(microbatch)
-
-    def before_backward(self, microbatch: int, padding: bool = False) -> None:
-        self.reduction.before_backward(microbatch, padding)
-
-    def after_backward(self, microbatch: int, loss: float | torch.Tensor, tokens: int, seconds: float | None) -> None:
-        """Record microbatch ``microbatch`` as computed by this worker (its gradient is in the accumulator)."""
-        self.reduction.after_backward(microbatch)
-        self.plan.after_backward(microbatch, loss, tokens, seconds)
-
-    def note_speed(self, seconds: float) -> None:
-        self.plan.note_speed(seconds)
-
-    def round_done(self, microbatches: list[int], seconds: float = 0.0) -> None:
-        self.plan.round_done(microbatches, seconds)
-
-    def pipelined(self, losses: dict[int, float], tokens: dict[int, int]) -> None:
-        self.plan.pipelined(losses, tokens)
-
-    def save_checkpoint_if_due(self) -> None:
-        self.checkpoints.save_if_due()
-
-    def write_checkpoint(self) -> None:
-        self.checkpoints.write()
-
     # -- the step -----------------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def _begin_step(self) -> None:
         """Fresh local state for the current step: no microbatch done, empty accumulators."""
         self.plan.begin()
         self.reduction.begin()
 
     def start_step(self) -> list[int]:
         """The ids this worker computes first in the current step (after any recovery due now)."""
-        group = self.group
+        group = self.membership.group
         assert group is not None
         self.plan.reset_counts()
         self.reduction.reduced = None
@@ -229,9 +125,9 @@ class StepProtocol:
         # worker's own microbatches in efficient mode, one seen in the reduction exactly, so the step would depend on
         # when the death was seen; deferred, its own are always exact and only the orphans efficient.
         removed = (
-            self.replica is None
+            self.ctx.replica is None
             and not self.cfg.policy.mecefo
-            and self.client.removed_since(group.epoch, group.members)
+            and self.ctx.client.removed_since(group.epoch, group.members)
         )
         if removed or self.committer.switch_epoch > group.epoch:
             # A death between steps, or a join the group agreed on in the last reduction.
@@ -242,10 +138,10 @@ class StepProtocol:
                 # share is lost, so this worker still owes its own.
                 self.plan.note_owners(self.plan.make(self.membership.units()))
             return self.recover(in_step=removed)
-        self.injector.inject(Phase.START)
+        self.ctx.hook.at(Phase.START)
         plan = self.plan.make(self.membership.units())
         self.plan.adopt(plan, group.epoch)
-        return list(plan.ids_for(self.unit))
+        return list(plan.ids_for(self.membership.unit))
 
     def reduce_step(self) -> list[int] | None:
         """After this worker's microbatches: reduce. None when the step's gradient is reduced (and, unless it
@@ -274,17 +170,17 @@ class StepProtocol:
         """A fixed-point overflow: grow the scale (agreed over the group), then compute the step again."""
         self.reduction.grow_scale()
         self.plan.redos += 1
-        self.begin_step()
+        self._begin_step()
         plan = self.plan.make(self.membership.units())
         self.plan.note_owners(plan)
-        return list(plan.ids_for(self.unit))
+        return list(plan.ids_for(self.membership.unit))
 
     def commit(self, optimizer: torch.optim.Optimizer | None, clip_grad_norm: float, seconds: float) -> StepOutcome:
         """The step's explicit end: the optimizer steps (the gradient is finite and every invariant held) or
         the step is skipped on every member alike; then the step advances (the caller saves the checkpoint if
-        one is due, ``save_checkpoint_if_due``)."""
+        one is due, ``checkpoints.save_if_due``)."""
         outcome = self.committer.commit(self.reduction, optimizer, clip_grad_norm, seconds)
-        self.begin_step()
+        self._begin_step()
         return outcome
 
     # -- recovery -----------------------------------------------------------------------------------
@@ -296,7 +192,8 @@ class StepProtocol:
         always match. ``in_step``: a failure in the current step brought this worker here (a death seen at its
         start, its reduction interrupted), not a join or one between steps; the group agrees whether one of its
         members came from inside the step it recovers in (``failed_step``)."""
-        old_members = self.group.members if self.group is not None else ()
+        group = self.membership.group
+        old_members = group.members if group is not None else ()
         self.membership.recovering = True
         try:
             return self._recover(old_members, in_step)
@@ -317,38 +214,37 @@ class StepProtocol:
         # not from a group formed since and left at once for a newer epoch (a warm spare admitted while the
         # survivors re-formed without its worker: one recovery, from the epoch the failure interrupted to the
         # one with the spare).
-        entry_epoch = self.group.epoch if self.group is not None else 0
+        entry_epoch = membership.group.epoch if membership.group is not None else 0
         entered = time.monotonic()
         while True:
             t0 = entered if entry_epoch else time.monotonic()
-            old_epoch = entry_epoch or (self.group.epoch if self.group is not None else 0)
+            old_epoch = entry_epoch or (membership.group.epoch if membership.group is not None else 0)
             try:
-                if self.cfg.policy is RecoveryPolicy.RESTART and self.group is not None:
+                if self.cfg.policy is RecoveryPolicy.RESTART and membership.group is not None:
                     reason = "membership changed; the restart policy restarts from the last checkpoint"
                     raise StopRun(reason, fatal=False)
                 membership.form_next_group()
-                assert self.group is not None
+                group = membership.group
+                assert group is not None
                 self.plan.workload = Workload(membership.workload) if membership.workload else self.cfg.workload
                 # Formed ahead (GroupFormer), the group may be older than this recovery.
-                formed = max(t0, time.monotonic() - max(0.0, time.time() - self.group.formed_at))
+                formed = max(t0, time.monotonic() - max(0.0, time.time() - group.formed_at))
                 if self.resume_pending:
                     self.resume_pending = False
-                    if self.leader:
+                    if membership.leader:
                         self.checkpoints.load()
-                        self.begin_step()
+                        self._begin_step()
                 was_behind = membership.sync_state()
                 if was_behind:
-                    self.begin_step()
+                    self._begin_step()
                 # Each id this worker holds for the current step, and whether a failure in this step brought it here
                 # (one in a step the others have committed since, whose state it received, was in an earlier step).
                 held = torch.zeros(self.M + 1, dtype=torch.float64)
                 held[self.plan.done] = 1.0
                 held[self.M] = 1.0 if in_step and self.state.step == entered_at else 0.0
-                membership.wait([allreduce_async(self.group, held)])
+                membership.wait([allreduce_async(group, held)])
             except Interrupted:
                 continue  # another change while recovering: go again from the newest epoch (the handler ends here)
-            group = self.group
-            assert group is not None
             if was_behind or (old_members and old_members[0] not in group.members):
                 self.committer.republish_last_step()
             self.checkpoints.ensure()
@@ -362,7 +258,7 @@ class StepProtocol:
                 )
             missing = [j for j, c in enumerate(counts) if c == 0]
             if old_epoch > 0:
-                self.publish(
+                membership.publish(
                     RecordKind.RECOVERY,
                     step=self.state.step,
                     from_epoch=old_epoch,
@@ -374,21 +270,28 @@ class StepProtocol:
                     time_recovered=time.time(),
                     state_bytes=membership.state_bytes,
                 )
-            died = not set(old_members) <= set(group.members)
-            lost_mid_step = old_epoch > 0 and died and len(missing) < self.M
-            if lost_mid_step and self.cfg.policy is RecoveryPolicy.DROP:
-                # Someone died mid-step: their microbatches are lost; a live member that had not computed its
-                # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
-                # and a step nobody had started yet is planned as usual.)
-                return [j for j in missing if self.plan.step_owners.get(j) == self.unit]
-            if lost_mid_step:
-                # The step's ids computed again because a member died (the same count on every member: the step's
-                # record says it whichever member publishes it).
-                self.plan.recomputed += len(missing)
-            plan = self.plan.make(membership.units(), missing)
-            if len(missing) == self.M:
-                self.plan.adopt(plan, group.epoch)
-            return list(plan.ids_for(self.unit))
+            return self._replan(missing, lost=old_epoch > 0 and not set(old_members) <= set(group.members))
+
+    def _replan(self, missing: list[int], lost: bool) -> list[int]:
+        """This worker's share of the ``missing`` ids of the current step after a recovery (``lost``: a member
+        of the old group died, not only joins)."""
+        lost_mid_step = lost and len(missing) < self.M
+        unit = self.membership.unit
+        if lost_mid_step and self.cfg.policy is RecoveryPolicy.DROP:
+            # Someone died mid-step: their microbatches are lost; a live member that had not computed its
+            # own yet (it met the death before starting the step) still does. (A join alone loses nothing,
+            # and a step nobody had started yet is planned as usual.)
+            return [j for j in missing if self.plan.step_owners.get(j) == unit]
+        if lost_mid_step:
+            # The step's ids computed again because a member died (the same count on every member: the step's
+            # record says it whichever member publishes it).
+            self.plan.recomputed += len(missing)
+        plan = self.plan.make(self.membership.units(), missing)
+        if len(missing) == self.M:
+            group = self.membership.group
+            assert group is not None
+            self.plan.adopt(plan, group.epoch)
+        return list(plan.ids_for(unit))
 
     def join(self, resume: bool, late: bool) -> None:
         """The first recovery of this worker: form the first group (or join a running one), agree on the state
@@ -396,23 +299,18 @@ class StepProtocol:
         self.resume_pending = resume and not late
         if late:
             self.state.step = -1  # behind everyone: it receives the state from a live peer
-        self.begin_step()
+        self._begin_step()
         self.pending_todo = self.recover(in_step=False)
-        assert self.group is not None
-        log.info(
-            "member of epoch %d as rank %d of %d at step %d",
-            self.group.epoch,
-            self.group.rank,
-            self.group.size,
-            self.state.step,
-        )
+        group = self.membership.group
+        assert group is not None
+        log.info("member of epoch %d as rank %d of %d at step %d", group.epoch, group.rank, group.size, self.state.step)
 
     def allreduce_interruptible(self, tensor: torch.Tensor) -> bool:
         """SUM-reduce ``tensor`` over the group; False (and this worker has recovered, keeping its share of the
         next step for when it starts) if a failure interrupted it."""
-        assert self.group is not None
+        assert self.membership.group is not None
         try:
-            self.membership.wait([allreduce_async(self.group, tensor)])
+            self.membership.wait([allreduce_async(self.membership.group, tensor)])
             return True
         except Interrupted:
             pass
@@ -424,34 +322,38 @@ class StepProtocol:
         have been replaced by a restarted coordinator); the leader then checks that the final checkpoint is
         on disk and whole (writing it if its writer died), records the checksums and marks the run done, so a
         run that says "done" has its final state saved."""
+        membership = self.membership
         while True:
-            assert self.group is not None
-            digests = torch.zeros(self.group.size, 32, dtype=torch.float64)
-            digests[self.group.rank] = torch.tensor(list(bytes.fromhex(self.state.checksum())), dtype=torch.float64)
+            assert membership.group is not None
+            digests = torch.zeros(membership.group.size, 32, dtype=torch.float64)
+            checksum = bytes.fromhex(self.state.checksum())
+            digests[membership.group.rank] = torch.tensor(list(checksum), dtype=torch.float64)
             if self.allreduce_interruptible(digests):
                 break
-        assert self.group is not None
-        if self.leader:
-            self.checkpoints.ensure()
-            checksums = {
-                str(w): bytes(int(x) for x in digests[rank].tolist()).hex() for rank, w in enumerate(self.group.members)
-            }
-            # Replicas of several ranks: every rank index's checksums (equal across replicas, not across indices).
-            parts = self.replica.gather(checksums) if self.replica is not None else [checksums]
-            identical = all(len(set(part.values())) == 1 for part in parts)
-            if not self.publisher:
-                return
-            ckpt.clean_partial(self.run_dir)
-            step = self.state.step
-            sharded = self.replica is not None
-            self.publish(
-                RecordKind.FINAL,
-                step=step,
-                checksums={w: digest for part in parts for w, digest in part.items()},
-                identical=identical,
-                checkpoint=str(
-                    ckpt.sharded_path(self.run_dir, step) if sharded else ckpt.checkpoint_path(self.run_dir, step)
-                ),
-            )
-            self.client.flush_metrics()  # the coordinator drains the records once more on "done", then ends
-            self.client.mark_done()
+        group = membership.group
+        assert group is not None
+        if not membership.leader:
+            return
+        self.checkpoints.ensure()
+        checksums = {
+            str(w): bytes(int(x) for x in digests[rank].tolist()).hex() for rank, w in enumerate(group.members)
+        }
+        # Replicas of several ranks: every rank index's checksums (equal across replicas, not across indices).
+        replica, run_dir = self.ctx.replica, self.ctx.run_dir
+        parts = replica.gather(checksums) if replica is not None else [checksums]
+        identical = all(len(set(part.values())) == 1 for part in parts)
+        if not membership.publisher:
+            return
+        ckpt.clean_partial(run_dir)
+        step = self.state.step
+        membership.publish(
+            RecordKind.FINAL,
+            step=step,
+            checksums={w: digest for part in parts for w, digest in part.items()},
+            identical=identical,
+            checkpoint=str(
+                ckpt.sharded_path(run_dir, step) if replica is not None else ckpt.checkpoint_path(run_dir, step)
+            ),
+        )
+        self.ctx.client.flush_metrics()  # the coordinator drains the records once more on "done", then ends
+        self.ctx.client.mark_done()

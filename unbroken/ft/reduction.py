@@ -6,7 +6,9 @@ reduced side vector, whether the gradient is finite (fp32: with the diagnosis of
 not), the checks that guard the training state (each id counted once, the members on one epoch), the data
 check's verdict, the growth of the exact mode's scale after a fixed-point overflow, and the reduced gradient
 applied to ``param.grad`` (MeCeFO's attention normalisation included). It raises ``Interrupted`` when the
-membership changes under a collective; recovering from that, and committing, are the caller's.
+membership changes under a collective; recovering from that, and committing, are the caller's. It is built
+from the step's ``StepContext`` and calls its fault hook inside the reduction (``reduction`` phase, ``stall``,
+``dup``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ from unbroken.ft import datacheck
 from unbroken.ft.comm import GradientReducer, WaitStatus, allreduce_async, split_over_tensor_ranks
 from unbroken.ft.exact import FixedPointScale
 from unbroken.ft.foldkernel import extremes
-from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
 from unbroken.ft.sidevec import Reduced, SideVector
-from unbroken.ft.state import TrainingState
+from unbroken.ft.stepcontext import StepContext
 from unbroken.ft.stepplan import StepPlan
-from unbroken.ft.stops import Interrupted, InvariantViolation, ProtocolConfig
+from unbroken.ft.stops import Interrupted, InvariantViolation
 
 if TYPE_CHECKING:
     from unbroken.ft.parallel.replica import Replica
@@ -77,27 +78,20 @@ class StepReduction:
     and ``after_backward`` around the microbatches; ``reduce``, ``check_invariants``, then either
     ``grow_scale`` (``overflowed``) or ``nonfinite_found`` and ``accept``."""
 
-    def __init__(
-        self,
-        cfg: ProtocolConfig,
-        membership: Membership,
-        plan: StepPlan,
-        state: TrainingState,
-        injector: FaultInjector,
-    ) -> None:
-        model = state.model
+    def __init__(self, ctx: StepContext, membership: Membership, plan: StepPlan) -> None:
+        model = ctx.state.model
         assert model is not None
-        self.cfg = cfg
+        self.cfg = cfg = ctx.cfg
         self.M = cfg.microbatches
         self.membership = membership
         self.plan = plan
-        self.state = state
-        self.injector = injector
-        self.replica = membership.replica
-        self.tensors = ModelTensors.of(model, membership.replica, membership.layout)
+        self.state = ctx.state
+        self.hook = ctx.hook
+        self.replica = ctx.replica
+        self.tensors = ModelTensors.of(model, ctx.replica, ctx.layout)
         self.exact = cfg.reduction is Reduction.EXACT
         if self.exact:
-            state.scale = FixedPointScale(len(self.tensors.numels), self.M)
+            self.state.scale = FixedPointScale(len(self.tensors.numels), self.M)
         self.side = SideVector(self.M)
         buckets = None
         if self.replica is not None:
@@ -158,9 +152,7 @@ class StepReduction:
         # (non-finite, overflow) the side vector carries.
         self.reducer.launch_gradients(group)
         flags = self.reducer.flags
-        done = list(self.plan.done)
-        if self.injector.duplicates(self.state.step) and done:
-            done.append(done[0])  # an injected accounting fault: one id reported twice
+        done = self.hook.reported(list(self.plan.done), self.state.step)  # ``dup``: one id reported twice
         # A replica's ranks each add the losses of the microbatches they computed and what their own fold saw
         # (its tensor ranks compute the same microbatches: the first of them adds their losses); its first rank
         # alone counts its ids and speaks for it (one member of the group).
@@ -186,8 +178,8 @@ class StepReduction:
         # Killed here, a worker has sent its gradients but not its counts, so the reduction cannot complete
         # without it: a kill "in the reduction" always interrupts one (sent after the extras, it could land
         # after the survivors had already finished and committed the step).
-        self.injector.inject(Phase.REDUCTION)
-        self.injector.stall(self.state.step)
+        self.hook.at(Phase.REDUCTION)
+        self.hook.stall(self.state.step)
         self.reducer.launch_extras(extras)
         status, reduced = self.reducer.wait(self.cfg.op_timeout_s, self.membership.interrupted)
         if status is WaitStatus.TIMED_OUT:

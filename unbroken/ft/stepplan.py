@@ -5,7 +5,7 @@ member was given, each member's quota, the ids this worker runs in MeCeFO's effi
 check's probe), this worker's local record of the step (the ids it computed, their losses and tokens, its
 seconds per microbatch) and the step's counters that its record reports (recoveries, recomputed ids,
 overflow redos). It runs no collective and knows no group: the caller gives it the members as the planner
-sees them (``Membership.units``) and the epoch.
+sees them (``Membership.units``) and the epoch; the run's facts are the step's ``StepContext``.
 """
 
 from __future__ import annotations
@@ -15,21 +15,19 @@ import torch
 from unbroken.core.config import RecoveryPolicy
 from unbroken.core.plan import Assignment, mecefo_plan, plan_ids
 from unbroken.ft import datacheck
-from unbroken.ft.state import TrainingState
-from unbroken.ft.stops import ProtocolConfig
+from unbroken.ft.stepcontext import StepContext
 
 
 class StepPlan:
-    """The plan of the current step and this worker's part of it. ``whole``: this worker is a replica of one
-    rank (a rank of a replica of several ranks counts its ids by rounds, ``round_done``, and probes no data).
-    ``ring``: the configured workers in ring order (MeCeFO's neighbours)."""
+    """The plan of the current step and this worker's part of it. A rank of a replica of several ranks (not
+    ``ctx.whole``) counts its ids by rounds (``round_done``) and probes no data; ``ctx.ring`` is MeCeFO's."""
 
-    def __init__(self, cfg: ProtocolConfig, state: TrainingState, ring: tuple[int, ...], whole: bool) -> None:
-        self.cfg = cfg
+    def __init__(self, ctx: StepContext) -> None:
+        self.cfg = cfg = ctx.cfg
         self.M = cfg.microbatches
-        self.state = state
-        self.ring = ring
-        self.whole = whole
+        self.state = ctx.state
+        self.ring = ctx.ring
+        self.whole = ctx.whole
         self.efficient_ids: frozenset[int] = frozenset()
         self.quotas: dict[int, int] = {}
         self.my_speed = 0.0

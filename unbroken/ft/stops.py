@@ -1,9 +1,10 @@
 """What every part of the step protocol shares: its settings and the ways a worker's protocol ends.
 
-Owns ``ProtocolConfig`` (the settings the protocol reads from the run's config), the exit codes of a worker the
-protocol stops, ``StopRun`` and ``InvariantViolation`` (this worker, or the whole job, stops) and ``Interrupted``
-(a collective was abandoned because the membership changed). It knows nothing else: ``protocol`` and each of
-its parts import it, and ``protocol`` gives its names to the callers that import them from there.
+Owns ``ProtocolConfig`` (the settings the protocol reads from the run's config), ``StopRun`` and
+``InvariantViolation`` (this worker, or the whole job, stops, with which exit status: ``core.exits`` owns the
+numbers, which it names here for the protocol's parts) and ``Interrupted`` (a collective was abandoned because the
+membership changed). It knows nothing else: ``protocol`` and each of its parts import it, and ``protocol`` gives its
+names to the callers that import them from there.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from dataclasses import dataclass
 
 from unbroken.core.config import NonfinitePolicy, RecoveryPolicy, Reduction, RunConfig, Workload
 
-EXIT_STOPPED = 3  # this worker left: excluded, cut off, or the job was stopped
-EXIT_COORDINATOR_LOST = 4  # the coordinator is gone; the state was checkpointed for --resume
-EXIT_INVARIANT = 5  # a check that protects the training state failed; the run stopped, the last checkpoint kept
-EXIT_NONFINITE = 6  # a non-finite gradient under train.nonfinite = "stop", or too many consecutive skips
+# The protocol's parts and ``protocol`` (which gives them to the library's callers) import the statuses from here.
+from unbroken.core.exits import EXIT_COORDINATOR_LOST, EXIT_INVARIANT, EXIT_NONFINITE, EXIT_STOPPED  # noqa: F401
 
 
 class StopRun(Exception):

@@ -3,16 +3,15 @@
 Owns the commit of a reduced step (clip, optimizer step, the exact scale's tracking) or its skip for a
 non-finite gradient (``train.nonfinite``: skip, or stop; too many skips in a row stop), what the group
 agreed at the last commit (the members' speeds, the epoch at which joiners are taken in, the counts and
-tokens), and the step record's fields (throughput and MFU included). It runs no collective of the group
-(only the ranks of a replica combine their parts of the gradient's norm), and the reduction it commits
-is ``reduction.StepReduction``'s.
+tokens), and the step record's fields (throughput, and MFU from the ``StepContext``'s figures). It runs no
+collective of the group (only the ranks of a replica combine their parts of the gradient's norm), and the
+reduction it commits is ``reduction.StepReduction``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,13 +24,13 @@ from unbroken.core.records import RecordKind
 from unbroken.core.throughput import gpus_in_use, step_throughput
 from unbroken.ft.comm import local_tensor
 from unbroken.ft.gradnorm import exact_clip, float_clip, peaks
-from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
 from unbroken.ft.reduction import ModelTensors, StepReduction
 from unbroken.ft.sidevec import Reduced
-from unbroken.ft.state import StepOutcome, TrainingState
+from unbroken.ft.state import StepOutcome
+from unbroken.ft.stepcontext import StepContext
 from unbroken.ft.stepplan import StepPlan
-from unbroken.ft.stops import EXIT_NONFINITE, ProtocolConfig, StopRun
+from unbroken.ft.stops import EXIT_NONFINITE, StopRun
 
 log = logging.getLogger(__name__)
 
@@ -39,36 +38,20 @@ log = logging.getLogger(__name__)
 class StepCommit:
     """Commits (or skips) the current step and writes its record."""
 
-    def __init__(
-        self,
-        cfg: ProtocolConfig,
-        membership: Membership,
-        plan: StepPlan,
-        tensors: ModelTensors,
-        state: TrainingState,
-        injector: FaultInjector,
-        device: torch.device,
-        run_dir: Path,
-    ) -> None:
-        self.cfg = cfg
-        self.M = cfg.microbatches
+    def __init__(self, ctx: StepContext, membership: Membership, plan: StepPlan, tensors: ModelTensors) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.M = ctx.cfg.microbatches
         self.membership = membership
         self.plan = plan
         self.tensors = tensors
-        self.state = state
-        self.injector = injector
-        self.device = device
-        self.run_dir = run_dir
-        self.exact = cfg.reduction is Reduction.EXACT
+        self.state = ctx.state
+        self.exact = ctx.cfg.reduction is Reduction.EXACT
         # The newest epoch the leader had seen at the last reduction: every member reads the same value, so
         # they all take in joiners at the same step boundary (a join interrupts no collective).
         self.switch_epoch = 0
         self.last_counts: list[int] = [1] * self.M
         self.last_tokens = 0
-        # For the step records' MFU (core.throughput): the model's training FLOPs per token (given by the user's
-        # loop, 0: unknown) and one device's peak TFLOP/s (0: unknown, e.g. the CPU).
-        self.flops_per_token = 0.0
-        self.peak_tflops = 0.0
 
     def commit(
         self, reduction: StepReduction, optimizer: torch.optim.Optimizer | None, clip_grad_norm: float, seconds: float
@@ -93,7 +76,7 @@ class StepCommit:
         if reduction.nonfinite:
             outcome = self.skip(step, reduction.culprits(), loss, lr, common)
         else:
-            self.injector.inject(Phase.OPTIMIZER)
+            self.ctx.hook.at(Phase.OPTIMIZER)
             grad_norm = self._clip(clip_grad_norm)
             if self.state.efficient is not None:
                 self.state.efficient.wait()  # the bases have read the weights (torch optimizers also do this)
@@ -176,7 +159,7 @@ class StepCommit:
         return StepOutcome(loss, math.nan, lr, skipped=True, **common)
 
     def _last_checkpoint_words(self) -> str:
-        return ckptfiles.last_checkpoint_words(self.run_dir)
+        return ckptfiles.last_checkpoint_words(self.ctx.run_dir)
 
     def republish_last_step(self) -> None:
         """The last committed step's record may have been lost with the old leader (killed between its commit
@@ -213,8 +196,9 @@ class StepCommit:
         }
         if fresh:
             workers = group.size * self.membership.layout.size
-            gpus = gpus_in_use(workers, self.cfg.workers_per_gpu) if self.device.type == "cuda" else 0
-            fields |= step_throughput(self.last_tokens, seconds, workers, gpus, self.flops_per_token, self.peak_tflops)
+            ctx = self.ctx
+            gpus = gpus_in_use(workers, self.cfg.workers_per_gpu) if ctx.device.type == "cuda" else 0
+            fields |= step_throughput(self.last_tokens, seconds, workers, gpus, ctx.flops_per_token, ctx.peak_tflops)
             fields["counted"] = int(sum(self.last_counts))
             fields["counted_once"] = all(c == 1 for c in self.last_counts)
             fields["quotas"] = {str(w): n for w, n in self.plan.quotas.items()}

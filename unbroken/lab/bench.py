@@ -1,4 +1,6 @@
-"""Benchmarks behind ``unbroken bench``; their figures are recorded in docs/benchmarks.md.
+"""Benchmarks behind ``unbroken bench``; their figures are recorded in docs/benchmarks.md, or in the page of their
+subject (``DOCS``). ``--dry-run`` checks the arguments, resolves each benchmark's config with the overrides and says
+in one line what would run (``run_bench``).
 
 ``bench ddp``: the step time of an ``unbroken`` run (fp32 and exact reduction) against the same model,
 data, M and optimizer trained with ``torch.nn.parallel.DistributedDataParallel`` (gradient accumulation
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path, replace, to_toml
-from unbroken.core.records import committed_steps
+from unbroken.core.records import RecordKind, committed_steps
 from unbroken.lab.harness import keep_final, rank_main, run_ranks, stats
 from unbroken.lab.runs import run_to_end
 
@@ -68,13 +70,14 @@ def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> list
     leader's step records are stamped when it publishes them, right after each commit), so everything a
     worker does per step counts, its bookkeeping between steps included. DDP's loop does nothing between
     steps, so its loop-body time is the same measure. With ``keep`` the run's folder is ``keep``/run, kept."""
-    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.launcher import Launcher, plan_launch
     from unbroken.core.records import read_records
+    from unbroken.train.launch import trainer_worker
     from unbroken.train.trainer import validate_launch
 
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-") as tmp:
         run_dir = (keep or Path(tmp)) / "run"
-        plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
+        plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, trainer_worker, validate_launch)
         code = Launcher(plan, show_progress=False, show_summary=False).run()
         if code != 0:
             raise RuntimeError(f"unbroken run failed (exit {code}); logs in {run_dir}/logs")
@@ -97,8 +100,8 @@ def ddp_worker(rank: int, world: int, port: int, config_path: str, out: str, kee
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from unbroken.core.plan import plan_step
+    from unbroken.data.corpus import open_corpus, train_sampler
     from unbroken.ft.hostmem import retain_freed_memory
-    from unbroken.train.data import open_corpus, train_sampler
     from unbroken.train.model import Transformer, model_args
     from unbroken.train.trainer import build_optimizer, lr_at
 
@@ -224,9 +227,9 @@ def bench_recovery(config: str | None, workers: int, kills: int, overrides: list
     ]
     cfg = load_config(config or _tiny_config(), base + overrides)
     records = run_to_end(cfg, workers)
-    failures = [r for r in records if r["type"] == "failure" and "detection_s" in r]
-    recoveries = [r for r in records if r["type"] == "recovery" and r.get("missing") is not None]
-    commits = sorted((r["time"], r["step"]) for r in records if r["type"] == "step")
+    failures = [r for r in records if r["type"] == RecordKind.FAILURE and "detection_s" in r]
+    recoveries = [r for r in records if r["type"] == RecordKind.RECOVERY and r.get("missing") is not None]
+    commits = sorted((r["time"], r["step"]) for r in records if r["type"] == RecordKind.STEP)
     rows = []
     for f in failures:
         injected = f["time"] - f["detection_s"]
@@ -291,7 +294,7 @@ def bench_policies(config: str | None, workers: int, overrides: list[str]) -> li
     for policy in ("recover", "drop", "restart"):
         cfg = load_config(config or _tiny_config(), [*base, f"--recovery.policy={policy}", *overrides])
         records = run_to_end(cfg, workers)
-        steps = [r for r in records if r["type"] == "step" and not r.get("republished")]  # every commit, timed
+        steps = [r for r in records if r["type"] == RecordKind.STEP and not r.get("republished")]  # every commit, timed
         final = committed_steps(records)
         start = min(r["time"] - r["step_time_s"] for r in steps)
         wall = max(r["time"] for r in final.values()) - start
@@ -306,7 +309,7 @@ def bench_policies(config: str | None, workers: int, overrides: list[str]) -> li
                 "tokens_per_s": committed / wall,
                 "recomputed_microbatches": sum(r.get("recomputed", 0) for r in steps) + redone_steps * m,
                 "dropped_microbatches": sum(r["dropped"] for r in final.values()),
-                "restarts": sum(1 for r in records if r["type"] == "restart"),
+                "restarts": sum(1 for r in records if r["type"] == RecordKind.RESTART),
             }
         )
     return rows
@@ -383,7 +386,7 @@ def bench_convergence(
 
 def _convergence_row(scenario: str, policy: str, records: list[dict[str, Any]], workers: int) -> dict[str, Any]:
     steps = committed_steps(records)
-    final_eval = max((r for r in records if r["type"] == "eval"), key=lambda r: r["step"])
+    final_eval = max((r for r in records if r["type"] == RecordKind.EVAL), key=lambda r: r["step"])
     timed = [r for r in steps.values() if not r.get("republished")]
     down = [r["step_time_s"] for r in timed if r["alive"] < workers]
     up = [r["step_time_s"] for r in timed if r["alive"] >= workers and not r["recoveries"]]
@@ -392,7 +395,7 @@ def _convergence_row(scenario: str, policy: str, records: list[dict[str, Any]], 
         "policy": policy,
         "val_loss": final_eval["val_loss"],
         "val_ppl": final_eval["val_ppl"],
-        "kills": sum(1 for r in records if r["type"] == "failure"),
+        "kills": sum(1 for r in records if r["type"] == RecordKind.FAILURE),
         "steps_degraded": len(down),
         "efficient_microbatches": sum(r.get("efficient", 0) for r in steps.values()),
         "dropped_microbatches": sum(r["dropped"] for r in steps.values()),
@@ -509,8 +512,13 @@ class Bench(StrEnum):
 BENCHES = tuple(b.value for b in Bench)
 CPU_BENCHES = tuple(b for b in BENCHES if b != Bench.GPU)  # what ``all`` runs
 DOC = Path("docs") / "benchmarks.md"  # in the checkout --record runs from
-# Where each benchmark's figures are recorded (benchmarks.md unless named here).
-DOCS = {"simulator": DOC.with_name("simulation.md")}
+# Where each benchmark's figures are recorded (benchmarks.md unless named here: the page of their subject).
+DOCS = {
+    "simulator": DOC.with_name("simulation.md"),
+    "data": DOC.with_name("data.md"),
+    "control-scale": DOC.with_name("control.md"),
+    "gpu": DOC.with_name("gpu.md"),
+}
 
 
 def machine() -> str:
@@ -686,24 +694,17 @@ def run_bench(
     members: str = "",
     news: str = "",
     beats: str = "",
+    dry_run: bool = False,
 ) -> int:
     """``unbroken bench WHAT``: print the figures; with ``record_doc`` (always for ``all``) also write them
     into their section of docs/benchmarks.md under the command that produced them. ``gpu`` (``bench_gpu``)
-    also writes its tables and figures into ``out`` and returns 1 unless its bitwise checks pass."""
+    also writes its tables and figures into ``out`` and returns 1 unless its bitwise checks pass. ``dry_run``:
+    every argument checked and each benchmark's config resolved as the run does, one line of what would run
+    printed, nothing started or written."""
     if what != "all" and what not in BENCHES:
         raise ValueError(f"unknown benchmark {what!r}; allowed: all, {', '.join(BENCHES)}")
     if what == Bench.GPU:
-        from unbroken.lab.bench_gpu import PARTS, bench_gpu, parse_parts, require_gpu
-
-        chosen = parse_parts(parts or ",".join(PARTS))
-        require_gpu()  # before anything is written
-        if record_doc and not DOC.parent.is_dir():
-            raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
-        body, passed = bench_gpu(Path(out or f"runs/bench-gpu-{time.strftime('%Y%m%d-%H%M%S')}"), chosen)
-        print(body, flush=True)
-        if record_doc:
-            record(what, command, body)
-        return 0 if passed else 1
+        return _run_bench_gpu(record_doc, command, out, parts, dry_run)
     if repeats < 1 or any(w < 1 for w in worker_counts):
         raise ValueError("--repeats and every --workers count must be >= 1")
     if steps is not None and steps < 1:
@@ -713,17 +714,85 @@ def run_bench(
 
     news_modes = _modes("--news", news, NEWS_MODES)
     beats_modes = _modes("--beats", beats, BEATS_MODES)
-    if (record_doc or what == "all") and not DOC.parent.is_dir():
+    recording = record_doc or what == "all"
+    if recording and not DOC.parent.is_dir():
         raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
-    for name in CPU_BENCHES if what == "all" else (what,):
+    names = CPU_BENCHES if what == "all" else (what,)
+    if dry_run:
+        print(_dry_run_line(names, config, worker_counts, repeats, overrides, recording))
+        return 0
+    for name in names:
         body = run_one(
             name, config, worker_counts, repeats, overrides, steps, data_gb, member_counts, news_modes, beats_modes
         )
         print(body, flush=True)
-        if record_doc or what == "all":
+        if recording:
             text = command.replace(" all", f" {name}", 1) if what == "all" else command
             record(name, text, body, DOCS.get(name, DOC))
     return 0
+
+
+def _run_bench_gpu(record_doc: bool, command: str, out: str | None, parts: str, dry_run: bool) -> int:
+    from unbroken.lab.bench_gpu import PARTS, bench_gpu, parse_parts, require_gpu
+
+    chosen = parse_parts(parts or ",".join(PARTS))
+    require_gpu()  # before anything is written
+    if record_doc and not DOC.parent.is_dir():
+        raise ValueError(f"--record writes into {DOC.parent}/: run it from the repository root")
+    folder = Path(out or f"runs/bench-gpu-{time.strftime('%Y%m%d-%H%M%S')}")
+    if dry_run:
+        into = f", recording into {DOCS[Bench.GPU]}" if record_doc else ""
+        print(
+            f"dry run: would run bench gpu, parts {', '.join(chosen)}, into {folder}{into}; nothing started or written"
+        )
+        return 0
+    body, passed = bench_gpu(folder, chosen)
+    print(body, flush=True)
+    if record_doc:
+        record(Bench.GPU, command, body, DOCS[Bench.GPU])
+    return 0 if passed else 1
+
+
+# The config each benchmark runs when none is given (a packaged preset); those not named take none.
+BENCH_PRESETS = {
+    Bench.DDP: "default",
+    Bench.PARALLEL: "default",
+    **{b: "tiny" for b in (Bench.RECOVERY, Bench.CONTROL, Bench.CONTROL_NETNS, Bench.POLICIES, Bench.CONVERGENCE)},
+    **{b: "tiny" for b in (Bench.SIMULATOR, Bench.SPARES, Bench.FAILSLOW, Bench.START)},
+}
+# The benchmarks that run the largest of ``--workers`` (``ddp`` runs each count; the others a fixed number).
+LARGEST_WORKERS = (Bench.RECOVERY, Bench.LIBRARY, Bench.POLICIES, Bench.CONVERGENCE, Bench.PARALLEL)
+LARGEST_WORKERS += (Bench.FAILSLOW, Bench.START)
+
+
+def _dry_run_line(
+    names: tuple[str, ...], config: str | None, worker_counts: list[int], repeats: int, overrides: list[str], doc: bool
+) -> str:
+    """``unbroken bench ... --dry-run``: each benchmark's config loaded with the overrides (a bad key or value is
+    the run's one-line error), ``bench parallel``'s layout checked against its worker count, and one line."""
+    described = []
+    for name in names:
+        bench, what = Bench(name), []
+        if (preset := BENCH_PRESETS.get(bench)) is not None:
+            if bench is Bench.PARALLEL:
+                from unbroken.lab.bench_parallel import parallel_config
+
+                cfg = parallel_config(config, max(worker_counts), overrides)
+            else:  # bench start takes no config: only overrides of its preset
+                source = config if config and bench is not Bench.START else str(preset_path(preset))
+                cfg = load_config(source, overrides)
+            label = config if config and bench is not Bench.START else preset
+            what.append(f"{label}: model {cfg.model.hf_config or cfg.model.flavour}, M = {cfg.train.microbatches}")
+        if bench is Bench.DDP:
+            what.append(f"{' and '.join(str(w) for w in worker_counts)} workers")
+        elif bench in LARGEST_WORKERS:
+            what.append(f"{max(worker_counts)} workers")
+        described.append(f"{name} ({'; '.join(what)})" if what else name)
+    into = f", recording into {', '.join(sorted({str(DOCS.get(n, DOC)) for n in names}))}" if doc else ""
+    return (
+        f"dry run: would run bench {', '.join(described)}, {repeats} round{'s' * (repeats != 1)} each{into}; "
+        "nothing started or written"
+    )
 
 
 def _main() -> None:

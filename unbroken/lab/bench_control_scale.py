@@ -568,8 +568,8 @@ def _crowd_main(address: str, count: int, interval_s: float, timeout_s: float, h
     # The first epoch can come before a member's watcher starts (it then reads it at its start, not as news).
     _wait(lambda: all(c.latest_epoch >= 1 for c in clients), "the first epoch")
     if os.environ.get(RELAY_ENV):  # every member reading its relay before the faults (it connects at its start)
-        _wait(lambda: all(c._relay is not None for c in clients), "every member on the relay")
-    tell({"ids": [c.worker_id for c in clients], "relayed": sum(c._relay is not None for c in clients)})
+        _wait(lambda: all(c.relayed for c in clients), "every member on the relay")
+    tell({"ids": [c.worker_id for c in clients], "relayed": sum(c.relayed for c in clients)})
     sys.stdin.read()  # EOF: the driver is gone
     os._exit(0)  # members' threads in store calls: no interpreter shutdown under them
 

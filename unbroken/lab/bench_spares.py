@@ -35,7 +35,7 @@ from typing import Any
 
 from unbroken.core.config import RunConfig, load_config, preset_path
 from unbroken.core.layout import ReplicaLayout
-from unbroken.core.records import read_records
+from unbroken.core.records import RecordKind, read_records
 
 KILL_STEP = 4
 STEPS_AFTER = 100_000  # at most this many steps after the kill (``--steps``): a run ends once the replacement commits
@@ -60,14 +60,14 @@ def _config(config: str | None, flavour: str, overrides: list[str]) -> RunConfig
 
 def figures(records: list[dict[str, Any]]) -> dict[str, float] | None:
     """The replacement's figures in seconds from the kill; None until its first step has committed."""
-    kill = next((r["time"] for r in records if r["type"] == "injected"), None)
-    join = next((m for m in records if m["type"] == "membership" and m["reason"].startswith("joined")), None)
+    kill = next((r["time"] for r in records if r["type"] == RecordKind.INJECTED), None)
+    join = next((m for m in records if m["type"] == RecordKind.MEMBERSHIP and m["reason"].startswith("joined")), None)
     if kill is None or join is None:
         return None
-    recovery = next((r for r in records if r["type"] == "recovery" and r["epoch"] == join["epoch"]), None)
+    recovery = next((r for r in records if r["type"] == RecordKind.RECOVERY and r["epoch"] == join["epoch"]), None)
     if recovery is None:
         return None
-    steps = [r["time"] for r in records if r["type"] == "step" and r["step"] == recovery["step"]]
+    steps = [r["time"] for r in records if r["type"] == RecordKind.STEP and r["step"] == recovery["step"]]
     if not steps:
         return None
     return {
@@ -86,7 +86,8 @@ def run_once(cfg: RunConfig, mode: Replacement, steps: int) -> dict[str, float]:
     from dataclasses import replace
 
     from unbroken.control.host.zygote import ZYGOTE_ENV
-    from unbroken.control.launcher import TRAINER, Launcher, plan_launch
+    from unbroken.control.launcher import Launcher, plan_launch
+    from unbroken.train.launch import trainer_worker
     from unbroken.train.trainer import validate_launch
 
     warm = mode is Replacement.WARM
@@ -96,7 +97,7 @@ def run_once(cfg: RunConfig, mode: Replacement, steps: int) -> dict[str, float]:
     run_dir = Path(tempfile.mkdtemp(prefix="unbroken-bench-spares-")) / "run"
     size = ReplicaLayout.of(cfg.parallel).size  # a spare replica is whole
     workers, spares = WORKERS * size, size if warm else 0
-    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, TRAINER, validate_launch, spares)
+    plan = plan_launch(cfg, run_dir, workers, False, "127.0.0.1", 0, trainer_worker, validate_launch, spares)
     zygote = os.environ.get(ZYGOTE_ENV)
     if mode is Replacement.COLD:
         os.environ[ZYGOTE_ENV] = "0"  # read by the launcher as it starts: its processes and workers start cold

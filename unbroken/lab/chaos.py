@@ -38,6 +38,9 @@ With warm spares (``--spares N``, every run of the campaign, the reference too) 
 a spare rather than by a restart; in ``random-time`` the driver also hits the promoted spares (they are workers
 now) and the spares still waiting. The invariants are the same.
 
+``--dry-run`` (both kinds) checks the arguments, plans a named campaign's trials and says in one line what would
+run, starting nothing.
+
 The churn run (``unbroken chaos --churn 50``) makes workers die and rejoin, in three rounds, until the membership
 changed that many times, and samples, from /proc, the memory (RSS), threads, open file descriptors and sockets of
 the coordinator and of a worker that lives through all of it, at rest after each round (``Churn``); it fails if a
@@ -62,16 +65,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.control.host.agent import check_spares
+from unbroken.control.host.spares import check_spares
 from unbroken.control.host.zygote import worker_of
 from unbroken.control.member.news import NEWS_WAIT_S
 from unbroken.control.store.connect import exit_code_in, raised_headline
 from unbroken.core.config import CommConfig, load_config
+from unbroken.core.exits import EXIT_STOPPED
 from unbroken.core.failures import STEP_PHASES, FailureSchedule
 from unbroken.core.layout import ReplicaLayout
 from unbroken.core.records import RecordKind, SpareState, read_records
 from unbroken.ft.checkpoint import schema as ckpt
-from unbroken.ft.stops import EXIT_STOPPED
 from unbroken.lab.faultdriver import worker_processes
 
 KINDS = (
@@ -607,10 +610,12 @@ def run_campaign(
     mode: str = "named",
     pace_s: float = 0.0,
     spares: int = 0,
+    dry_run: bool = False,
 ) -> int:
     """Run ``trials`` trials (seeds ``seed`` .. ``seed + trials - 1``); 0 if no invariant was broken. ``mode``:
     ``named`` faults at the code's named points (the failure schedule), or ``random-time`` faults from outside
-    at random instants (``lab.faultdriver``). ``pace_s``: ``pace_event``; ``spares``: warm spares in every run."""
+    at random instants (``lab.faultdriver``). ``pace_s``: ``pace_event``; ``spares``: warm spares in every run.
+    ``dry_run``: the arguments checked and a named campaign's trials planned, one line said, nothing run."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
     if not pace_s >= 0:
@@ -625,6 +630,9 @@ def run_campaign(
     if layout.size > 1 and layout.replicas_in(workers) < 2:
         raise ValueError(f"chaos with replicas of {layout.size} ranks needs --workers >= {2 * layout.size}")
     check_spares(spares, layout)
+    if dry_run:
+        print(_campaign_plan(config, trials, seed, workers, steps, out, mode, spares, layout))
+        return 0
     base = Path(tempfile.mkdtemp(prefix="unbroken-chaos-")) if out is None else out
     base.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -657,6 +665,33 @@ def run_campaign(
     if out is None and not keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+def _campaign_plan(
+    config: str,
+    trials: int,
+    seed: int,
+    workers: int,
+    steps: int,
+    out: Path | None,
+    mode: str,
+    spares: int,
+    layout: ReplicaLayout,
+) -> str:
+    """``unbroken chaos --dry-run``: one line of the campaign (a named one's trials planned: their schedules made
+    and checked as each trial makes them)."""
+    faults = ""
+    if mode == "named":
+        planned = sum(len(make_trial(s, workers, steps, layout).events) for s in range(seed, seed + trials))
+        faults = f", {planned} faults planned at named points"
+    with_spares = f" and {spares} warm spare{'s' * (spares > 1)}" if spares else ""
+    kept = f"kept in {out}" if out is not None else "in a temporary folder (kept on a violation)"
+    what = "the packaged tiny config" if config == default_config() else config
+    return (
+        f"dry run: would run a chaos campaign ({mode}) of {trials} run{'s' * (trials > 1)} (seeds {seed}.."
+        f"{seed + trials - 1}) of {what} on {workers} workers{with_spares} for {steps} steps, after a "
+        f"failure-free reference run{faults}; runs {kept}; nothing started or written"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -787,16 +822,28 @@ class Churn:
         return back or still <= self.stuck_s
 
 
-def run_churn(config: str, changes: int, workers: int, steps: int, out: Path | None, overrides: list[str]) -> int:
+def run_churn(
+    config: str, changes: int, workers: int, steps: int, out: Path | None, overrides: list[str], dry_run: bool = False
+) -> int:
     """One run with about ``changes`` membership changes in ``CHURN_ROUNDS`` rounds (``Churn``), sampled every 0.5 s;
     stopped (Ctrl-C) after the last round. 1 if a round never came to rest (a worker still not back when the
-    membership had not changed for the run's ``hang_bound_s``) or a resource leaked (``leaks``)."""
-    base = Path(tempfile.mkdtemp(prefix="unbroken-churn-")) if out is None else out
-    run_dir = base / "churn"
+    membership had not changed for the run's ``hang_bound_s``) or a resource leaked (``leaks``). ``dry_run``: the
+    run's config resolved, one line said, nothing run."""
     overrides = [f"--failures.mttr_s={CHURN_RESTART_S}", *overrides]
     comm = load_config(config, [*_fixed_overrides(steps), *overrides]).comm
     # Every wait a change abandoned has ended by then: the protocol's longest (``hang_bound_s``), a wait for news.
     settle_s = max(hang_bound_s(comm), NEWS_WAIT_S + comm.heartbeat_timeout_s)
+    if dry_run:
+        kept = f"into {out}" if out is not None else "into a temporary folder"
+        what = "the packaged tiny config" if config == default_config() else config
+        print(
+            f"dry run: would run one churn run of {what} on {workers} workers with about {changes} membership "
+            f"changes in {CHURN_ROUNDS} rounds, resources read at rest {settle_s:g} s after each round, {kept}; "
+            "nothing started or written"
+        )
+        return 0
+    base = Path(tempfile.mkdtemp(prefix="unbroken-churn-")) if out is None else out
+    run_dir = base / "churn"
     cmd = _train_cmd(config, run_dir, workers, steps, overrides, "", 0.0)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     churn = Churn(proc.pid, run_dir, workers, -(-changes // CHURN_ROUNDS), settle_s, hang_bound_s(comm))

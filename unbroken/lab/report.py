@@ -2,10 +2,12 @@
 
 Owns turning a run directory's ``metrics.jsonl`` into ``report/``: ``loss.png`` (loss against step, overlaid
 on a reference run's with the per-step difference), ``throughput.png`` (tokens/s over wall time),
-``membership.png`` (which workers were alive when, with failure, detection, re-formation and rejoin markers),
-``goodput.png`` (where the badput went, ``core.goodput``: by bucket, and over the steps from the run's ``goodput``
-records) and ``report.md`` (steps, losses, throughput, goodput, failures survived and what they cost, and, with a
-reference, whether the two loss trajectories are bitwise equal).
+``membership.png`` (which workers were alive when, with failure, detection, re-formation, rejoin and spare
+markers), ``goodput.png`` (where the badput went, ``core.goodput``: by bucket, and over the steps from the run's
+``goodput`` records) and ``report.md`` (steps, losses, throughput, goodput, failures survived and what they cost,
+rejoins and spares promoted, and, with a reference, whether the two loss trajectories are bitwise equal). Every
+figure is read from the run's facts (``core.runfacts``: the records folded once, as the console summary and
+``unbroken status`` read them, so the three state the same counts and times).
 
 It only reads: it never imports torch (a report runs anywhere the files are), and matplotlib, an optional
 extra (``pip install 'unbroken[plots]'``), is imported only when the plots are drawn. Everything is read and
@@ -22,53 +24,54 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.core.config import config_change_lines
-from unbroken.core.goodput import account
-from unbroken.core.records import Quotas, committed_steps, formed_after_epoch, is_join, sessions, wall_s
+from unbroken.core.goodput import Bucket, account
+from unbroken.core.records import Quotas, RecordKind
+from unbroken.core.runfacts import Failure, Join, RunFacts, Step
 
 PLOTS = ("loss.png", "throughput.png", "membership.png", "goodput.png")
-# The fields the report reads unconditionally, per record type (metrics.py lists the types).
+# The fields the report reads unconditionally, per record kind.
 REQUIRED = {
-    "step": ("step", "loss", "time"),
-    "eval": ("step", "val_loss", "val_ppl"),
-    "membership": ("epoch", "members", "time"),
-    "failure": ("worker", "time"),
-    "restart": ("time",),
-    "final": ("checksums",),
+    RecordKind.STEP: ("step", "loss", "time"),
+    RecordKind.EVAL: ("step", "val_loss", "val_ppl"),
+    RecordKind.MEMBERSHIP: ("epoch", "members", "time"),
+    RecordKind.FAILURE: ("worker", "time"),
+    RecordKind.RESTART: ("time",),
+    RecordKind.FINAL: ("checksums",),
 }
 
 
 @dataclass(frozen=True)
 class Run:
-    """One run directory's metrics records, checked and sorted into what the report uses."""
+    """One run directory's metrics records, checked, and their facts."""
 
     path: Path
     records: list[dict[str, Any]]
     config: dict[str, Any]
     torn_last_line: bool  # the writer was killed mid-line; that line is ignored
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r["type"] == kind]
+    facts: RunFacts
 
     @property
-    def steps(self) -> list[dict[str, Any]]:
-        """Committed step records in step order; a step repeated after a resume keeps its last record.
-        Records re-published by a new leader carry no timing and are used only for a step otherwise missing."""
-        return list(committed_steps(self.records).values())
+    def steps(self) -> list[Step]:
+        """Each step once, in step order (``core.runfacts``)."""
+        return list(self.facts.steps.values())
 
     @property
     def losses(self) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in self.steps}
+        return {s.step: s.loss for s in self.steps}
 
     @property
     def t0(self) -> float:
-        """Wall-clock origin of the time axes: the first timed record, which is the coordinator's ``coordinator``
+        """Wall-clock origin of the time axes: the first record, which is the coordinator's ``coordinator``
         record, written as it starts (in a file older than that record, the first epoch)."""
-        return min(r["time"] for r in self.records if "time" in r)
+        return float(self.facts.first_time)  # type: ignore[arg-type]  # a step record has a time
 
     @property
     def t_end(self) -> float:
-        return max(r["time"] for r in self.records if "time" in r)
+        return float(self.facts.last_time)  # type: ignore[arg-type]
+
+    def since(self, t: float | None) -> float | None:
+        """``t`` on the report's time axes (seconds since ``t0``)."""
+        return None if t is None else t - self.t0
 
 
 def load_run(run_dir: Path, role: str = "run") -> Run:
@@ -96,22 +99,12 @@ def load_run(run_dir: Path, role: str = "run") -> Run:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines) and not text.endswith("\n"):
-                torn = True  # the same leniency as metrics.read_records: a killed writer leaves half a line
+                torn = True  # the same leniency as records.read_records: a killed writer leaves half a line
                 continue
             raise ValueError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("type"), str):
-            raise ValueError(f"{path}:{n}: not a metrics record (a JSON object with a 'type')")
-        missing = [k for k in REQUIRED.get(record["type"], ()) if k not in record]
-        if missing:
-            raise ValueError(f"{path}:{n}: a {record['type']} record without {', '.join(map(repr, missing))}")
-        if record["type"] == "step" and not (
-            isinstance(record["step"], int) and isinstance(record["loss"], int | float)
-        ):
-            raise ValueError(f"{path}:{n}: a step record needs an integer 'step' and a numeric 'loss'")
-        if "time" in record and not isinstance(record["time"], int | float):
-            raise ValueError(f"{path}:{n}: 'time' must be a number")
+        _check(record, f"{path}:{n}")
         records.append(quotas.expand(record))
-    if not any(r["type"] == "step" for r in records):
+    if not any(r["type"] == RecordKind.STEP for r in records):
         raise ValueError(f"{role} {run_dir}: metrics.jsonl records no training step; nothing to report")
     config: dict[str, Any] = {}
     if (run_dir / "config.toml").is_file():
@@ -119,7 +112,22 @@ def load_run(run_dir: Path, role: str = "run") -> Run:
             config = tomllib.loads((run_dir / "config.toml").read_text())
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{run_dir / 'config.toml'}: {e}") from None
-    return Run(run_dir, records, config, torn)
+    return Run(run_dir, records, config, torn, RunFacts.of(records))
+
+
+def _check(record: Any, where: str) -> None:
+    """ValueError unless ``record`` is a metrics record with the fields the report reads."""
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+        raise ValueError(f"{where}: not a metrics record (a JSON object with a 'type')")
+    missing = [k for k in REQUIRED.get(record["type"], ()) if k not in record]  # type: ignore[call-overload]
+    if missing:
+        raise ValueError(f"{where}: a {record['type']} record without {', '.join(map(repr, missing))}")
+    if record["type"] == RecordKind.STEP and not (
+        isinstance(record["step"], int) and isinstance(record["loss"], int | float)
+    ):
+        raise ValueError(f"{where}: a step record needs an integer 'step' and a numeric 'loss'")
+    if "time" in record and not isinstance(record["time"], int | float):
+        raise ValueError(f"{where}: 'time' must be a number")
 
 
 # -- analysis -----------------------------------------------------------------------------------------
@@ -144,7 +152,7 @@ def compare(run: Run, reference: Run) -> Comparison:
     # NaN != NaN, so a NaN loss anywhere makes the runs unequal, which is what we want.
     equal = a.keys() == b.keys() and all(a[s] == b[s] for s in common)
     finals = [
-        next(iter(r.of("final")[-1]["checksums"].values()), None) if r.of("final") else None for r in (run, reference)
+        None if r.facts.final is None else next(iter(r.facts.final.checksums.values()), None) for r in (run, reference)
     ]
     return Comparison(
         common_steps=len(common),
@@ -157,130 +165,15 @@ def compare(run: Run, reference: Run) -> Comparison:
     )
 
 
-@dataclass(frozen=True)
-class Failure:
-    """One worker failure and what surviving it took; times in seconds since the run's origin."""
-
-    worker: int
-    what: str
-    injected_at: float | None  # only injected faults know when they happened
-    detected_at: float
-    detection_s: float | None
-    step: int | None  # the step during which the group re-formed without the worker
-    reform_s: float | None  # a survivor's wait for the new group, 0 where it was formed ahead (worker-measured)
-    formed_after_epoch_s: float | None  # the epoch without the worker published -> the survivors' group on it
-    committed_after_s: float | None  # from the fault (or its detection) to that step's commit
-
-
-def _recovery_after(run: Run, time: float, epoch: int, join: bool = False) -> dict[str, Any] | None:
-    """The first group re-formation into ``epoch`` or later after ``time`` that admitted workers (``join``) or
-    survived a failure (not ``join``, ``records.is_join``); a restart (which renumbers the epochs from 1) ends
-    the search."""
-    members: dict[int, list[int]] = {}
-    for r in run.records:
-        if r["type"] == "membership":
-            members[r["epoch"]] = r["members"]
-        if r.get("time", -math.inf) < time:
-            continue
-        if r["type"] == "restart":
-            return None
-        if r["type"] == "recovery" and r.get("epoch", 0) >= epoch and is_join(r, members) == join:
-            return r
-    return None
-
-
-def _formed_after_epoch(run: Run, recovery: dict[str, Any]) -> float | None:
-    """``records.formed_after_epoch`` of ``recovery``, the epochs' publications read up to it."""
-    published: dict[int, float] = {}
-    for r in run.records:
-        if r is recovery:
-            break
-        if r["type"] == "membership":
-            published[r["epoch"]] = r["time"]
-    return formed_after_epoch(recovery, published)
-
-
-def failures(run: Run) -> list[Failure]:
-    out = []
-    commits = {r["step"]: r["time"] for r in run.steps if "time" in r}
-    for f in run.of("failure"):
-        detection = f.get("detection_s")
-        injected = f["time"] - detection if detection is not None else None
-        recovery = _recovery_after(run, f["time"], f.get("epoch", 0))
-        step = recovery["step"] if recovery else None
-        commit = commits.get(step) if step is not None else None
-        start = injected if injected is not None else f["time"]
-        out.append(
-            Failure(
-                worker=f["worker"],
-                what=f.get("event") or f.get("why", "?"),
-                injected_at=injected - run.t0 if injected is not None else None,
-                detected_at=f["time"] - run.t0,
-                detection_s=detection,
-                step=step,
-                reform_s=recovery.get("reform_s") if recovery else None,
-                formed_after_epoch_s=_formed_after_epoch(run, recovery) if recovery else None,
-                committed_after_s=commit - start if commit is not None else None,
-            )
-        )
-    return out
-
-
-def rejoins(run: Run) -> list[dict[str, Any]]:
-    """Membership changes that admitted a worker, with the group re-formation that followed."""
-    out = []
-    for m in run.of("membership"):
-        if not str(m.get("reason", "")).startswith("joined"):
-            continue
-        recovery = _recovery_after(run, m["time"], m["epoch"], join=True)
-        out.append(
-            {
-                "workers": m["reason"].split(":", 1)[1].strip(),
-                "at": m["time"] - run.t0,
-                "members": m["members"],
-                "step": recovery["step"] if recovery else None,
-            }
-        )
-    return out
-
-
-def summary(run: Run) -> dict[str, Any]:
-    steps = run.steps
-    timed = [r for r in steps if _finite(r.get("step_time_s")) and _finite(r.get("tokens_per_s"))]
-    train_time = sum(r["step_time_s"] for r in timed)
-    tokens = sum(r.get("tokens", 0) for r in steps)
-    evals = run.of("eval")
-    last = steps[-10:]
-    final = run.of("final")
-    return {
-        "steps": len(steps),
-        "last_step": steps[-1]["step"],
-        "planned_steps": run.config.get("train", {}).get("steps"),
-        "tokens": tokens,
-        "first_loss": steps[0]["loss"],
-        "final_loss": steps[-1]["loss"],
-        "mean_last_loss": sum(r["loss"] for r in last) / len(last),
-        "val": evals[-1] if evals else None,
-        "tokens_per_s": sum(r.get("tokens", 0) for r in timed) / train_time if train_time else math.nan,
-        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed) if timed else math.nan,
-        "median_step_s": statistics.median(r["step_time_s"] for r in timed) if timed else math.nan,
-        "wall_s": wall_s(run.records),
-        "sessions": len(sessions(run.records)),
-        "resumed_at": [r["step"] for r in run.of("resume")],
-        "recomputed": sum(r.get("recomputed", 0) for r in steps),
-        "dropped": sum(r.get("dropped", 0) for r in steps),
-        "efficient": sum(r.get("efficient", 0) for r in steps),
-        "restarts": run.of("restart"),
-        "identical": final[-1].get("identical") if final else None,
-        "finished": bool(final),
-    }
+def committed_after(failure: Failure) -> float | None:
+    """From the fault (or its detection) to the commit of the step its re-formation interrupted."""
+    redone, start = failure.redone, failure.fault_at
+    if redone is None or redone.step != failure.step or redone.time is None or start is None:
+        return None
+    return redone.time - start
 
 
 # -- markdown -----------------------------------------------------------------------------------------
-def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
-
-
 def _ms(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x is not None else "-"
 
@@ -289,11 +182,8 @@ def _s(x: float | None) -> str:
     return f"{x:.2f} s" if x is not None else "-"
 
 
-def render_markdown(run: Run, reference: Run | None) -> str:
-    s = summary(run)
-    recovery = run.config.get("recovery", {})
-    lines = [f"# unbroken run report: `{run.path}`", ""]
-    model = run.config.get("model", {})
+def _setup(config: dict[str, Any]) -> list[str]:
+    recovery, model = config.get("recovery", {}), config.get("model", {})
     setup = [
         f"policy `{recovery['policy']}`" if "policy" in recovery else "",
         f"reduction `{recovery['reduction']}`" if "reduction" in recovery else "",
@@ -303,46 +193,61 @@ def render_markdown(run: Run, reference: Run | None) -> str:
         if "flavour" in model
         else "",
     ]
-    if any(setup):
-        lines += ["Configuration: " + ", ".join(x for x in setup if x) + ".", ""]
-    planned = f" of {s['planned_steps']}" if s["planned_steps"] is not None else ""
-    val = s["val"]
-    unfinished = "" if s["finished"] else "; the run did not finish"
-    lines += [
+    return ["Configuration: " + ", ".join(x for x in setup if x) + ".", ""] if any(setup) else []
+
+
+def _table(run: Run) -> list[str]:
+    """The run's figures: steps, tokens, losses, throughput, wall time, microbatches, sessions."""
+    f, steps = run.facts, run.steps
+    planned = run.config.get("train", {}).get("steps")
+    of = "" if planned is None else f" of {planned}"
+    unfinished = "" if f.final is not None else "; the run did not finish"
+    last = steps[-10:]
+    val = f.evaluations[-1] if f.evaluations else None
+    timed = [s for s in steps if s.step_time_s is not None and s.tokens_per_s is not None]
+    median_rate = statistics.median(s.tokens_per_s for s in timed) if timed else math.nan  # type: ignore[type-var]
+    median_step = statistics.median(s.step_time_s for s in timed) if timed else math.nan  # type: ignore[type-var]
+    sessions = len(f.sessions)
+    lines = [
         "| | |",
         "|---|---|",
-        f"| steps | {s['steps']}{planned} (last step {s['last_step']}){unfinished} |",
-        f"| tokens | {s['tokens']:,} |",
-        f"| train loss | {s['first_loss']:.4f} -> {s['final_loss']:.4f} (final step; "
-        f"mean of the last 10: {s['mean_last_loss']:.4f}) |",
-        f"| validation | loss {val['val_loss']:.4f}, perplexity {val['val_ppl']:.1f} (after step {val['step']}) |"
-        if val
+        f"| steps | {f.steps_done}{of} (last step {f.last_step}){unfinished} |",
+        f"| tokens | {f.tokens:,} |",
+        f"| train loss | {steps[0].loss:.4f} -> {steps[-1].loss:.4f} (final step; mean of the last 10: "
+        f"{sum(s.loss for s in last) / len(last):.4f}) |",
+        f"| validation | loss {val.val_loss:.4f}, perplexity {val.val_ppl:.1f} (after step {val.step}) |"
+        if val is not None
         else "| validation | none recorded |",
-        f"| throughput | {s['tokens_per_s']:,.0f} tokens/s over training time "
-        f"(median step {s['median_tokens_per_s']:,.0f} tokens/s, {s['median_step_s'] * 1000:.0f} ms) |",
-        f"| wall time | {s['wall_s']:.1f} s from the coordinator's start to the last record"
-        + (f" (summed over {s['sessions']} sessions)" if s["sessions"] > 1 else "")
+        f"| throughput | {f.tokens_per_s:,.0f} tokens/s over training time "
+        f"(median step {median_rate:,.0f} tokens/s, {median_step * 1000:.0f} ms) |",
+        f"| wall time | {f.wall_s:.1f} s from the coordinator's start to the last record"
+        + (f" (summed over {sessions} sessions)" if sessions > 1 else "")
         + " |",
-        f"| microbatches | {s['recomputed']} recomputed in-step, {s['dropped']} dropped, "
-        f"{s['efficient']} in efficient (MeCeFO) mode |",
+        f"| microbatches | {f.recomputed} recomputed in-step, {f.dropped} dropped, {f.efficient} in efficient (MeCeFO) "
+        "mode |",
     ]
-    if s["sessions"] > 1:
-        at = ", ".join(map(str, s["resumed_at"])) or "-"
+    if sessions > 1:
+        at = ", ".join(map(str, f.resumes)) or "-"
         lines.append(
-            f"| sessions | {s['sessions']} (resumed at step {at}); a step trained again is counted once, "
-            "with its later record |"
+            f"| sessions | {sessions} (resumed at step {at}); a step trained again is counted once, with its later "
+            "record |"
         )
-    lines += [f"| config changed | {line} |" for line in config_change_lines(run.records)]
-    if s["identical"] is not None:
-        lines.append(f"| workers' parameters at the end | {'identical' if s['identical'] else 'DIFFERENT'} |")
+    lines += [f"| config changed | {c.line()} |" for c in f.changes]
+    if f.final is not None and f.final.identical is not None:
+        lines.append(f"| workers' parameters at the end | {'identical' if f.final.identical else 'DIFFERENT'} |")
     if run.torn_last_line:
         lines.append("| note | the last line of metrics.jsonl was cut off (the writer was killed) and is ignored |")
+    return lines
 
-    found = failures(run)
-    joined = rejoins(run)
-    lines += ["", f"## Failures survived: {len(found)}", ""]
-    recovered = sum(1 for f in found if f.step is not None)
-    lines += [f"{recovered} recovered in-step, {len(joined)} rejoined (a join is not counted as a recovery).", ""]
+
+def _failures(run: Run) -> list[str]:
+    """Each failure survived and what it took; the rejoins, the spares promoted, the restarts."""
+    f = run.facts
+    found = f.declared_failures
+    promoted = f", {len(f.promotions)} promoted from a warm spare" if f.promotions else ""
+    lines = ["", f"## Failures survived: {len(found)}", ""]
+    lines += [f"{len(f.recoveries)} recovered in-step, {len(f.rejoins)} rejoined{promoted} (a join is not counted "
+              "as a recovery).", ""]  # fmt: skip
     if found:
         lines += [
             "Times are seconds since the coordinator started. *Detected after*: from the injected fault to the "
@@ -355,47 +260,67 @@ def render_markdown(run: Run, reference: Run | None) -> str:
             "| worker | fault | at | detected after | step | survivors waited | formed after epoch | committed after |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for f in found:
-            at = f.injected_at if f.injected_at is not None else f.detected_at
+        for x in found:
+            rec = x.recovery
             lines.append(
-                f"| {f.worker} | `{f.what}` | {at:.2f} s | {_ms(f.detection_s)} | "
-                f"{f.step if f.step is not None else '-'} | {_ms(f.reform_s)} | {_ms(f.formed_after_epoch_s)} | "
-                f"{_s(f.committed_after_s)} |"
+                f"| {x.worker} | `{x.what}` | {run.since(x.fault_at) or 0.0:.2f} s | {_ms(x.detection_s)} | "
+                f"{x.step if x.step is not None else '-'} | {_ms(None if rec is None else rec.reform_s)} | "
+                f"{_ms(None if rec is None else rec.formed_after_epoch_s)} | {_s(committed_after(x))} |"
             )
-    if joined:
+    if f.rejoins:
         lines += ["", "| rejoined | at | members after | trains from step |", "|---|---|---|---|"]
-        for j in joined:
-            step = j["step"] if j["step"] is not None else "-"
-            lines.append(f"| worker {j['workers']} | {j['at']:.2f} s | {j['members']} | {step} |")
-    for r in s["restarts"]:
+        for j in f.rejoins:
+            step = j.step if j.step is not None else "-"
+            workers = ", ".join(map(str, j.rejoined))
+            lines.append(f"| worker {workers} | {run.since(j.time) or 0.0:.2f} s | {j.members} | {step} |")
+    if f.promotions:
+        lines += ["", "| spare promoted | in the place of | in the group after the death | trains from step |"]
+        lines.append("|---|---|---|---|")
+        for p in f.promotions:
+            step = "-" if p.join is None or p.join.step is None else p.join.step
+            lines.append(f"| spare {p.spare} | worker {p.worker} | {_s(p.after_death_s)} | {step} |")
+    for r in f.restarts:
         lines.append(
-            f"\nRestart (checkpoint-and-restart policy) at {r['time'] - run.t0:.2f} s: stopped and relaunched "
-            f"workers {r.get('workers')} in {_s(r.get('stop_and_relaunch_s'))}, "
-            "then rolled back to the last checkpoint."
+            f"\nRestart (checkpoint-and-restart policy) at {run.since(r.time) or 0.0:.2f} s: stopped and relaunched "
+            f"workers {r.workers} in {_s(r.stop_and_relaunch_s)}, then rolled back to the last checkpoint."
         )
+    return lines
 
-    g = account(run.records)
-    lines += ["", "## Goodput", "", g.line() + ".", "", "| badput | seconds | share |", "|---|---|---|"]
+
+def _goodput(run: Run) -> list[str]:
+    g = account(run.facts)
+    lines = ["", "## Goodput", "", g.line() + ".", "", "| badput | seconds | share |", "|---|---|---|"]
     for bucket, seconds in sorted(g.buckets.items(), key=lambda item: -abs(item[1])):
         if seconds:
             share = f"{100 * seconds / g.badput_s:.1f} %" if g.badput_s > 0 else "-"
             lines.append(f"| {bucket} | {seconds:.2f} | {share} |")
+    return lines
 
+
+def _against(run: Run, reference: Run) -> list[str]:
+    c = compare(run, reference)
+    coverage = f"{c.common_steps} steps in common"
+    if c.only_run or c.only_reference:
+        coverage += f" ({c.only_run} only in this run, {c.only_reference} only in the reference)"
+    worst = f" (step {c.max_diff_step})" if c.max_diff_step is not None and c.max_abs_diff > 0 else ""
+    lines = [
+        "",
+        f"## Against the reference `{reference.path}`",
+        "",
+        f"- {coverage}",
+        f"- max |loss difference|: {c.max_abs_diff:.6g}{worst}",
+        f"- loss trajectories bitwise equal: **{'yes' if c.bitwise_equal else 'no'}**",
+    ]
+    if c.final_params_equal is not None:
+        lines.append(f"- final parameters identical (checksums): **{'yes' if c.final_params_equal else 'no'}**")
+    return lines
+
+
+def render_markdown(run: Run, reference: Run | None) -> str:
+    lines = [f"# unbroken run report: `{run.path}`", "", *_setup(run.config), *_table(run), *_failures(run)]
+    lines += _goodput(run)
     if reference is not None:
-        c = compare(run, reference)
-        lines += ["", f"## Against the reference `{reference.path}`", ""]
-        coverage = f"{c.common_steps} steps in common"
-        if c.only_run or c.only_reference:
-            coverage += f" ({c.only_run} only in this run, {c.only_reference} only in the reference)"
-        worst = f" (step {c.max_diff_step})" if c.max_diff_step is not None and c.max_abs_diff > 0 else ""
-        lines += [
-            f"- {coverage}",
-            f"- max |loss difference|: {c.max_abs_diff:.6g}{worst}",
-            f"- loss trajectories bitwise equal: **{'yes' if c.bitwise_equal else 'no'}**",
-        ]
-        if c.final_params_equal is not None:
-            lines.append(f"- final parameters identical (checksums): **{'yes' if c.final_params_equal else 'no'}**")
-
+        lines += _against(run, reference)
     lines += ["", "## Plots", ""] + [f"![{p.removesuffix('.png')}]({p})" for p in PLOTS] + [""]
     return "\n".join(lines)
 
@@ -424,10 +349,10 @@ def plot_loss(run: Run, reference: Run | None, path: Path) -> None:
         b = reference.losses
         ax.plot(list(b), list(b.values()), color="0.6", lw=3, label=f"reference ({reference.path.name})")
     ax.plot(list(a), list(a.values()), color="C0", lw=1.2, marker=".", label=f"run ({run.path.name})")
-    evals = run.of("eval")
+    evals = run.facts.evaluations
     if evals:
-        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "s", color="C2", ms=4, label="validation")
-    for f in failures(run):
+        ax.plot([e.step for e in evals], [e.val_loss for e in evals], "s", color="C2", ms=4, label="validation")
+    for f in run.facts.declared_failures:
         if f.step is not None:
             ax.axvline(f.step, color="C3", ls="--", lw=0.8)
     ax.set_ylabel("loss")
@@ -445,17 +370,20 @@ def plot_loss(run: Run, reference: Run | None, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _joins(run: Run) -> list[Join]:
+    """The joins on the time axes: rejoins and spares' promotions."""
+    return [j for j in run.facts.joins if j.time is not None]
+
+
 def _event_lines(ax: Any, run: Run) -> None:
-    for f in failures(run):
-        ax.axvline(f.injected_at if f.injected_at is not None else f.detected_at, color="C3", ls="--", lw=0.8)
-    for j in rejoins(run):
-        ax.axvline(j["at"], color="C2", ls="--", lw=0.8)
+    for f in run.facts.declared_failures:
+        ax.axvline(run.since(f.fault_at), color="C3", ls="--", lw=0.8)
+    for j in _joins(run):
+        ax.axvline(run.since(j.time), color="C2", ls="--", lw=0.8)
 
 
 def plot_throughput(run: Run, path: Path) -> None:
-    points = [
-        (r["time"] - run.t0, r["tokens_per_s"]) for r in run.steps if _finite(r.get("tokens_per_s")) and "time" in r
-    ]
+    points = [(s.time - run.t0, s.tokens_per_s) for s in run.steps if s.tokens_per_s is not None and s.time is not None]
     fig, (ax,) = _figure()
     ax.plot([t for t, _ in points], [v for _, v in points], color="C0", marker=".")
     _event_lines(ax, run)
@@ -463,49 +391,55 @@ def plot_throughput(run: Run, path: Path) -> None:
     ax.set_xlim(0, run.t_end - run.t0)
     ax.set_xlabel("wall time since the coordinator started (s)")
     ax.set_ylabel("tokens/s")
-    ax.set_title("throughput per committed step (red: failure, green: rejoin)")
+    ax.set_title("throughput per committed step (red: failure, green: a worker joined)")
     fig.savefig(path, dpi=100)
 
 
-def plot_membership(run: Run, path: Path) -> None:
-    epochs = sorted(run.of("membership"), key=lambda m: m["time"])
-    workers = sorted({w for m in epochs for w in m["members"]} | {f["worker"] for f in run.of("failure")})
-    fig, (ax,) = _figure(height=max(2.4, 0.5 * len(workers) + 1.4))
-    t0, end = run.t0, run.t_end
-    alive: dict[int, list[list[float]]] = {w: [] for w in workers}  # worker -> [start, stop] intervals
-    for i, m in enumerate(epochs):
-        start = m["time"] - t0
-        stop = (epochs[i + 1]["time"] if i + 1 < len(epochs) else end) - t0
-        for w in m["members"]:
+def _alive(run: Run) -> dict[int, list[list[float]]]:
+    """Worker -> the [start, stop] intervals it was a member (seconds since ``t0``)."""
+    epochs = sorted((e for e in run.facts.epochs if e.time is not None), key=lambda e: e.time)  # type: ignore[arg-type, return-value]
+    workers = {w for e in epochs for w in e.members} | {f.worker for f in run.facts.declared_failures}
+    alive: dict[int, list[list[float]]] = {w: [] for w in sorted(workers)}
+    for i, e in enumerate(epochs):
+        start = e.time - run.t0  # type: ignore[operator]
+        stop = (epochs[i + 1].time if i + 1 < len(epochs) else run.t_end) - run.t0  # type: ignore[operator]
+        for w in e.members:
             if alive[w] and alive[w][-1][1] == start:
                 alive[w][-1][1] = stop
             else:
                 alive[w].append([start, stop])
+    return alive
+
+
+def plot_membership(run: Run, path: Path) -> None:
+    alive = _alive(run)
+    workers = list(alive)
+    fig, (ax,) = _figure(height=max(2.4, 0.5 * len(workers) + 1.4))
     for w, spans in alive.items():
         ax.broken_barh([(a, b - a) for a, b in spans], (w - 0.3, 0.6), color="C0", alpha=0.7)
-    # Legend entries are added once per kind.
-    seen: set[str] = set()
+    seen: set[str] = set()  # legend entries are added once per kind
 
-    def mark(t: float, w: float, style: str, color: str, label: str) -> None:
-        ax.plot([t], [w], style, color=color, ms=9, mew=2, label=None if label in seen else label)
-        seen.add(label)
+    def mark(t: float | None, w: float, style: str, color: str, label: str) -> None:
+        if t is not None:
+            ax.plot([t], [w], style, color=color, ms=9, mew=2, label=None if label in seen else label)
+            seen.add(label)
 
-    for f in failures(run):
+    for f in run.facts.declared_failures:
         if f.injected_at is not None:
-            mark(f.injected_at, f.worker, "x", "C3", "fault injected")
-        mark(f.detected_at, f.worker, "v", "C1", "detected")
-    for r in run.of("recovery"):
-        if "time_reformed" in r:
-            mark(r["time_reformed"] - t0, -0.75, "|", "C4", "group re-formed")
-    for j in rejoins(run):
-        for w in j["workers"].split(","):
-            if w.strip().isdigit():
-                mark(j["at"], int(w), "^", "C2", "rejoined")
-    for r in run.of("restart"):
-        ax.axvline(r["time"] - t0, color="k", ls=":", lw=1)
+            mark(run.since(f.injected_at), f.worker, "x", "C3", "fault injected")
+        mark(run.since(f.detected_at), f.worker, "v", "C1", "detected")
+    for r in run.facts.reformations:
+        mark(run.since(r.time_reformed), -0.75, "|", "C4", "group re-formed")
+    for j in _joins(run):
+        for w in j.workers:
+            label = "spare took its place" if w in j.spares else "rejoined"
+            mark(run.since(j.time), w, "^", "C5" if w in j.spares else "C2", label)
+    for r in run.facts.restarts:
+        if r.time is not None:
+            ax.axvline(r.time - run.t0, color="k", ls=":", lw=1)
     ax.set_yticks([-0.75, *workers], ["re-formed", *[f"worker {w}" for w in workers]])
     ax.set_ylim(-1.2, max(workers, default=0) + 0.8)
-    ax.set_xlim(0, end - t0)
+    ax.set_xlim(0, run.t_end - run.t0)
     ax.set_xlabel("wall time since the coordinator started (s)")
     ax.set_title("membership: alive workers over time")
     if seen:
@@ -516,22 +450,22 @@ def plot_membership(run: Run, path: Path) -> None:
 def plot_goodput(run: Run, path: Path) -> None:
     """Where the badput went: the run's account (core.goodput), seconds by bucket; over the steps too when the
     run has ``goodput`` records (stacked)."""
-    g = account(run.records)
-    over_time = [r for r in run.of("goodput") if isinstance(r.get("buckets"), dict)]
+    g = account(run.facts)
+    over_time = [r for r in run.facts.goodput if isinstance(r.get("buckets"), dict)]
     fig, axes = _figure(rows=2 if over_time else 1, height=3.2)
     named = sorted(((b, s) for b, s in g.buckets.items() if s), key=lambda item: item[1])
     ax = axes[-1] if over_time else axes[0]
     ax.barh(
         [str(b) for b, _ in named],
         [s for _, s in named],
-        color=["C7" if b == "unattributed" else "C3" for b, _ in named],
+        color=["C7" if b is Bucket.UNATTRIBUTED else "C3" for b, _ in named],
     )
     ax.set_xlabel("badput (s)")
     ax.set_title(g.line(), fontsize=8)
     if over_time:
         top = axes[0]
         steps = [r["step"] for r in over_time]
-        buckets = [b for b in g.buckets if b != "unattributed"]
+        buckets = [b for b in g.buckets if b is not Bucket.UNATTRIBUTED]
         stacks = [[max(0.0, r["buckets"].get(str(b), 0.0)) for r in over_time] for b in buckets]
         top.stackplot(steps, stacks, labels=[str(b) for b in buckets])
         top.set_ylabel("badput so far (s)")

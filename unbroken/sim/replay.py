@@ -16,7 +16,8 @@ with the run's policy, layout, M, steps and checkpoint interval; the costs come 
 Both sides are given in ``core.goodput.Bucket``s: the real run's account, and the simulator's time lost by
 cause (``sim.engine.LOST_CAUSES``) in the buckets they are (``BUCKET_OF``). What the simulator does not model
 is said, not hidden: the start-up, evaluations, the kills not in the schedule (from outside), the other
-scheduled faults (slow workers, NaNs), and noise.
+scheduled faults (slow workers, NaNs), and noise. ``--dry-run`` reads the run and fits the costs, and simulates
+nothing.
 """
 
 from __future__ import annotations
@@ -127,13 +128,11 @@ def _event_text(event: FailureEvent) -> str:
     return ",".join(parts)
 
 
-def replay(run_dir: Path, cores: int = 0) -> Replay:
-    """Simulate ``run_dir``'s own failure timeline with costs fitted from its records.
+Fitted = tuple[RunConfig, list[dict[str, Any]], Goodput, list[FailureEvent], tuple[dict[str, float], list[str]]]
 
-    Raises:
-        ValueError: not a finished run directory, or one the records cannot calibrate the simulator from.
-    """
-    run_dir = Path(run_dir)
+
+def _fitted(run_dir: Path, cores: int) -> Fitted:
+    """The run's config, records, account and scheduled events, and the costs and scenario fitted from them."""
     if not (run_dir / "config.toml").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise ValueError(f"--replay {run_dir}: not a run directory (config.toml and metrics.jsonl needed)")
     if cores < 0:
@@ -141,8 +140,18 @@ def replay(run_dir: Path, cores: int = 0) -> Replay:
     cfg = load_config(run_dir / "config.toml")
     records = read_records(run_dir)
     real = account(records)
-    events = FailureSchedule.parse(cfg.failures.schedule).events
-    costs, scenario = fit(records, real, events, cfg, cores)
+    events = list(FailureSchedule.parse(cfg.failures.schedule).events)
+    return cfg, records, real, events, fit(records, real, events, cfg, cores)
+
+
+def replay(run_dir: Path, cores: int = 0) -> Replay:
+    """Simulate ``run_dir``'s own failure timeline with costs fitted from its records.
+
+    Raises:
+        ValueError: not a finished run directory, or one the records cannot calibrate the simulator from.
+    """
+    run_dir = Path(run_dir)
+    cfg, records, real, events, (costs, scenario) = _fitted(run_dir, cores)
     other = sorted({str(e.kind) for e in events if e.kind is not FailureKind.KILL})
     outside = sum(1 for r in records if r.get("type") == RecordKind.FAILURE and not r.get("event"))
     not_modelled = ["the start-up", "evaluations", "noise"]
@@ -176,7 +185,17 @@ def format_replay(r: Replay) -> str:
     return "\n".join(lines)
 
 
-def run_replay(run_dir: str, cores: int) -> int:
-    """Entry point of ``unbroken simulate --replay``; ValueError (one line) for bad input."""
+def run_replay(run_dir: str, cores: int, dry_run: bool = False) -> int:
+    """Entry point of ``unbroken simulate --replay``; ValueError (one line) for bad input. ``dry_run``: the run read
+    and the simulator's costs fitted from it, one line said, nothing simulated."""
+    if dry_run:
+        _cfg, _records, _real, events, (costs, scenario) = _fitted(Path(run_dir), cores)
+        load_scenario(None, scenario)  # the fitted scenario checked as the simulation would load it
+        kills = sum(1 for e in events if e.kind is FailureKind.KILL)
+        print(
+            f"dry run: would replay {run_dir} ({kills} scheduled kill{'s' * (kills != 1)}) in the simulator with "
+            f"costs fitted from its records ({', '.join(sorted(costs))}); nothing simulated or written"
+        )
+        return 0
     print(format_replay(replay(Path(run_dir), cores)))
     return 0

@@ -6,6 +6,8 @@ microbatches, GPU-hours, time lost by cause), and with ``--out`` the resolved ``
 
 No torch; matplotlib (the ``plots`` extra) is imported only to draw, and its absence is reported before the
 simulation runs. Everything is checked before anything is written, so bad input leaves no partial output.
+``--dry-run`` (``dry_run_line``, for a sweep too) loads and checks the scenario and says in one line what would
+be simulated.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from unbroken.core.config import to_toml
 from unbroken.core.goodput import Bucket
 from unbroken.sim.engine import LOST_CAUSES
-from unbroken.sim.scenario import HOUR, load_scenario
+from unbroken.sim.scenario import HOUR, Scenario, load_scenario
 from unbroken.sim.simulate import PolicyResult, SimResult, simulate
 
 PLOTS = ("tokens_vs_time.png", "tokens_vs_gpu_hours.png", "lost_time.png", "replicas.png")
@@ -211,10 +213,29 @@ def check_out(out: Path | None) -> None:
             raise ValueError(f"--out {out} exists and is not a directory")
 
 
-def run_simulate(scenario: str | None, overrides: list[str], out: Path | None) -> int:
-    """Entry point of ``unbroken simulate``; ValueError (one line) for bad input, before anything runs."""
+def dry_run_line(what: str, sc: Scenario, out: Path | None, written: str, layout: bool = True) -> str:
+    """The one line of ``unbroken simulate ... --dry-run``: the scenario ``sc`` (loaded and checked; ``layout``:
+    its replicas said too) and what a run would print and write."""
+    c, run = sc.cluster, sc.run
+    replicas = f" ({c.replicas} replicas of {c.replica_gpus})" if layout else ""
+    length = f"{run.hours:g} h" if run.hours > 0 else f"{run.steps} steps"
+    into = f", writing {written} into {out}" if out is not None else ""
+    return (
+        f"dry run: would simulate {what}: {', '.join(str(p) for p in run.policies)} on {c.gpus} GPUs{replicas} "
+        f"for {length}, printing the tables{into}; nothing simulated or written"
+    )
+
+
+def run_simulate(scenario: str | None, overrides: list[str], out: Path | None, dry_run: bool = False) -> int:
+    """Entry point of ``unbroken simulate``; ValueError (one line) for bad input, before anything runs.
+    ``dry_run``: the scenario loaded and checked, one line said, nothing simulated or written."""
     sc = load_scenario(scenario, overrides)
     check_out(out)
+    if dry_run:
+        print(
+            dry_run_line(scenario or "the default scenario", sc, out, "scenario.toml, summary.md, results.json, plots")
+        )
+        return 0
     res = simulate(sc)
     print(format_markdown(res))
     if out is not None:

@@ -6,7 +6,7 @@ across the points, e.g. replicas of 1, 8 and 64 GPUs on one GPU-failure timeline
 Owns the sweep: parsing ``--sweep``, the comparison table, ``sweep.md`` and ``sweep.json``. Each point is an
 ordinary ``simulate`` run whose own tables are printed and, with ``--out``, written to its own folder by
 ``sim.report``. Every point is loaded and simulated before anything is written, so bad input leaves no
-partial output. No torch.
+partial output; ``--dry-run`` loads every point and simulates none. No torch.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.core.config import parse_overrides
-from unbroken.sim.report import check_out, format_markdown, write_outputs
-from unbroken.sim.scenario import load_scenario
+from unbroken.sim.report import check_out, dry_run_line, format_markdown, write_outputs
+from unbroken.sim.scenario import Scenario, load_scenario
 from unbroken.sim.simulate import PolicyResult, SimResult, simulate
 
 EXAMPLE = "cluster.gpus_per_replica=1,8,64"
@@ -91,6 +91,17 @@ def parse_sweeps(specs: list[str], overrides: list[str]) -> list[Axis]:
     return axes
 
 
+def load_points(scenario: str | None, overrides: list[str], axes: list[Axis]) -> list[Scenario]:
+    """The scenario of every point of the grid, each loaded and checked (ValueError, one line, naming the point)."""
+    scenarios = []
+    for settings in grid(axes):
+        try:
+            scenarios.append(load_scenario(scenario, [*overrides, *(f"--{k}={v}" for k, v in settings)]))
+        except ValueError as e:
+            raise ValueError(f"--sweep at {_label(settings)}: {e}") from None
+    return scenarios
+
+
 def run_points(scenario: str | None, overrides: list[str], axes: list[Axis]) -> list[SweepPoint]:
     """Simulate every point of the grid (the product of the axes' values, the first axis slowest).
 
@@ -98,14 +109,8 @@ def run_points(scenario: str | None, overrides: list[str], axes: list[Axis]) -> 
         ValueError: one line, for a point's bad scenario (all are loaded before any is simulated) or one
             that would never finish.
     """
-    scenarios = []
-    for settings in grid(axes):
-        try:
-            scenarios.append(load_scenario(scenario, [*overrides, *(f"--{k}={v}" for k, v in settings)]))
-        except ValueError as e:
-            raise ValueError(f"--sweep at {_label(settings)}: {e}") from None
     points = []
-    for settings, sc in zip(grid(axes), scenarios, strict=True):
+    for settings, sc in zip(grid(axes), load_points(scenario, overrides, axes), strict=True):
         try:
             points.append(SweepPoint(settings, simulate(sc)))
         except ValueError as e:
@@ -203,15 +208,24 @@ def _json(axes: list[Axis], points: list[SweepPoint]) -> dict[str, Any]:
     }
 
 
-def run_sweep(scenario: str | None, overrides: list[str], specs: list[str], out: Path | None) -> int:
+def run_sweep(
+    scenario: str | None, overrides: list[str], specs: list[str], out: Path | None, dry_run: bool = False
+) -> int:
     """Entry point of ``unbroken simulate ... --sweep``: prints each point's tables, then the comparison;
     with ``out``, each point's files in ``out/<key>=<value>/`` and the comparison in ``sweep.md`` and
-    ``sweep.json``. ValueError (one line) for bad input, before anything is written."""
+    ``sweep.json``. ValueError (one line) for bad input, before anything is written. ``dry_run``: every point
+    loaded and checked, one line said, nothing simulated or written."""
     axes = parse_sweeps(specs, overrides)
     check_out(out)
     folders = [_folder(settings) for settings in grid(axes)]
     if len(set(folders)) < len(folders):
         raise ValueError("--sweep: two points would share a folder name; use values that differ in [A-Za-z0-9._-]")
+    if dry_run:
+        first = load_points(scenario, overrides, axes)[0]
+        swept = "; ".join(f"{a.key} = {', '.join(a.values)}" for a in axes)
+        what = f"{scenario or 'the default scenario'} at {len(folders)} points ({swept})"
+        print(dry_run_line(what, first, out, "sweep.md, sweep.json and a folder per point", layout=False))
+        return 0
     points = run_points(scenario, overrides, axes)
     for p in points:
         print(f"## {p.label}\n\n{format_markdown(p.result)}\n")

@@ -20,8 +20,8 @@ def export(run_dir: Path, out: Path) -> Path:
         ValueError: RUN_DIR has no usable checkpoint, is a script's run (its model is the script's own), or OUT
             exists and is not empty.
     """
+    from unbroken.data.corpus import open_corpus
     from unbroken.ft.checkpoint import schema as ckpt
-    from unbroken.train.data import open_corpus
     from unbroken.train.trainer import build_model, model_args_of
 
     if out.exists() and any(out.iterdir()):

@@ -1,21 +1,24 @@
 """Hugging Face LLaMA in the built-in trainer: building ``LlamaForCausalLM`` from a config, and export.
 
 Owns ``[model] hf_config`` (a ``config.json`` path, or a packaged preset such as ``llama-tiny``), building the
-model from it (no download: the weights are initialised from ``train.seed``), and ``unbroken export RUN_DIR
-OUT``: the run's last checkpoint as a ``save_pretrained`` folder with the run's tokenizer. A run of the
-built-in LLaMA exports too: its weights map onto ``LlamaForCausalLM``'s, with the query and key rows of each
-head permuted from adjacent-pair RoPE (ours, Meta's) to HF's rotate-half layout. ``transformers`` is
-imported only here, only when used (the ``hf`` extra).
+model from it (no download: the weights are initialised from ``train.seed``), the plan tensor parallelism splits
+it by (``tensor_plan``: its projections' names), and ``unbroken export RUN_DIR OUT``: the run's last checkpoint as
+a ``save_pretrained`` folder with the run's tokenizer. A run of the built-in LLaMA exports too: its weights map
+onto ``LlamaForCausalLM``'s, with the query and key rows of each head permuted from adjacent-pair RoPE (ours,
+Meta's) to HF's rotate-half layout. ``transformers`` is imported only here, only when used (the ``hf`` extra).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unbroken.train.model import ModelArgs
+
+if TYPE_CHECKING:
+    from unbroken.ft import TensorParallelPlan
 
 PRESETS = ("llama-tiny",)
 # What a worker of the built-in trainer imports to build ``LlamaForCausalLM`` (1.3 s of CPU here): its agent's zygote
@@ -67,6 +70,23 @@ def llama_config(spec: str, vocab_size: int, seq_len: int) -> Any:
 def build_hf_llama(spec: str, vocab_size: int, seq_len: int) -> torch.nn.Module:
     """``LlamaForCausalLM`` from ``spec``, initialised from the global RNG (seed it first, on every worker)."""
     return transformers_lib().LlamaForCausalLM(llama_config(spec, vocab_size, seq_len))
+
+
+def tensor_plan() -> TensorParallelPlan:
+    """Which submodules of ``LlamaForCausalLM`` tensor parallelism splits (``ft.apply_tensor_parallel``): each
+    decoder layer's attention and MLP projections. Its attention views them by -1 heads, so no head count changes
+    with the split; sequence parallelism is not planned for it."""
+    from unbroken.ft import TensorParallelPlan
+
+    return TensorParallelPlan(
+        layers="model.layers",
+        attention="self_attn",
+        qkv=("q_proj", "k_proj", "v_proj"),
+        attn_out="o_proj",
+        ffn="mlp",
+        ffn_in=("gate_proj", "up_proj"),
+        ffn_out="down_proj",
+    )
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

@@ -1,11 +1,12 @@
-"""The built-in trainer: the LLaMA of ``model.py`` on the corpus of ``data.py``, one loop on ``unbroken.ft``.
+"""The built-in trainer: the LLaMA of ``model.py`` on ``unbroken.data``'s corpus, one loop on ``unbroken.ft``.
 
     unbroken train configs/default.toml --workers 4     # the launcher runs `python -m unbroken.train` 4 times
 
-It is a user of the public API and nothing more (no private path into the library): build the model and the
-optimizer, register them, and for each step compute this worker's microbatches, commit, and now and then
-evaluate. Everything a failure brings (recovery, rejoin, resume, checkpoints, metrics) happens inside
-``ft``. ``validate_launch`` checks what the workers will need before the launcher starts anything.
+It is a user of the public API and nothing more (``unbroken.ft.__all__``, no private path into the library):
+build the model and the optimizer, register them, and for each step compute this worker's microbatches,
+commit, and now and then evaluate. Everything a failure brings (recovery, rejoin, resume, checkpoints,
+metrics) happens inside ``ft``. ``validate_launch`` checks what the workers will need before the launcher
+starts anything.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ from torch.distributed.tensor import DTensor
 import unbroken.ft as ft
 from unbroken.core.config import RunConfig, TrainConfig, replace, to_toml
 from unbroken.core.flavours import flops_per_token, training_flops_per_token
-from unbroken.ft.checkpoint import schema as ckpt
-from unbroken.ft.process import check_device
-from unbroken.ft.transforms import check_compiler
-from unbroken.train.data import (
-    PreparedCorpus,
-    TokenizedCorpus,
+from unbroken.data.corpus import (
+    check_model_vocab,
     check_vocab,
     eval_sampler,
     is_prepared,
     open_corpus,
+    text_vocab_size,
     tokenizer_sha256,
     train_sampler,
 )
+from unbroken.data.reader import PreparedCorpus
 from unbroken.train.model import ModelArgs, Transformer, model_args
 from unbroken.train.stages import pipeline_stage, stage_layers
 
@@ -93,6 +92,28 @@ def build_model(cfg: RunConfig, vocab_size: int) -> torch.nn.Module:
     return Transformer(model_args_of(cfg, vocab_size))
 
 
+def tensor_plan(cfg: RunConfig) -> ft.TensorParallelPlan:
+    """Which submodules of the run's model tensor parallelism splits: the built-in LLaMA's (whole or a pipeline
+    stage: the same names; its attention views its projections by its head counts, which the split divides), or
+    with ``model.hf_config`` Hugging Face's ``LlamaForCausalLM``'s."""
+    if cfg.model.hf_config:
+        from unbroken.train.hf import tensor_plan as hf_tensor_plan
+
+        return hf_tensor_plan()
+    return ft.TensorParallelPlan(
+        layers="layers",
+        attention="attention",
+        qkv=("wq", "wk", "wv"),
+        attn_out="wo",
+        ffn="feed_forward",
+        ffn_in=("w1", "w3"),
+        ffn_out="w2",
+        head_counts=("n_heads", "n_kv_heads"),
+        norms=("attention_norm", "ffn_norm"),
+        ends=("tok_embeddings", "norm", "output"),
+    )
+
+
 def model_flops_per_token(cfg: RunConfig, vocab_size: int, model: torch.nn.Module) -> float:
     """The run's model's training FLOPs per token (``flavours.flops_per_token``: 6 N + 12 L d T, N without the
     input embedding); for a Hugging Face model N is counted from ``model`` (the whole model, before staging)."""
@@ -129,13 +150,10 @@ def main() -> int:
         model = pipeline_stage(model, ctx.stage, ctx.stages)  # this rank's part of the model
     model = model.to(device)
     if cfg.parallel.tensor > 1:
-        from unbroken.ft.parallel.tensor import apply_tensor_parallel
-
-        apply_tensor_parallel(model, ctx.mesh["tensor"], cfg.parallel.sequence_parallel)  # split inside the replica
+        # split inside the replica
+        ft.apply_tensor_parallel(model, ctx.mesh["tensor"], tensor_plan(cfg), cfg.parallel.sequence_parallel)
     if cfg.parallel.shard > 1:
-        from unbroken.ft.parallel.fsdp import apply_fsdp  # FSDP's modules cost a worker about a second to import
-
-        apply_fsdp(model, ctx.mesh["shard"])  # sharded over the replica's ranks (HSDP: replicated across replicas)
+        ft.apply_fsdp(model, ctx.mesh["shard"])  # sharded over the replica's ranks (HSDP: replicated across replicas)
     optimizer = build_optimizer(model, cfg.train)
     ctx.register_state(
         model,
@@ -190,25 +208,13 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
     checkpoint that verifies and fits this model and data; the device, and a C++ compiler for ``train.compile``
     on the CPU. ValueError (one line) otherwise. Returns the config the run records: for prepared data,
     ``data.vocab_size`` is the data's vocabulary (it trains no BPE; the key would otherwise show the default)."""
-    if check_device(str(cfg.train.device), str(cfg.comm.backend)) == "cpu" and cfg.train.compile:
-        check_compiler()
+    if ft.check_device(str(cfg.train.device), str(cfg.comm.backend)) == "cpu" and cfg.train.compile:
+        ft.check_compiler()
     # Text is tokenized below (slow), so a vocabulary that cannot fit is refused first; prepared data's
     # vocabulary and tokenizer are checked when it is opened.
-    text = not is_prepared(cfg.data)
-    if text and cfg.model.vocab_size and cfg.data.tokenizer:
-        from unbroken.train.data import load_tokenizer
-
-        vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
-        if cfg.model.vocab_size < vocab:
-            raise ValueError(
-                f"vocabulary mismatch: the tokenizer has {vocab} tokens but model.vocab_size = "
-                f"{cfg.model.vocab_size}; set model.vocab_size = 0 (from the tokenizer) or >= {vocab}"
-            )
-    elif text and cfg.model.vocab_size and cfg.model.vocab_size < cfg.data.vocab_size:
-        raise ValueError(
-            f"vocabulary mismatch: the tokenizer has {cfg.data.vocab_size} tokens but model.vocab_size = "
-            f"{cfg.model.vocab_size}; set model.vocab_size = 0 (from the tokenizer) or >= {cfg.data.vocab_size}"
-        )
+    vocab = text_vocab_size(cfg.data) if cfg.model.vocab_size else None
+    if vocab is not None:
+        check_model_vocab(vocab, cfg.model.vocab_size)
     corpus = open_corpus(cfg.data, verify=cfg.data.verify)
     check_vocab(corpus, cfg.model.vocab_size)
     if cfg.model.hf_config:
@@ -220,27 +226,25 @@ def validate_launch(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
             raise ValueError("parallel.pipeline > 1 cuts the built-in LLaMA into stages; model.hf_config is not one")
         stage_layers(model_args_of(cfg, corpus.vocab_size).n_layers, 0, cfg.parallel.pipeline)
     if cfg.parallel.tensor > 1:
-        from unbroken.ft.parallel.tensor import check_tensor_parallel
-
         with torch.device("meta"):  # the shapes only
             whole = build_model(cfg, corpus.vocab_size)
         staged = pipeline_stage(whole, 0, cfg.parallel.pipeline) if cfg.parallel.pipeline > 1 else whole
-        check_tensor_parallel(staged, cfg.parallel.tensor, cfg.parallel.sequence_parallel)
+        ft.check_tensor_parallel(staged, cfg.parallel.tensor, tensor_plan(cfg), cfg.parallel.sequence_parallel)
     if resume:
         check_resumable(cfg, run_dir, corpus)
-    if isinstance(corpus, PreparedCorpus) and 256 <= corpus.vocab_size <= 2**20:  # DataConfig's range
+    if is_prepared(cfg.data) and 256 <= corpus.vocab_size <= 2**20:  # DataConfig's range
         cfg = replace(cfg, data=replace(cfg.data, vocab_size=corpus.vocab_size))
     return cfg
 
 
-def check_resumable(cfg: RunConfig, run_dir: Path, corpus: TokenizedCorpus | PreparedCorpus) -> None:
+def check_resumable(cfg: RunConfig, run_dir: Path, corpus: PreparedCorpus) -> None:
     """ValueError (one line) unless RUN_DIR has a checkpoint that verifies and fits this model and data."""
-    loaded = ckpt.load_latest(run_dir, log_rejections=False)  # the workers report rejections in the metrics
+    loaded = ft.load_latest(run_dir, log_rejections=False)  # the workers report rejections in the metrics
     if loaded is None:
-        rejected = ckpt.list_checkpoints(run_dir)
+        rejected = ft.list_checkpoints(run_dir)
         if not rejected:
             raise ValueError(
-                f"--resume {run_dir}: no checkpoint in {ckpt.checkpoint_dir(run_dir)} "
+                f"--resume {run_dir}: no checkpoint in {ft.checkpoint_dir(run_dir)} "
                 "(the run stopped before its first one); start the run again"
             )
         raise ValueError(

@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from unbroken.core.records import RecordKind
+
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution is sigma / 1.4826
 SCHED_SLICE_S = 0.003  # Linux's default scheduler slice at 8 CPUs or more, its largest (module docstring)
 CLOCK_MONOTONIC_COARSE = 6  # linux/time.h (Python's time module does not name it): read at the tick's resolution
@@ -283,7 +285,8 @@ class SlowDetector:
         self._window = [{w: t for w, t in speeds.items() if w != worker} for speeds in self._window]
 
     def observe(self, step: Mapping[str, Any]) -> list[Verdict]:
-        if step.get("type", "step") != "step" or not step.get("committed", True) or step.get("republished"):
+        kind = step.get("type", RecordKind.STEP)
+        if kind != RecordKind.STEP or not step.get("committed", True) or step.get("republished"):
             return []
         self._window.append(measured_speeds(step))
         if len(self._window) < self.rule.window:

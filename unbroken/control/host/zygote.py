@@ -1,18 +1,20 @@
 """Starting a worker costs a fork, not an import.
 
 Owns the zygote: one process per agent that has imported torch, ``torch._dynamo`` (which every torch optimizer
-imports when it is built: 1.6 s of CPU on this machine) and the built-in trainer, has loaded the exact fold's
-numba kernels (``foldkernel.warm``) when the run's reduction is exact (an fp32 worker never loads numba: 57 MiB of
-each process), and has run nothing that starts a thread, OpenMP or CUDA; it forks each worker on request. A cold
-worker spends about 4 s of CPU on imports before its first line of training; a forked one starts at its first line.
+imports when it is built: 1.6 s of CPU on this machine) and what the agent's caller names for its workers
+(``WorkerCommand.preload``: the built-in trainer, Hugging Face's model for an HF run, and the exact fold's numba
+kernels loaded by a warm-up call when the run's reduction is exact: an fp32 worker never loads numba, 57 MiB of each
+process), and has run nothing that starts a thread, OpenMP or CUDA; it forks each worker on request. A cold worker
+spends about 4 s of CPU on imports before its first line of training; a forked one starts at its first line.
 
 The worker is the zygote's grandchild: the zygote forks a child, which joins the session or process group the
 worker must have and forks the worker, then exits; the worker starts once it has. Linux hands an orphan to its
 nearest "subreaper": the agent marks itself one (``PR_SET_CHILD_SUBREAPER``), so a forked worker is the agent's own
 child, as a started one is: its exit status, ``kill``, ``SIGSTOP`` and pidfd work the same (``ForkedProcess``).
 
-The built-in trainer is forked (``forkable``), and the launcher's coordinator (``spawn_coordinator``), whose
-successor after a death is then forked too. A user's script is started cold unless its launch says ``--fork``
+A fork-safe command (the built-in trainer's: ``WorkerCommand.fork_safe``) is forked (``forkable``), and so is the
+launcher's coordinator (``spawn_coordinator``), whose successor after a death is then forked too. Any other
+command (a user's script) is started cold unless its launch says ``--fork``
 (``UNBROKEN_ZYGOTE=scripts``): a forked process inherits the zygote's string-hash seed, so data seeded with Python's
 ``hash()`` (impure, and different in every process of a real cluster) would look pure on one host, and the data
 check could not see it. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
@@ -20,8 +22,8 @@ check could not see it. ``UNBROKEN_ZYGOTE=0`` starts every worker cold.
 ``unbroken train`` and ``unbroken agent`` import torch for themselves, so their zygote is not started but forked
 from them (``fork_early``), at the top of the command line's ``main``, before they have started a thread or touched a
 device: it then imports only what they did not (``torch._dynamo``, the trainer), and a run imports torch once. The
-forked zygote waits for its setup (environment, log, kernels: what the command line of a started one says) and goes
-on as a started one does. A program that cannot fork it (threads started, CUDA initialised) starts it (``python -m
+forked zygote waits for its setup (environment, log, preload list: what the command line of a started one says) and
+goes on as a started one does. A program that cannot fork it (threads started, CUDA initialised) starts it (``python -m
 unbroken.control.host.zygote``).
 
 A forked process (the zygote, a worker, a coordinator) ends without the interpreter's teardown
@@ -38,6 +40,7 @@ import argparse
 import ctypes
 import fcntl
 import gc
+import importlib
 import io
 import json
 import os
@@ -53,12 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from unbroken.control.member.client import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
+from unbroken.control.host.command import WorkerCommand
+from unbroken.control.member.env import FORKED_ENV, STARTED_AT_ENV, WORKER_ID_ENV
 from unbroken.core.ending import run_then_exit
 
 ZYGOTE_ENV = "UNBROKEN_ZYGOTE"  # "0": every worker starts cold; "scripts": a user's script's workers are forked too
 FORK_SCRIPTS = "scripts"
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "unbroken.train.trainer")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed")  # then the caller's (``WorkerCommand.preload``)
 READY_TIMEOUT_S = 120.0  # the zygote's imports, on a loaded machine
 MESSAGE_BYTES = 1 << 20
 _PR_SET_NAME = 15
@@ -78,12 +82,14 @@ def ready_cost(log_path: Path) -> tuple[float, float] | None:
     return None
 
 
-def forkable(command: tuple[str, ...], env: dict[str, str]) -> bool:
-    """Whether the zygote forks workers running ``command`` with ``env``: the built-in trainer's, and a script's
-    where ``env`` asks for it (``FORK_SCRIPTS``; see the module's doc)."""
+def forkable(worker: WorkerCommand, env: dict[str, str]) -> bool:
+    """Whether the zygote forks workers running ``worker`` with ``env``: this interpreter running a fork-safe
+    command (the built-in trainer's), or a script where ``env`` asks for it (``FORK_SCRIPTS``; see the module's
+    doc)."""
+    command = worker.argv
     if sys.platform != "linux" or len(command) < 2 or command[0] != sys.executable:
         return False
-    if tuple(command[1:3]) == ("-m", "unbroken.train"):
+    if worker.fork_safe:
         return True
     script = not command[1].startswith("-")  # a script's path (any name), not an option of the interpreter's
     return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV)) == FORK_SCRIPTS and script
@@ -163,9 +169,7 @@ class ForkedProcess:
 class Zygote:
     """The agent's end: starts the zygote (its imports run while the agent goes on) and asks it for workers."""
 
-    def __init__(
-        self, env: dict[str, str], log_path: Path, fold_kernels: bool = False, preload: tuple[str, ...] = ()
-    ) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, preload: tuple[str, ...] = ()) -> None:
         global _early
         early, _early = _early, None  # forked at this program's start (``fork_early``): used once, or dropped
         if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
@@ -176,7 +180,6 @@ class Zygote:
         setup = {
             "env": {**env, STARTED_AT_ENV: repr(time.time())},
             "log": str(log_path),
-            "fold_kernels": fold_kernels,
             "preload": list(preload),
         }
         if early is not None:
@@ -197,7 +200,6 @@ class Zygote:
                     "unbroken.control.host.zygote",
                     "--fd",
                     str(theirs.fileno()),
-                    *(["--fold-kernels"] if fold_kernels else []),
                     *(f"--preload={name}" for name in preload),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -409,37 +411,45 @@ def serve_early() -> NoReturn:
             raw = io.FileIO(stream.fileno(), "w", closefd=False)
             setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True))
     print(f"zygote forked from its program (pid {os.getppid()})", flush=True)
-    return _zygote(conn, bool(setup["fold_kernels"]), tuple(setup.get("preload", ())))
+    return _zygote(conn, tuple(setup["preload"]))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unbroken.control.host.zygote", description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="this end of the agent's socket pair")
-    parser.add_argument("--fold-kernels", action="store_true", help="load the exact fold's numba kernels")
-    parser.add_argument("--preload", action="append", default=[], help="a module its workers import: import it first")
+    what = "a module its workers import (import it first), or MODULE:FUNCTION (import it, call the function)"
+    parser.add_argument("--preload", action="append", default=[], help=what)
     args = parser.parse_args(argv)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the agent's death ends the zygote (its workers go on)
-    return _zygote(socket.socket(fileno=args.fd), args.fold_kernels, tuple(args.preload))
+    return _zygote(socket.socket(fileno=args.fd), tuple(args.preload))
 
 
-def _zygote(conn: socket.socket, fold_kernels: bool, preload: tuple[str, ...] = ()) -> NoReturn:
+def _preload(name: str) -> None:
+    """Import module ``name``, or for ``module:function`` import it and call the function (a warm-up, such as the
+    exact fold's kernels: not parallel, so no thread is started). A module that cannot be imported stops nothing:
+    each worker imports it again and says what is wrong in its own words."""
+    module, _, function = name.partition(":")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as e:
+        print(f"zygote: {module} not preloaded ({e})", flush=True)
+        return
+    if function:
+        getattr(loaded, function)()
+
+
+def _zygote(conn: socket.socket, preload: tuple[str, ...] = ()) -> NoReturn:
     """The zygote, started or forked early: its imports (``PRELOAD``, then ``preload``: what this run's workers import
-    beyond, such as Hugging Face's model), then requests until its program closes the socket. Ends the process
-    (``run_then_exit``), the zygote's when it is done and each worker's when its program has run."""
+    and warm up beyond, such as the trainer, Hugging Face's model or the exact fold's kernels), then requests until its
+    program closes the socket. Ends the process (``run_then_exit``), the zygote's when it is done and each worker's
+    when its program has run."""
     # A terminal's Ctrl-C reaches the launcher's process group, the zygote's too: the launcher stops the job in
     # order, and the zygote must live on to serve that job's restarts (a worker gets Python's handler back).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in PRELOAD:
         __import__(name)
     for name in preload:
-        try:
-            __import__(name)
-        except ImportError as e:  # each worker imports it again and says what is wrong in its own words
-            print(f"zygote: {name} not preloaded ({e})", flush=True)
-    if fold_kernels:
-        from unbroken.ft import foldkernel
-
-        foldkernel.warm()  # numba's start as well (its kernels are not parallel: no thread is started)
+        _preload(name)
     # What the zygote holds now lives as long as every worker: out of the collector's reach, so that a worker's
     # collections neither walk it nor copy its pages (Python's advice for a process that forks without exec).
     gc.freeze()

@@ -17,9 +17,9 @@ its calls failing) sends its own ``add`` with each beat until the agent catches 
 until the agent has passed one of its beats on: the coordinator counts a member's silence from its admission, and
 an agent whose call is under way when the worker starts beating would otherwise be the worker's only messenger
 until it counts as behind (at 1,024 members, 10 members admitted last were declared dead that way:
-docs/benchmarks.md, "Heartbeats by host at 1,024 again"). A worker's takeover check
-(``CoordinatorClient._watch_stalls``: is another coordinator leading?) reads from the board since when its agent's
-calls have not gone through, as well as timing its own calls.
+docs/benchmarks.md, "Heartbeats by host at 1,024 again"). A worker's takeover check (``reconnect.Reconnection.
+watch_for_successor``: is another coordinator leading?) reads from the board since when its agent's calls have not
+gone through, as well as timing its own calls.
 
 The value written for a key is the agent's pass stamp (microseconds since the epoch when its look began, and
 larger than every stamp it wrote before): it differs from the last value seen whoever wrote that, so a worker

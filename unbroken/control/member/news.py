@@ -1,6 +1,6 @@
 """A host's relay of the coordinator's news: one watcher of the epochs and the stop per host, not one per worker.
 
-Every worker keeps a cached view of the membership epochs and of the stop flag (``control.client``). Watched
+Every worker keeps a cached view of the membership epochs and of the stop flag (``control.member.watch``). Watched
 directly, each epoch change costs the coordinator's gateway one store call per worker, and each worker a call
 through its tunnel and the parse of the epoch's record, all at the same instant: at 1,024 members on two cores
 half of them had the epoch 0.6 s after a death's report (docs/benchmarks.md, "control-scale"). With a relay,
@@ -11,14 +11,15 @@ enter; a worker (``RelayedNews``) reads them from there.
 A worker never depends on the relay for correctness. A frame names the coordinator's incarnation, and a worker
 takes news only from the coordinator it registered with; epochs the relay skipped (published in quick succession)
 are read from the store by the worker, as its own watcher would. A worker whose relay closes its socket, sends what
-it cannot read or follows another coordinator goes back to watching the store itself (``CoordinatorClient``); so
+it cannot read or follows another coordinator goes back to watching the store itself (``watch.NewsWatch``); so
 does one whose relay has said nothing for ``NEWS_WAIT_S`` while the store holds news it has still not passed on
 ``RELAY_GRACE_S`` later (its agent stopped). A relay that loses its coordinator drops its workers the same way. The
 relay sends nothing between news: a beat would wake every worker of the host at once for nothing (with 128 clients
 in one process, as the control-scale bench runs them, such wakes starved their heartbeats).
 
 Owns the frames' wire format: a 4-byte big-endian length, then a JSON object with ``kind`` (``FrameKind``) and
-``incarnation``, and ``epoch`` and ``record`` (an epoch) or ``reason`` (a stop).
+``incarnation``, and ``epoch`` and ``record`` (an epoch) or ``reason`` (a stop); and the store's news waits
+(``look``, ``next_news``) that the relay and a worker's own watch share.
 """
 
 from __future__ import annotations
@@ -115,25 +116,31 @@ def look(store: TCPStore) -> News:
     return News(int(rung), int(newest), None)
 
 
-def next_news(store: TCPStore, news: News, timeout_s: float) -> News:
+def next_news(store: TCPStore, news: News, timeout_s: float, stopping: threading.Event | None = None) -> News:
     """The news after ``news`` once there is some, or a fresh ``look`` after ``timeout_s`` without any.
 
     One store call per epoch change: a get of the next ring's key waits for it (the store wakes the caller, no
     polling) and returns what the ring holds, the epoch's record (each call is a round trip through the gateway
     for every watcher at every epoch change; a wait and then a read were two). A stop's ring holds nothing and
     is followed by a look. A ring whose key never came (its ringer died between its two calls) holds a watcher
-    for one wait at most: the look after it reads the count afresh."""
+    for one wait at most: the look after it reads the count afresh.
+
+    Once ``stopping`` is set, ``news`` itself as soon as the get returns, and no other call: a watcher whose
+    owner closes has its get ended by the connection's end (``connect.end_get``), after which a call would fail
+    (and c10d write its C++ stack on stderr)."""
     ring = news.rung + 1
     op_timeout = store.timeout
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     try:
-        held = store.get(keys.doorbell(keys.NEWS, ring))
+        held: bytes | None = store.get(keys.doorbell(keys.NEWS, ring))
     except DistStoreError as e:
         if "timeout" not in str(e).lower():
             raise
-        return look(store)
+        held = None
     finally:
         store.set_timeout(op_timeout)
+    if stopping is not None and stopping.is_set():
+        return news
     if not held:
         return look(store)
     record = json.loads(held)
@@ -279,7 +286,7 @@ class NewsRelay:
             tunnel.close()
 
     def _relay(self, store: TCPStore, incarnation: str, generation: int) -> None:
-        """Watch as a worker's own watcher would (``CoordinatorClient._watch_news``) and pass on each newest epoch
+        """Watch as a worker's own watcher would (``watch.NewsWatch.run``) and pass on each newest epoch
         and the stop."""
         news = look(store)
         sent, stopped = 0, False

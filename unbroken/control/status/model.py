@@ -2,25 +2,25 @@
 
 Owns the live view's content: which workers are alive, the step, the loss and step-time curves, every failure
 with its recovery (detection, re-formation, recomputed microbatches, rejoin) as one incident, a timeline of
-every event, each worker's share of the step and (when the workers publish it) its speed, and the
-checkpoints. Steps are named as in the records (from 0); recoveries (re-formations after a failure) and joins
-(re-formations that admitted workers) are counted apart (``records.is_join``). It reads nothing but records
-and writes nothing: the coordinator hands it each record as it appends it to ``RUN_DIR/metrics.jsonl``
-(through ``MetricsTee``), and ``RunView.from_run_dir`` folds a run's file. ``snapshot()`` is a plain
-JSON-ready dict (layout ``SNAPSHOT_VERSION``, documented in docs/status.md) served by ``control.status`` and
-drawn by the page and by ``control.status_view``.
+every event (``control.status.timeline``), each worker's share of the step and (when the workers publish it) its
+speed, the warm spares, and the checkpoints. Its counts and times are the run's facts (``core.runfacts``, folded
+here as the records arrive): the same steps, failures, recoveries, joins, promotions, sessions, wall time,
+tokens/s and goodput as the console summary and ``unbroken report`` state. Steps are named as in the records
+(from 0). It reads nothing but records and writes nothing: the coordinator hands it each record as it appends
+it to ``RUN_DIR/metrics.jsonl`` (through ``MetricsTee``), and ``RunView.from_run_dir`` folds a run's file.
+``snapshot()`` is a plain JSON-ready dict (layout ``SNAPSHOT_VERSION``, documented in docs/status.md) served by
+``control.status.server`` and drawn by the page and by ``control.status.terminal``; once the run has ended its
+``goodput`` columns end with the run's whole account.
 
-Memory stays bounded on a run of any length: the curves are thinned to ``max_points`` (every ``stride``-th
-step kept, the newest always shown), and the timeline, the incidents and the checkpoints keep their newest.
+Memory: the curves are thinned to ``max_points`` (every ``stride``-th step kept, the newest always shown), and
+the timeline, the incidents and the checkpoints keep their newest; the facts keep a few numbers per step.
 Pure Python; thread-safe (one writer, any number of readers).
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import math
 import statistics
 import threading
 import time
@@ -29,26 +29,18 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.control.coordinator.failslow import (
-    Exclusion,
-    SlowDecision,
-    SlowDetector,
-    SlowRule,
-    SlowState,
-    Verdict,
-    exclusion,
-)
-from unbroken.control.coordinator.failslow import describe as describe_slow
-from unbroken.core.config import SlowPolicy, Workload
-from unbroken.core.goodput import Bucket, Tracker
-from unbroken.core.records import RecordKind, WorkerError, decode, is_join, make, read_records
+from unbroken.control.coordinator.failslow import SlowState
+from unbroken.control.status.timeline import entry
+from unbroken.core.goodput import Bucket, Goodput, Tracker, account
+from unbroken.core.records import RecordKind, SpareState, decode, make, read_records
+from unbroken.core.runfacts import Failure, RunFacts, kind_of, number
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_VERSION = 1
 MAX_POINTS = 2000  # per curve; past it every other kept step is dropped and the stride doubles
 MAX_EVENTS = 500  # timeline entries kept (the newest)
-MAX_INCIDENTS = 200  # failures kept with their recovery (the newest)
+MAX_INCIDENTS = 200  # failures shown with their recovery (the newest)
 MAX_CHECKPOINTS = 50
 RECENT_STEPS = 20  # the step time and throughput shown are medians over this many of the newest steps
 STRAGGLER_RATIO = 1.5  # a worker is a straggler when its seconds per microbatch exceed this x the others' median
@@ -58,14 +50,12 @@ INCIDENT_FIELDS = (  # one failure, from the fault to the worker's return (docs/
     *("reformed_at", "reform_s", "recovery_step", "missing", "recomputed", "dropped", "recovery_step_time_s"),
     *("rejoined_at", "rejoin_epoch", "rejoin_step", "down_s"),
 )
+GOODPUT_COLUMNS = ("step", "tokens_per_s", "ideal_tokens_per_s", "ratio", *map(str, Bucket))
 
 
 def _num(x: Any) -> float | None:
     """``x`` as a finite float, else None (JSON has no NaN; a republished step has no timing)."""
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
+    return number(x)
 
 
 def _workers(mapping: Any) -> dict[int, Any]:
@@ -81,13 +71,41 @@ def _workers(mapping: Any) -> dict[int, Any]:
     return out
 
 
-def _ms(seconds: float | None) -> str:
-    return "?" if seconds is None else f"{seconds * 1000:.0f} ms"
+def incident(f: Failure) -> dict[str, Any]:
+    """A failure as the snapshot's ``incidents`` entry (``INCIDENT_FIELDS``)."""
+    rec, redone, back = f.recovery, f.redone, f.back
+    return {
+        "worker": f.worker,
+        "epoch": f.epoch,
+        "step": f.in_progress if f.step is None else f.step,  # once re-formed, the step it interrupted
+        "event": f.event,
+        "why": f.why,
+        "injected_at": f.injected_at,
+        "detected_at": f.detected_at,
+        "detection_s": f.detection_s,
+        "reformed_at": None if rec is None else rec.time_reformed or rec.time,
+        "reform_s": None if rec is None else rec.reform_s,
+        "recovery_step": None if rec is None else rec.step,
+        "missing": None if rec is None else rec.missing,
+        "recomputed": None if redone is None else redone.recomputed,
+        "dropped": None if redone is None else redone.dropped,
+        "recovery_step_time_s": None if redone is None else redone.step_time_s,
+        "rejoined_at": None if back is None else back.time,
+        "rejoin_epoch": None if back is None else back.epoch,
+        "rejoin_step": None if back is None else back.from_step,
+        "down_s": f.down_s,
+    }
 
 
-def _after(steps_done: Any) -> str:
-    """A checkpoint's (or the end's) place, from the steps done it is named by: ``after step 7``."""
-    return f"after step {steps_done - 1}" if isinstance(steps_done, int) and steps_done > 0 else "before step 0"
+def goodput_row(step: int, g: Goodput) -> tuple[Any, ...]:
+    """The ``goodput`` columns' row of an account (``GOODPUT_COLUMNS``)."""
+    return (
+        step,
+        _num(g.tokens_per_s),
+        _num(g.ideal_tokens_per_s),
+        _num(g.ratio),
+        *(_num(g.buckets[b]) for b in Bucket),
+    )
 
 
 class _Series:
@@ -148,43 +166,39 @@ class RunView:
         self.total_steps = total_steps
         self.expected_workers = expected_workers
         self.run_dir = None if run_dir is None else str(run_dir)
-        self._state = "starting"
-        self._state_detail = ""
-        self._first_time: float | None = None
-        self._last_time: float | None = None
-        self._epoch = 0
-        self._members: tuple[int, ...] | None = None
-        self._epochs: dict[int, list[int]] = {}  # epoch -> its members
-        self._workers: dict[int, dict[str, Any]] = {}
+        self.facts = RunFacts()
+        self._state, self._state_detail = "starting", ""
+        self._members: set[int] | None = None  # the newest epoch's (of any session: when a worker came or went)
+        self._since: dict[int, float | None] = {}  # worker -> when it last came or went
         self._steps = _Series(("step", "loss", "step_time_s", "tokens_per_s", "alive", "lr", "grad_norm"), max_points)
         self._evals = _Series(("step", "val_loss"), max_points)
-        self._max_step = -1
-        self._tokens = 0
+        self._goodput = _Series(GOODPUT_COLUMNS, max_points)  # the goodput records: the account at each
         self._last_step: dict[str, Any] | None = None
         self._last_val: float | None = None
         # (step time, tokens/s, tokens/s per GPU, MFU) of the newest steps (core.throughput's fields)
         self._recent: collections.deque[tuple[float | None, ...]] = collections.deque(maxlen=RECENT_STEPS)
         self._quotas: dict[int, int] = {}
         self._speeds: dict[int, float] = {}
-        self._fail_slow: set[int] = set()  # fail-slow by the ``slow`` records (core.failslow), not yet recovered
         self._compute: dict[int, float] = {}
-        self._recomputed = 0
-        self._dropped = 0
-        self._pending_injection: dict[int, dict[str, Any]] = {}
-        self._incidents: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_INCIDENTS)
-        self._num_incidents = 0
-        self._num_recoveries = 0  # re-formations after a failure (or a stall)
-        self._num_joins = 0  # re-formations that admitted workers
-        self._sessions = 0  # coordinators started from disk (a launch, --resume, a restart-policy relaunch)
-        self._awaiting_step: list[dict[str, Any]] = []  # incidents re-formed, waiting for their step's record
+        self._fail_slow: set[int] = set()  # fail-slow by the ``slow`` records (core.failslow), not yet recovered
         self._timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
         self._num_events = 0
         self._checkpoints: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_CHECKPOINTS)
-        self._num_checkpoints = 0
         self._final: dict[str, Any] | None = None
-        self._spares: dict[int, dict[str, Any]] = {}  # warm spare -> its state (``SpareState``) and worker
-        # the goodput records (core.goodput): the account at each, badput seconds by bucket
-        self._goodput = _Series(("step", "tokens_per_s", "ideal_tokens_per_s", "ratio", *map(str, Bucket)), max_points)
+        self._account: tuple[int, Goodput] | None = None  # the whole account once the run ended, and its seq
+        self._handlers: dict[RecordKind, Callable[[Mapping[str, Any], float | None], None]] = {
+            RecordKind.EVAL: self._on_eval,
+            RecordKind.MEMBERSHIP: self._on_membership,
+            RecordKind.FAILURE: lambda r, t: self._since.setdefault(int(r.get("worker", -1)), t),
+            RecordKind.CHECKPOINT: self._on_checkpoint,
+            RecordKind.SLOW: self._on_slow,
+            RecordKind.GOODPUT: self._on_goodput,
+            RecordKind.FINAL: self._on_final,
+            RecordKind.COORDINATOR: self._on_coordinator,
+            RecordKind.STOPPED: lambda r, t: self._set_state("stopped", str(r.get("reason", ""))),
+            RecordKind.COORDINATOR_LOST: lambda r, t: self._set_state("coordinator_lost", str(r.get("path", ""))),
+            RecordKind.RESUME: lambda r, t: self._set_state("training"),
+        }
 
     @classmethod
     def from_run_dir(cls, run_dir: Path | str, max_points: int = MAX_POINTS) -> RunView:
@@ -225,159 +239,37 @@ class RunView:
 
     # -- folding ----------------------------------------------------------------------------------------
     def _fold(self, r: Mapping[str, Any]) -> None:
-        t = _num(r.get("time"))
-        if t is not None:
-            self._first_time = t if self._first_time is None else min(self._first_time, t)
-            self._last_time = t if self._last_time is None else max(self._last_time, t)
-        handler = getattr(self, f"_on_{r.get('type')}", None)
-        if handler is None:
-            fields = {k: v for k, v in r.items() if k not in ("type", "time")}
-            self._event(t, str(r.get("type", "?")), json.dumps(fields, sort_keys=True, default=str)[:300])
-        else:
-            handler(r, t)
-
-    def _event(self, t: float | None, kind: str, text: str, **fields: Any) -> None:
-        self._num_events += 1
-        self._timeline.append({"time": t, "kind": kind, "text": text, **fields})
-
-    def _worker(self, wid: int) -> dict[str, Any]:
-        if wid not in self._workers:
-            self._workers[wid] = {"id": wid, "state": "unknown", "since": None, "failures": 0, "last_failure": None}
-        return self._workers[wid]
-
-    def _current_step(self) -> int:
-        return self._max_step + 1  # the step in progress
+        known = self.facts.last_step  # the highest step before this record
+        self.facts.add(r)
+        if (event := entry(r, self.facts)) is not None:
+            self._num_events += 1
+            self._timeline.append(event)
+        kind = kind_of(r)
+        if kind is RecordKind.STEP:
+            self._on_step(r, known)
+        elif kind is not None and (handler := self._handlers.get(kind)) is not None:
+            handler(r, number(r.get("time")))
 
     def _on_membership(self, r: Mapping[str, Any], t: float | None) -> None:
-        members = tuple(sorted(int(w) for w in r.get("members", [])))
-        epoch = int(r.get("epoch", self._epoch + 1))
-        self._epochs[epoch] = list(members)
-        before = set(self._members or ())
-        joined, left = set(members) - before, before - set(members)
-        first = self._members is None
-        self._members, self._epoch = members, epoch
-        if self.expected_workers is None and first:
+        members = set(self.facts.members or ())
+        if self._members is None and self.expected_workers is None:
             self.expected_workers = len(members)
-        for wid in sorted(joined):
-            w = self._worker(wid)
-            w.update(state="alive", since=t)
-            if not first:
-                for inc in self._incidents:
-                    if inc["worker"] == wid and inc["rejoined_at"] is None:
-                        inc.update(rejoined_at=t, rejoin_epoch=epoch, rejoin_step=self._current_step())
-                        start = inc["injected_at"] or inc["detected_at"]
-                        inc["down_s"] = None if t is None or start is None else t - start
-        for wid in sorted(left):
-            self._worker(wid).update(state="left", since=t)
-            self._incident(wid, epoch, t)
-        reason = str(r.get("reason", ""))
-        if first:
-            text = f"epoch {epoch}: started with workers {list(members)}"
-        elif not joined and not left:
-            text = f"epoch {epoch}: the same workers {list(members)} re-formed ({reason})"
-        else:
-            text = f"epoch {epoch}: members {list(members)} ({reason})"
-        self._event(t, "membership", text, epoch=epoch, members=list(members))
+        for wid in members ^ (self._members or set()):
+            self._since[wid] = t
+        self._members = members
         if not members:
-            self._set_state("failed", reason or "no worker left")
+            self._set_state("failed", str(r.get("reason", "")) or "no worker left")
         elif self._state == "starting":
             self._set_state("training")
 
-    def _incident(self, wid: int, epoch: int, t: float | None) -> dict[str, Any]:
-        """The incident of worker ``wid`` leaving in ``epoch`` (opened by the membership or the failure
-        record, whichever comes first)."""
-        for inc in reversed(self._incidents):
-            if inc["worker"] == wid and inc["epoch"] == epoch:
-                return inc
-        injected = self._pending_injection.pop(wid, None) or {}
-        inc: dict[str, Any] = dict.fromkeys(INCIDENT_FIELDS)
-        inc.update(worker=wid, epoch=epoch, step=self._current_step(), detected_at=t)
-        inc.update(event=injected.get("event"), injected_at=injected.get("time"))
-        self._incidents.append(inc)
-        self._num_incidents += 1
-        self._worker(wid)["failures"] += 1
-        return inc
-
-    def _on_injected(self, r: Mapping[str, Any], t: float | None) -> None:
-        wid = int(r.get("worker", -1))
-        # The launcher's record may come after the failure it caused (it publishes through the store too).
-        late = [i for i in self._incidents if i["worker"] == wid and i["event"] == r.get("event") and t is not None]
-        if late:
-            inc = late[-1]
-            inc["injected_at"] = t
-            if inc["rejoined_at"] is not None:
-                inc["down_s"] = inc["rejoined_at"] - t
-        else:
-            self._pending_injection[wid] = {"event": r.get("event"), "time": t}
-        self._event(t, "injected", f"{r.get('kind', 'fault')} delivered to worker {wid}: {r.get('event')}", worker=wid)
-
-    def _on_failure(self, r: Mapping[str, Any], t: float | None) -> None:
-        wid = int(r.get("worker", -1))
-        inc = self._incident(wid, int(r.get("epoch", self._epoch)), t)
-        detection = _num(r.get("detection_s"))
-        inc.update(why=r.get("why"), detected_at=t, detection_s=detection)
-        if r.get("event") is not None:
-            inc["event"] = r["event"]
-        if inc["injected_at"] is None and detection is not None and t is not None:
-            inc["injected_at"] = t - detection
-        w = self._worker(wid)
-        w.update(state="dead", last_failure=r.get("why"))
-        w["since"] = w["since"] if w["since"] is not None else t
-        detected = "" if detection is None else f" (detected {_ms(detection)} after the fault)"
-        self._event(t, "failure", f"worker {wid} failed: {r.get('why')}{detected}", worker=wid)
-
-    def _on_recovery(self, r: Mapping[str, Any], t: float | None) -> None:
-        epoch, from_epoch = int(r.get("epoch", self._epoch)), int(r.get("from_epoch", -1))
-        step = r.get("step")
-        reform = _num(r.get("reform_s"))
-        missing = list(r.get("missing") or [])
-        for inc in self._incidents:
-            if inc["rejoin_epoch"] == epoch:
-                inc["rejoin_step"] = step  # the joiner trains from this step on
-        if is_join(r, self._epochs):
-            self._num_joins += 1
-            joined = sorted(set(self._epochs[epoch]) - set(self._epochs[from_epoch]))
-            self._event(
-                t,
-                "join",
-                f"worker {', '.join(map(str, joined))} rejoined at step {step}: epoch {from_epoch} -> {epoch}, "
-                f"{r.get('alive')} alive",
-                step=step,
-            )
-            return
-        self._num_recoveries += 1
-        for inc in self._incidents:
-            if inc["reformed_at"] is None and from_epoch < inc["epoch"] <= epoch:
-                inc.update(
-                    reformed_at=_num(r.get("time_reformed")) or t, reform_s=reform, recovery_step=step, missing=missing
-                )
-                if step is not None:
-                    inc["step"] = step  # the step the failure interrupted (the guess at its record is replaced)
-                self._awaiting_step.append(inc)
-        # A group formed at a step boundary misses every microbatch of the step: nothing to redo.
-        whole_step = self._last_step is not None and len(missing) == self._last_step.get("microbatches")
-        todo = "" if not missing or whole_step else f"; microbatches {missing} to redo"
-        self._event(
-            t,
-            "recovery",
-            f"group re-formed at step {step}: epoch {from_epoch} -> {epoch}, {r.get('alive')} alive, "
-            f"in {_ms(reform)}{todo}",
-            step=step,
-        )
-
-    def _on_step(self, r: Mapping[str, Any], t: float | None) -> None:
+    def _on_step(self, r: Mapping[str, Any], known: int) -> None:
         step = int(r["step"])
-        if r.get("republished") and step <= self._max_step:
+        if r.get("republished") and step <= known:
             return  # a new leader re-published a step whose record arrived: nothing new
         step_time, tps = _num(r.get("step_time_s")), _num(r.get("tokens_per_s"))
         self._steps.add(
             (step, _num(r.get("loss")), step_time, tps, r.get("alive"), _num(r.get("lr")), _num(r.get("grad_norm")))
         )
-        if step > self._max_step:
-            self._tokens += int(r.get("tokens", 0) or 0)
-            self._recomputed += int(r.get("recomputed", 0) or 0)
-            self._dropped += int(r.get("dropped", 0) or 0)
-        self._max_step = max(self._max_step, step)
         self._last_step = dict(r)
         self._recent.append((step_time, tps, _num(r.get("tokens_per_s_per_gpu")), _num(r.get("mfu"))))
         if "quotas" in r:
@@ -386,15 +278,6 @@ class RunView:
             self._speeds = {w: s for w, v in _workers(r["speeds"]).items() if (s := _num(v)) is not None}
         if "compute_s" in r:
             self._compute = {w: s for w, v in _workers(r["compute_s"]).items() if (s := _num(v)) is not None}
-        still = []
-        for inc in self._awaiting_step:
-            if inc["recovery_step"] is None or step >= inc["recovery_step"]:
-                inc.update(recomputed=r.get("recomputed"), dropped=r.get("dropped"), recovery_step_time_s=step_time)
-            else:
-                still.append(inc)
-        self._awaiting_step = still
-        if r.get("committed") is False:
-            self._event(t, "step", f"step {step} not committed", step=step)
         if self._state == "starting":
             self._set_state("training")
 
@@ -403,12 +286,9 @@ class RunView:
         self._evals.add((int(r["step"]), self._last_val))
 
     def _on_checkpoint(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._num_checkpoints += 1
         self._checkpoints.append(
             {"step": r.get("step"), "path": r.get("path"), "seconds": _num(r.get("seconds")), "time": t}
         )
-        seconds = _ms(_num(r.get("seconds")))
-        self._event(t, "checkpoint", f"checkpoint {_after(r.get('step'))} written in {seconds}")
 
     def _on_slow(self, r: Mapping[str, Any], t: float | None) -> None:
         worker = int(r.get("worker", -1))
@@ -416,81 +296,24 @@ class RunView:
             self._fail_slow.add(worker)
         else:
             self._fail_slow.discard(worker)
-        self._event(t, "slow", describe_slow(r), worker=worker)
 
     def _on_goodput(self, r: Mapping[str, Any], t: float | None) -> None:
         buckets = r.get("buckets") or {}
-        head = (int(r.get("step", self._max_step)), _num(r.get("tokens_per_s")), _num(r.get("ideal_tokens_per_s")))
+        head = (
+            int(r.get("step", self.facts.last_step)),
+            _num(r.get("tokens_per_s")),
+            _num(r.get("ideal_tokens_per_s")),
+        )
         self._goodput.add((*head, _num(r.get("ratio")), *(_num(buckets.get(str(b))) for b in Bucket)))
 
     def _on_final(self, r: Mapping[str, Any], t: float | None) -> None:
         checksums = {str(k): v for k, v in _workers(r.get("checksums")).items()}
         self._final = {"step": r.get("step"), "identical": r.get("identical"), "checksums": checksums}
-        same = "identical" if r.get("identical") else "NOT identical"
-        self._event(t, "final", f"run finished {_after(r.get('step'))}; the workers' parameters are {same}")
         self._set_state("finished")
 
     def _on_coordinator(self, r: Mapping[str, Any], t: float | None) -> None:
-        restored = r.get("restored_epoch") or 0
-        if restored:
-            text = f"a new coordinator took over at {r.get('address')} (restored epoch {restored})"
-        else:
-            self._sessions += 1
-            text = f"coordinator started at {r.get('address')}" + (
-                f" (session {self._sessions} of the run)" if self._sessions > 1 else ""
-            )
-            if self._sessions > 1 and self._state in TERMINAL_STATES:
-                self._set_state("starting")  # resumed or relaunched: the earlier session's end is not the run's
-        self._event(t, "coordinator", text)
-
-    def _on_error(self, r: Mapping[str, Any], t: float | None) -> None:
-        error = WorkerError.from_record(dict(r))
-        self._event(t, "error", f"worker {error.worker} raised {error.headline()}", worker=error.worker)
-
-    def _on_stopped(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "stopped", f"run stopped at step {r.get('step')}: {r.get('reason')}")
-        self._set_state("stopped", str(r.get("reason", "")))
-
-    def _on_coordinator_lost(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(
-            t, "coordinator_lost", f"the coordinator was lost; state of step {r.get('step')} saved to {r.get('path')}"
-        )
-        self._set_state("coordinator_lost", str(r.get("path", "")))
-
-    def _on_resume(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "resume", f"resumed at step {r.get('step')} from {r.get('path')}", step=r.get("step"))
-        self._set_state("training")
-
-    def _on_restart(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "restart", f"job relaunched with {r.get('workers')} workers in {r.get('stop_and_relaunch_s')} s")
-
-    def _on_checkpoint_rejected(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "checkpoint_rejected", f"damaged checkpoint skipped: {r.get('detail')}")
-
-    def _on_injection_skipped(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._pending_injection.pop(int(r.get("worker", -1)), None)
-        self._event(t, "injection_skipped", f"not injected into worker {r.get('worker')}: {r.get('why')}")
-
-    def _on_nonfinite_skip(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "nonfinite_skip", f"step {r.get('step')} skipped: non-finite gradient in {r.get('parameter')}")
-
-    def _on_stall(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(
-            t,
-            "stall",
-            f"a collective of epoch {r.get('epoch')} stalled (suspects {r.get('suspects')}): {r.get('decision')}",
-        )
-
-    def _on_spare(self, r: Mapping[str, Any], t: float | None) -> None:
-        k = int(r.get("spare", -1))
-        self._spares[k] = {"spare": k, "state": r.get("state"), "worker": r.get("worker"), "since": t}
-        if r.get("state") == "promoted":
-            self._event(t, "spare", f"spare {k} takes the place of worker {r.get('worker')}", worker=r.get("worker"))
-        elif r.get("state") == "exited":
-            self._event(t, "spare", f"spare {k} ended while it waited ({r.get('why')})")
-
-    def _on_gateway(self, r: Mapping[str, Any], t: float | None) -> None:
-        self._event(t, "gateway", f"gateway: {r.get('admitted')} admitted, {r.get('rejected')} rejected")
+        if not r.get("restored_epoch") and len(self.facts.sessions) > 1 and self._state in TERMINAL_STATES:
+            self._set_state("starting")  # resumed or relaunched: the earlier session's end is not the run's
 
     def _set_state(self, state: str, detail: str = "") -> None:
         self._state, self._state_detail = state, detail
@@ -499,82 +322,117 @@ class RunView:
     def snapshot(self) -> dict[str, Any]:
         """The run as JSON-ready data (no NaN; see docs/status.md for every field)."""
         with self._cond:
-            recent = [[x for x in column if x is not None] for column in zip(*self._recent, strict=True)] or [[]] * 4
-            recent_times, recent_tps, recent_per_gpu, recent_mfu = recent
-            last = self._last_step or {}
-            checkpoint = self._checkpoints[-1] if self._checkpoints else None
-            run = {
-                "state": self._state,
-                "state_detail": self._state_detail,
-                "run_dir": self.run_dir,
-                "total_steps": self.total_steps,
-                "steps_done": self._max_step + 1,
-                "last_step": self._max_step if self._max_step >= 0 else None,
-                "epoch": self._epoch,
-                "members": list(self._members or ()),
-                "alive": len(self._members or ()),
-                "expected_workers": self.expected_workers,
-                "loss": _num(last.get("loss")),
-                "val_loss": self._last_val,
-                "lr": _num(last.get("lr")),
-                "tokens": self._tokens,
-                "step_time_s": statistics.median(recent_times) if recent_times else None,
-                "tokens_per_s": statistics.median(recent_tps) if recent_tps else None,
-                "tokens_per_s_per_gpu": statistics.median(recent_per_gpu) if recent_per_gpu else None,
-                "mfu": statistics.median(recent_mfu) if recent_mfu else None,
-                "started_at": self._first_time,
-                "updated_at": self._last_time,
-                "failures": self._num_incidents,
-                "recoveries": self._num_recoveries,
-                "joins": self._num_joins,
-                "sessions": self._sessions,
-                "recomputed_microbatches": self._recomputed,
-                "dropped_microbatches": self._dropped,
-                "checkpoints": self._num_checkpoints,
-                "last_checkpoint": checkpoint,
-                "final": self._final,
-                "spares": {
-                    state: sum(1 for x in self._spares.values() if x["state"] == state)
-                    for state in ("started", "ready", "promoted")
-                },
-            }
             return {
                 "version": SNAPSHOT_VERSION,
                 "seq": self._seq,
                 "server_time": time.time(),
-                "run": run,
+                "run": self._run(),
                 "workers": self._worker_rows(),
                 "series": self._steps.columns(),
                 "eval": self._evals.columns(),
-                "incidents": [dict(i) for i in self._incidents],
+                "incidents": [incident(f) for f in self.facts.failures[-MAX_INCIDENTS:]],
                 # in time order: a record can arrive after a later one (the launcher's, through the store)
                 "timeline": sorted((dict(e) for e in self._timeline), key=lambda e: e["time"] or 0.0),
                 "timeline_dropped": self._num_events - len(self._timeline),
                 "checkpoints": [dict(c) for c in self._checkpoints],
-                "spares": [dict(x) for _, x in sorted(self._spares.items())],
-                "goodput": self._goodput.columns(),
+                "spares": [
+                    {"spare": x.spare, "state": x.state, "worker": x.worker, "since": x.since}
+                    for _, x in sorted(self.facts.spares.items())
+                ],
+                "goodput": self._goodput_columns(),
             }
 
+    def _run(self) -> dict[str, Any]:
+        """The snapshot's ``run``: the state, the counts and times (the run's facts), the newest figures."""
+        f = self.facts
+        recent = [[x for x in column if x is not None] for column in zip(*self._recent, strict=True)] or [[]] * 4
+        times, rates, per_gpu, mfu = (statistics.median(c) if c else None for c in recent)
+        last = self._last_step or {}
+        return {
+            "state": self._state,
+            "state_detail": self._state_detail,
+            "run_dir": self.run_dir,
+            "total_steps": self.total_steps,
+            "steps_done": f.steps_done,
+            "last_step": f.last_step if f.last_step >= 0 else None,
+            "epoch": f.epochs[-1].epoch if f.epochs else 0,
+            "members": list(f.members or ()),
+            "alive": len(f.members or ()),
+            "expected_workers": self.expected_workers,
+            "loss": _num(last.get("loss")),
+            "val_loss": self._last_val,
+            "lr": _num(last.get("lr")),
+            "tokens": f.tokens,
+            "step_time_s": times,
+            "tokens_per_s": rates,
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": mfu,
+            "train_tokens_per_s": _num(f.tokens_per_s),  # over the run's training time (the summary's)
+            "wall_s": f.wall_s if f.sessions else None,
+            "started_at": f.first_time,
+            "updated_at": f.last_time,
+            "failures": len(f.declared_failures),
+            "recoveries": len(f.recoveries),
+            "joins": len(f.joins),
+            "rejoins": len(f.rejoins),
+            "promotions": len(f.promotions),
+            "sessions": len(f.sessions),
+            "recomputed_microbatches": f.recomputed,
+            "dropped_microbatches": f.dropped,
+            "checkpoints": f.checkpoints,
+            "last_checkpoint": self._checkpoints[-1] if self._checkpoints else None,
+            "final": self._final,
+            "spares": {
+                state: sum(1 for x in f.spares.values() if x.state == state)
+                for state in (SpareState.STARTED, SpareState.READY, SpareState.PROMOTED)
+            },
+        }
+
+    def _goodput_columns(self) -> dict[str, Any]:
+        """The goodput records as columns; once the run has ended, the run's whole account last (the summary's
+        and the report's)."""
+        columns = self._goodput.columns()
+        if self._state not in TERMINAL_STATES or not self.facts.steps_done:
+            return columns
+        if self._account is None or self._account[0] != self._seq:
+            self._account = (self._seq, account(self.facts))
+        for name, value in zip(GOODPUT_COLUMNS, goodput_row(self.facts.last_step, self._account[1]), strict=True):
+            columns[name].append(value)
+        return columns
+
     def _worker_rows(self) -> list[dict[str, Any]]:
-        members = set(self._members or ())
+        members = self._members or set()
+        failures: dict[int, list[Failure]] = {}
+        for f in self.facts.failures:
+            failures.setdefault(f.worker, []).append(f)
         rows = []
-        for wid in sorted(set(self._workers) | members):
-            row = dict(self._worker(wid))
+        for wid in sorted(set(self._since) | set(failures) | members):
+            mine = failures.get(wid, [])
+            declared = [f for f in mine if f.declared]
             alive = wid in members
+            state = "alive" if alive else "dead" if mine and mine[-1].declared else "left"
             speed = self._speeds.get(wid) if alive else None
             quota = self._quotas.get(wid) if alive else None
             others = [s for w, s in self._speeds.items() if w != wid and w in members]
             compute = self._compute.get(wid) if alive else None
             if compute is None and speed is not None and quota is not None:
                 compute = speed * quota
-            row.update(
-                quota=quota,
-                s_per_microbatch=speed,
-                compute_s=compute,
-                straggler=None if speed is None or not others else speed > STRAGGLER_RATIO * statistics.median(others),
-                fail_slow=alive and wid in self._fail_slow,
+            rows.append(
+                {
+                    "id": wid,
+                    "state": state,
+                    "since": self._since.get(wid),
+                    "failures": len(mine),
+                    "last_failure": declared[-1].why if declared else None,
+                    "quota": quota,
+                    "s_per_microbatch": speed,
+                    "compute_s": compute,
+                    "straggler": None
+                    if speed is None or not others
+                    else speed > STRAGGLER_RATIO * statistics.median(others),
+                    "fail_slow": alive and wid in self._fail_slow,
+                }
             )
-            rows.append(row)
         return rows
 
 
@@ -637,117 +495,3 @@ class GoodputRecorder:
         fields = self.tracker.add(record)
         if fields is not None:
             self.tee.write(make(RecordKind.GOODPUT, time.time(), **fields))
-
-
-class SlowRecorder:
-    """A sink that watches the step records for fail-slow workers (``core.failslow``) and writes a ``slow``
-    record into ``tee`` for each verdict. Under ``recovery.slow = "report"`` that, and a warning, is all it
-    does; under ``"rebalance"`` it calls ``rebalance(True)`` at a worker's verdict and ``rebalance(False)`` when
-    no worker is fail-slow any more (the coordinator switches the throughput workload on and off); under
-    ``"exclude"`` a fail-slow worker whose exclusion pays off (``core.failslow.exclusion``, with the steps left
-    of ``total_steps``) is handed to ``exclude`` (the coordinator removes it like a failed one), unless it leads
-    the group (the lowest member, of replicas of ``replica_size`` ranks the lowest replica: it publishes the
-    records and writes the checkpoints): that one is rebalanced around instead, as under ``"rebalance"``, until
-    it recovers or leaves (kept, where ``workload`` is already throughput). ``records``: the run's so far,
-    replayed without records (a restarted coordinator goes on where it was)."""
-
-    def __init__(
-        self,
-        tee: MetricsTee,
-        rule: SlowRule,
-        records: Iterable[Mapping[str, Any]] = (),
-        policy: SlowPolicy = SlowPolicy.REPORT,
-        total_steps: int = 0,
-        exclude: Callable[[int, str], None] | None = None,
-        rebalance: Callable[[bool], None] | None = None,
-        workload: Workload = Workload.EVEN,
-        replica_size: int = 1,
-    ) -> None:
-        self.tee = tee
-        self.detector = SlowDetector(rule)
-        self.policy = policy
-        self.total_steps = total_steps
-        self.exclude = exclude
-        self.rebalance = rebalance
-        self.workload = workload
-        self.replica_size = replica_size
-        self.members: tuple[int, ...] = ()  # the newest membership record's
-        self.leader_rebalanced: set[int] = set()  # leaders rebalanced around under "exclude", not yet recovered
-        for r in records:
-            if r.get("type") == RecordKind.STEP:
-                self.detector.observe(r)
-            elif r.get("type") == RecordKind.MEMBERSHIP:
-                self.members = tuple(r.get("members") or ())
-
-    def leader(self, step: Mapping[str, Any]) -> int | None:
-        """The unit (worker, or replica) that leads the group now: the newest membership's lowest, else the
-        lowest of the step's own members."""
-        if self.members:
-            return min(self.members) // self.replica_size
-        units = [int(w) for w in (step.get("quotas") or step.get("speeds") or {})]
-        return min(units) if units else None
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        if record.get("type") == RecordKind.MEMBERSHIP:
-            self.members = tuple(record.get("members") or ())
-            units = {w // self.replica_size for w in self.members}
-            gone = [w for w in self.detector.slow if w not in units]
-            for worker in gone:  # it died or was excluded: should it come back, it is judged afresh
-                self.detector.forget(worker)
-            if gone and not self.detector.slow and self.policy is SlowPolicy.REBALANCE and self.rebalance:
-                self.rebalance(False)
-            self._leader_well({w for w in self.leader_rebalanced if w not in units})
-            return
-        if record.get("type") != RecordKind.STEP:
-            return
-        for v in self.detector.observe(record):
-            estimate = None
-            if self.policy is SlowPolicy.EXCLUDE and v.state is SlowState.SLOW:
-                estimate = exclusion(record, v.worker, self.total_steps - 1 - v.step)
-            decision, leader = self._decide(v, record, estimate)
-            fields = {**v.fields(), "decision": str(decision), "floor_s": self.detector.rule.floor_s}
-            fields |= estimate.fields() if estimate is not None else {}
-            fields |= {"leader": True} if leader else {}
-            slow = make(RecordKind.SLOW, time.time(), **fields)
-            log.log(logging.WARNING if v.state is SlowState.SLOW else logging.INFO, "%s", describe_slow(slow))
-            self.tee.write(slow)
-            self._act(v, decision)
-
-    def _decide(self, v: Verdict, record: Mapping[str, Any], estimate: Exclusion | None) -> tuple[SlowDecision, bool]:
-        """What the policy does about verdict ``v`` (the step record ``record`` decided it; ``estimate``: what
-        excluding the worker would save, under "exclude"), and whether it is the leader that exclude spared."""
-        if self.policy is SlowPolicy.REBALANCE:
-            return SlowDecision.REBALANCE, False
-        if self.policy is not SlowPolicy.EXCLUDE:
-            return SlowDecision.REPORT, False
-        if v.state is SlowState.RECOVERED:
-            return (SlowDecision.REBALANCE if v.worker in self.leader_rebalanced else SlowDecision.REPORT), False
-        if estimate is None or not estimate.pays_off:
-            return SlowDecision.KEEP, False
-        if v.worker != self.leader(record):
-            return SlowDecision.EXCLUDE, False
-        # The leader publishes the records and writes the checkpoints; the leadership moves only when it leaves.
-        # Rather than make a failure of the group's leader out of a slowness, the work is routed around it.
-        usable = self.rebalance is not None and self.workload is not Workload.THROUGHPUT
-        return (SlowDecision.REBALANCE if usable else SlowDecision.KEEP), True
-
-    def _act(self, v: Verdict, decision: SlowDecision) -> None:
-        if self.policy is SlowPolicy.REBALANCE and self.rebalance is not None:
-            if v.state is SlowState.SLOW or not self.detector.slow:
-                self.rebalance(v.state is SlowState.SLOW)
-        elif self.policy is SlowPolicy.EXCLUDE and decision is SlowDecision.REBALANCE and self.rebalance is not None:
-            if v.state is SlowState.SLOW:
-                if not self.leader_rebalanced:
-                    self.rebalance(True)
-                self.leader_rebalanced.add(v.worker)
-            else:
-                self._leader_well({v.worker})
-        if decision is SlowDecision.EXCLUDE and self.exclude is not None:
-            self.exclude(v.worker, f"fail-slow: {v.relative:.2f}x the others' time per microbatch")
-
-    def _leader_well(self, workers: set[int]) -> None:
-        """Leaders rebalanced around that recovered or left: the config's workload again once none is left."""
-        if workers & self.leader_rebalanced:
-            self.leader_rebalanced -= workers
-            if not self.leader_rebalanced and self.rebalance is not None:
-                self.rebalance(False)

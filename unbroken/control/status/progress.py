@@ -1,5 +1,7 @@
-"""What a person watching a local run sees: the live progress bar (or plain lines off a terminal) and the
-summary table at the end, both read from the run's metrics records.
+"""What a person watching a local run sees: the live progress bar (or plain lines off a terminal), read from the
+run's metrics records as they arrive, and the summary table at the end (``summary_rows``, ``print_summary``),
+read from the run's facts (``core.runfacts``: every session, the same counts and times as ``unbroken report``
+and ``unbroken status`` state).
 
 Step numbers are the records' (from 0, as in the failure schedule and ``Step.index``: ``step 3`` is the
 fourth step); a count of steps done is said as one (``4/8 done``)."""
@@ -16,18 +18,10 @@ from typing import Any
 
 from unbroken.control.console import Channel, LeaderLine, Story
 from unbroken.control.coordinator.failslow import describe as describe_slow
-from unbroken.core.config import config_change_lines
 from unbroken.core.failures import parse_event
 from unbroken.core.goodput import account
-from unbroken.core.records import (
-    RecordKind,
-    SpareState,
-    WorkerError,
-    committed_steps,
-    formed_after_epoch,
-    is_join,
-    sessions,
-)
+from unbroken.core.records import RecordKind, SpareState, WorkerError, committed_steps, is_join
+from unbroken.core.runfacts import Failure, RunFacts
 from unbroken.core.throughput import run_throughput
 
 
@@ -104,6 +98,7 @@ class ProgressView:
         self.log_dir = log_dir  # the workers' logs (named under a worker's error)
         self.story = Story(self._emit, clock)
         self._session: dict[int, list[int]] = {}  # this session's epochs and their members
+        self._spares: dict[int, int] = {}  # a worker -> the spare promoted to its place, until the spare joins
         self._range: list[dict[str, Any]] = []  # plain lines: the steps since the last step line, not said yet
         self._bar: Any = None
 
@@ -184,6 +179,7 @@ class ProgressView:
         elif kind == RecordKind.SPARE and record["state"] == SpareState.PROMOTED:
             # before the join that brings it in (the newest epoch seen is the death's)
             line = f"spare {record['spare']} takes the place of worker {record['worker']}"
+            self._spares[record["worker"]] = record["spare"]
             self.story.say(line, epoch=max(self._session, default=0) + 1, rank=1)
         elif kind in (RecordKind.STOPPED, RecordKind.FINAL):
             self.story.release_all()  # the story's end; a stop's reason is the launcher's last line (once)
@@ -209,7 +205,11 @@ class ProgressView:
         kind = record["type"]
         if kind == RecordKind.RECOVERY:
             self.story.reached(epoch=int(record["epoch"]))
-            self.note(describe_recovery(record, self.members, self.microbatches))
+            self.note(describe_recovery(record, self.members, self.microbatches, self._spares))
+            epoch, first = int(record["epoch"]), int(record["from_epoch"])
+            for e in range(first + 1, epoch + 1):  # whoever this re-formation admitted is no spare's place now
+                for w in set(self.members.get(e, ())) - set(self.members.get(e - 1, ())):
+                    self._spares.pop(w, None)
         elif kind == RecordKind.ERROR:
             # Shown under --quiet too, before the re-formation it causes, or once its step is done without one.
             text = describe_error(record, self.log_dir or Path("logs"))
@@ -251,37 +251,47 @@ class ProgressView:
 
 def describe(record: dict[str, Any]) -> str:
     """One line a person reads about a membership, failure or other event record."""
-    kind = record["type"]
-    if kind == "membership":
+    kind = RecordKind(record["type"])
+    if kind is RecordKind.MEMBERSHIP:
         return f"epoch {record['epoch']}: members {record['members']} ({record['reason']})"
-    if kind == "failure":
+    if kind is RecordKind.FAILURE:
         detected = f", detected in {record['detection_s'] * 1000:.0f} ms" if "detection_s" in record else ""
         return f"worker {record['worker']} failed: {record.get('event') or record['why']}{detected}"
-    if kind == "resume":
+    if kind is RecordKind.RESUME:
         return f"resumed at step {record['step']} from {record['path']}"
-    if kind == "checkpoint_rejected":
+    if kind is RecordKind.CHECKPOINT_REJECTED:
         return f"checkpoint rejected: {record['detail']}"
-    if kind == "nonfinite_skip":
+    if kind is RecordKind.NONFINITE_SKIP:
         return (
             f"step {record['step']} skipped on every worker: non-finite gradient in microbatches "
             f"{record['microbatches']} of workers {record['workers']} (first: {record['parameter']})"
         )
-    if kind == "stall":
+    if kind is RecordKind.STALL:
         return f"collective timed out in epoch {record['epoch']}: {record['decision']} (suspects {record['suspects']})"
-    if kind == "stopped":
+    if kind is RecordKind.STOPPED:
         return f"stopped: {record['reason']}"
-    if kind == "refused":
+    if kind is RecordKind.REFUSED:
         return record["reason"]
-    return kind
+    return str(kind)
 
 
-def describe_recovery(record: dict[str, Any], members: dict[int, list[int]], microbatches: int | None) -> str:
+def describe_recovery(
+    record: dict[str, Any],
+    members: dict[int, list[int]],
+    microbatches: int | None,
+    spares: dict[int, int] | None = None,
+) -> str:
     """One line about a group re-formation: a recovery (in the step it interrupted) or a join; ``microbatches``
-    a step has (a group formed at a step boundary misses all of them: nothing to redo)."""
+    a step has (a group formed at a step boundary misses all of them: nothing to redo); ``spares``: the workers
+    whose places warm spares were promoted to (a spare's join is said as one, and leaves the map)."""
     step, epoch = record["step"], record["epoch"]
     if is_join(record, members):
         joined = sorted(set(members[epoch]) - set(members[record["from_epoch"]]))
-        return f"worker {', '.join(map(str, joined))} rejoined at step {step} (epoch {epoch}, {record['alive']} alive)"
+        alive = f"at step {step} (epoch {epoch}, {record['alive']} alive)"
+        if spares is None or not set(joined) & spares.keys():
+            return f"worker {', '.join(map(str, joined))} rejoined {alive}"
+        named = [f"spare {spares.pop(w)} (in worker {w}'s place)" if w in spares else f"worker {w}" for w in joined]
+        return f"{', '.join(named)} joined {alive}"
     missing = record.get("missing") or []
     redo = f"; microbatches {missing} to redo" if missing and len(missing) != microbatches else ""
     return f"step {step} goes on with {record['alive']} workers (epoch {epoch}){redo}"
@@ -297,221 +307,147 @@ def describe_error(record: dict[str, Any], log_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Run totals from the metrics records (every session of the run; each step counted once): steps, tokens,
-    losses, throughput, failures and their recoveries, joins, and workers that never came back."""
-    steps = committed_steps(records)
-    evals = [r for r in records if r.get("type") == "eval"]
-    ordered = [steps[s] for s in sorted(steps)]
-    tokens = sum(r["tokens"] for r in ordered)
-    times = [r["step_time_s"] for r in ordered if r["step_time_s"] == r["step_time_s"]]
-    train_time = sum(times)
-    last = ordered[-10:]
-    failures: list[dict[str, Any]] = []
-    recoveries: list[dict[str, Any]] = []  # re-formations after a failure (or a stall)
-    joins: list[dict[str, Any]] = []  # re-formations that admitted workers: {worker(s), step, epoch, members}
-    members: dict[int, list[int]] = {}
-    published: dict[int, float] = {}  # each epoch's publication (the coordinator's clock), as read so far
-    formed_after: list[float] = []  # each recovery's group, after its epoch's publication
-    for r in records:
-        kind = r.get("type")
-        if kind == "membership":
-            members[int(r["epoch"])] = list(r["members"])
-            published[int(r["epoch"])] = r["time"]
-        elif kind == "failure":
-            failures.append({**r, "step": None})
-        elif kind == "recovery":
-            if is_join(r, members):
-                joined = sorted(set(members[r["epoch"]]) - set(members[r["from_epoch"]]))
-                joins.append(
-                    {"workers": joined, "step": r["step"], "epoch": r["epoch"], "members": members[r["epoch"]]}
-                )
-                continue
-            recoveries.append(r)
-            if (formed := formed_after_epoch(r, published)) is not None:
-                formed_after.append(formed)
-            for f in failures:  # the failures this re-formation survived: the step each interrupted
-                if f["step"] is None and r["from_epoch"] < f.get("epoch", 0) <= r["epoch"]:
-                    f["step"] = r["step"]
-    recovering = [r for r in ordered if r.get("recoveries")]
-    median = statistics.median(times) if times else 0.0
-    at_end = set(next((r["members"] for r in reversed(records) if r.get("type") == "membership"), []))
-    gone: dict[int, dict[str, Any]] = {f["worker"]: f for f in failures if f["worker"] not in at_end}
-    resumes = [r for r in records if r.get("type") == "resume"]
-    promotions = []
-    for p in (r for r in records if r.get("type") == "spare" and r["state"] == SpareState.PROMOTED):
-        # The first epoch after the promotion that has the worker again, and the step its group formed in: where
-        # the spare started computing. A spare can join before the survivors re-form without it (the one
-        # re-formation is then a recovery and a join at once, between epochs with the same members).
-        joined = next(
+def _rows_run(facts: RunFacts, total_steps: int) -> list[tuple[str, str]]:
+    """The summary's rows about the training itself: steps, sessions, tokens, losses, speed, goodput."""
+    rows = [("steps", f"{facts.steps_done} of {total_steps}")]
+    sessions = len(facts.sessions)
+    if sessions > 1:
+        at = f"resumed at step {', '.join(map(str, facts.resumes))}" if facts.resumes else "relaunched"
+        again = sorted(facts.trained_again)
+        count = f"; steps {_steps(again)} trained again count once" if again else ""
+        rows.append(("sessions", f"{sessions} ({at}{count})"))
+    rows += [("config changed", c.line()) for c in facts.changes]  # what a resume changed
+    if facts.skipped:
+        rows.append(("skipped steps", f"{sorted(facts.skipped)} (a non-finite gradient: no optimizer step)"))
+    steps = list(facts.steps.values())
+    last = steps[-10:]
+    mean = f"mean of the last {len(last)} steps" if len(last) > 1 else "the last step"
+    first = steps[0].loss if steps else math.nan
+    train = sum(s.loss for s in last) / len(last) if last else math.nan
+    rows += [("tokens", f"{facts.tokens:,}"), ("train loss", f"{first:.4f} -> {train:.4f} ({mean})")]
+    evaluation = facts.evaluations[-1] if facts.evaluations else None
+    rows.append(
+        ("validation", f"loss {evaluation.val_loss:.4f}, perplexity {evaluation.val_ppl:.1f}")
+        if evaluation is not None
+        else ("validation", "none recorded (ctx.evaluate records one)")
+    )
+    over = f", summed over {sessions} sessions" if sessions > 1 else ""
+    wall = f"wall {facts.wall_s:.1f} s (coordinator start to last record{over})"
+    speed = f"{_rate(facts.tokens_per_s)} tokens/s (training), {wall}"
+    rows += [("throughput", speed), ("per device", _per_device(run_throughput(s.throughput() for s in steps)))]
+    rows.append(("goodput", account(facts).line()))
+    return rows
+
+
+def _rate(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:,.0f}"
+
+
+def _rows_failures(facts: RunFacts) -> list[tuple[str, str]]:
+    """Each failure survived and what surviving them took, the restarts, MeCeFO's approximate microbatches."""
+    failures = facts.declared_failures
+    rows = []
+    for f in failures:
+        where = f" in step {f.step}" if f.step is not None else ""
+        detected = f" (detected in {f.detection_s * 1000:.0f} ms)" if f.detection_s is not None else ""
+        rows.append(("failure survived", f"worker {f.worker}{where}: {f.what}{detected}"))
+    if failures and facts.recoveries:
+        waited = f"{max(r.reform_s or 0.0 for r in facts.recoveries) * 1000:.0f} ms"
+        formed = [r.formed_after_epoch_s for r in facts.recoveries if r.formed_after_epoch_s is not None]
+        group = (
+            f"group re-formed {max(formed) * 1000:.0f} ms after its epoch at most, the survivors waiting {waited} for "
+            "it at most"
+            if formed
+            else f"group re-formed in {waited} at most"
+        )
+        steps = list(facts.steps.values())
+        times = [s.step_time_s for s in steps if s.step_time_s is not None]
+        median = statistics.median(times) if times else 0.0
+        extra = sum(s.step_time_s - median for s in steps if s.recoveries and s.step_time_s is not None)
+        rows.append(
             (
-                m
-                for m in records
-                if m.get("type") == "membership" and m["time"] >= p["time"] and p["worker"] in m["members"]
-            ),
-            None,
+                "recovery",
+                f"{_plural(len(facts.recoveries), 'recovery')}: {group}; {_plural(facts.recomputed, 'microbatch')} "
+                f"recomputed in-step, {facts.dropped} dropped, {extra:.2f} s over the median step time in total",
+            )
         )
-        epoch = joined["epoch"] if joined else None
-        # The agent promotes a spare as soon as it sees the exit, before the coordinator's failure record: the
-        # time is the death's to the spare's join.
-        until = joined["time"] if joined else -math.inf
-        died = [f["time"] for f in failures if f["worker"] == p["worker"] and f["time"] <= until]
-        formed = next((r for r in records if r.get("type") == "recovery" and r["epoch"] == epoch), None)
-        promotions.append(
-            {
-                "spare": p["spare"],
-                "worker": p["worker"],
-                "after_death_s": until - died[-1] if died else None,
-                "step": formed["step"] if formed else None,
-                "epoch": epoch if formed else None,
-            }
-        )
-    trained = [r["step"] for r in records if r.get("type") == "step" and not r.get("republished")]
-    rates = run_throughput(ordered)
-    return {
-        "steps": len(ordered),
-        "tokens": tokens,
-        "first_loss": ordered[0]["loss"] if ordered else float("nan"),
-        "train_loss": sum(r["loss"] for r in last) / len(last) if last else float("nan"),
-        "val_loss": evals[-1]["val_loss"] if evals else float("nan"),
-        "val_ppl": evals[-1]["val_ppl"] if evals else float("nan"),
-        "tokens_per_s": tokens / train_time if train_time else 0.0,
-        "tokens_per_s_per_worker": rates["tokens_per_s_per_worker"],
-        "tokens_per_s_per_gpu": rates["tokens_per_s_per_gpu"],
-        "mfu": rates["mfu"],
-        "wall_s": wall_s,
-        "sessions": len(sessions(records)),
-        "resumed_at": [r["step"] for r in resumes],
-        "retrained": sorted({s for s in trained if trained.count(s) > 1}),
-        "failures": failures,
-        "skipped": sorted(r["step"] for r in records if r.get("type") == "nonfinite_skip"),
-        "rejoins": joins,
-        "promotions": promotions,
-        "not_rejoined": [gone[w] for w in sorted(gone)],
-        "restarts": sum(1 for r in records if r.get("type") == "restart"),
-        "detection_s": [f["detection_s"] for f in failures if "detection_s" in f],
-        "recoveries": len(recoveries),
-        "reform_s": [r["reform_s"] for r in recoveries],
-        # ``reform_s`` is what a worker waited for its new group, 0 where it was formed ahead.
-        "formed_after_epoch_s": formed_after,
-        "recomputed": sum(r.get("recomputed", 0) for r in ordered),
-        "dropped": sum(r.get("dropped", 0) for r in ordered),
-        "efficient": sum(r.get("efficient", 0) for r in ordered),
-        "efficient_steps": [r["step"] for r in ordered if r.get("efficient")],
-        "recovery_extra_s": sum(r["step_time_s"] - median for r in recovering),
-        "identical_params": next((r["identical"] for r in records if r.get("type") == "final"), None),
-    }
+    if failures and facts.restarts:
+        rows.append(("restarts", f"{len(facts.restarts)} (restart policy: rollback to the last checkpoint)"))
+    if not failures:
+        rows.append(("failures", "none"))
+    if facts.efficient:
+        efficient = [s.step for s in facts.steps.values() if s.efficient]
+        words = f"{_plural(facts.efficient, 'microbatch')} in efficient mode, in steps {_steps(efficient)}"
+        rows.append(("approximate (MeCeFO)", words))
+    return rows
 
 
-def _not_rejoined(failure: dict[str, Any]) -> str:
+def _rows_members(facts: RunFacts) -> list[tuple[str, str]]:
+    """Spares promoted, workers that rejoined, and those that did not come back."""
+    rows = []
+    for p in facts.promotions:
+        after = p.after_death_s
+        since = f"in the group {after:.2f} s after its death, " if after is not None else ""
+        join = p.join
+        joined = join is not None and join.step is not None
+        computing = f"computing from step {join.step} (epoch {join.epoch})" if joined else "not joined"  # type: ignore[union-attr]
+        rows.append(("spare promoted", f"spare {p.spare} took worker {p.worker}'s place {since}{computing}"))
+    for j in facts.rejoins:
+        who = ", ".join(map(str, j.rejoined))
+        at = f"at step {j.step}" if j.step is not None else "admitted, the run ended before its group formed"
+        rows.append(("rejoined", f"worker {who} {at} (epoch {j.epoch}): members {j.members}"))
+    at_end = set(facts.members or ())
+    gone = {f.worker: f for f in facts.declared_failures if f.worker not in at_end}
+    rows += [("not rejoined", _not_rejoined(gone[w])) for w in sorted(gone)]
+    return rows
+
+
+def _not_rejoined(failure: Failure) -> str:
     """Why a failed worker is not among the members at the end."""
     rejoin = None
-    if failure.get("event"):
+    if failure.event:
         try:
-            rejoin = parse_event(failure["event"]).rejoin_after_s
+            rejoin = parse_event(failure.event).rejoin_after_s
         except ValueError:
             rejoin = None
     if rejoin is None:
-        return f"worker {failure['worker']}: no restart was scheduled"
-    return f"worker {failure['worker']}: restart due {rejoin:g} s after the failure; the run ended before it rejoined"
+        return f"worker {failure.worker}: no restart was scheduled"
+    return f"worker {failure.worker}: restart due {rejoin:g} s after the failure; the run ended before it rejoined"
 
 
-def _per_device(s: dict[str, Any]) -> str:
+def _per_device(rates: dict[str, float]) -> str:
     """Throughput in the units GPU users compare (core.throughput): per worker, per GPU and MFU where known."""
     parts = []
-    if s["tokens_per_s_per_worker"] == s["tokens_per_s_per_worker"]:
-        parts.append(f"{s['tokens_per_s_per_worker']:,.0f} tokens/s per worker")
-    if s["tokens_per_s_per_gpu"] == s["tokens_per_s_per_gpu"]:
-        parts.append(f"{s['tokens_per_s_per_gpu']:,.0f} per GPU")
-        if s["mfu"] == s["mfu"]:
-            parts.append(f"MFU {100 * s['mfu']:.1f} %")
+    if not math.isnan(rates["tokens_per_s_per_worker"]):
+        parts.append(f"{rates['tokens_per_s_per_worker']:,.0f} tokens/s per worker")
+    if not math.isnan(rates["tokens_per_s_per_gpu"]):
+        parts.append(f"{rates['tokens_per_s_per_gpu']:,.0f} per GPU")
+        if not math.isnan(rates["mfu"]):
+            parts.append(f"MFU {100 * rates['mfu']:.1f} %")
         else:
             parts.append("MFU unknown (a GPU not in the table: --train.peak_tflops)")
     return ", ".join(parts) or "-"
 
 
-def print_summary(run_dir: Path, records: list[dict[str, Any]], wall_s: float, total_steps: int) -> None:
-    """The summary table of a run's records (every session) and ``wall_s`` (``records.wall_s`` of the
-    records this launch saw, the figure the report gives for the same records)."""
+def summary_rows(facts: RunFacts, total_steps: int) -> list[tuple[str, str]]:
+    """The rows of the run's summary table (name, text), from its facts (``core.runfacts``: every session)."""
+    rows = [*_rows_run(facts, total_steps), *_rows_failures(facts), *_rows_members(facts)]
+    rows += [("fail-slow", describe_slow(r)) for r in facts.slow]
+    if facts.final is not None and facts.final.identical is not None:
+        rows.append(("workers' parameters", "identical" if facts.final.identical else "DIFFERENT"))
+    if facts.impure:
+        rows.append(("data check", f"FAILED at step {facts.impure[0].get('step')}: the data is not a pure function of "
+                     "(seed, step, id), so recovered steps are not the failure-free ones"))  # fmt: skip
+    return rows
+
+
+def print_summary(run_dir: Path, records: list[dict[str, Any]], total_steps: int) -> None:
+    """The summary table of a run's records (every session: its wall time is the report's and the status
+    view's, ``core.runfacts``)."""
     from rich.console import Console
     from rich.table import Table
 
-    s = summarize(records, wall_s)
     table = Table(title=f"unbroken run summary ({run_dir})", show_header=False)
-    table.add_row("steps", f"{s['steps']} of {total_steps}")
-    if s["sessions"] > 1:
-        at = f"resumed at step {', '.join(map(str, s['resumed_at']))}" if s["resumed_at"] else "relaunched"
-        again = f"; steps {_steps(s['retrained'])} trained again count once" if s["retrained"] else ""
-        table.add_row("sessions", f"{s['sessions']} ({at}{again})")
-    for line in config_change_lines(records):  # what a resume changed (--resume: train.steps; or with changes)
-        table.add_row("config changed", line)
-    if s["skipped"]:
-        table.add_row("skipped steps", f"{s['skipped']} (a non-finite gradient: no optimizer step)")
-    table.add_row("tokens", f"{s['tokens']:,}")
-    last = min(10, s["steps"])
-    mean = f"mean of the last {last} steps" if last > 1 else "the last step"
-    table.add_row("train loss", f"{s['first_loss']:.4f} -> {s['train_loss']:.4f} ({mean})")
-    if s["val_loss"] == s["val_loss"]:
-        table.add_row("validation", f"loss {s['val_loss']:.4f}, perplexity {s['val_ppl']:.1f}")
-    else:
-        table.add_row("validation", "none recorded (ctx.evaluate records one)")
-    table.add_row(
-        "throughput",
-        f"{s['tokens_per_s']:,.0f} tokens/s (training), wall {s['wall_s']:.1f} s (coordinator start to last record)",
-    )
-    table.add_row("per device", _per_device(s))
-    table.add_row("goodput", account(records).line())
-    if s["failures"]:
-        for f in s["failures"]:
-            what = f.get("event") or f["why"]
-            table.add_row(
-                "failure survived",
-                f"worker {f['worker']}"
-                + (f" in step {f['step']}" if f["step"] is not None else "")
-                + f": {what}"
-                + (f" (detected in {f['detection_s'] * 1000:.0f} ms)" if "detection_s" in f else ""),
-            )
-        if s["recoveries"]:
-            waited = f"{max(s['reform_s']) * 1000:.0f} ms"
-            formed = (
-                f"group re-formed {max(s['formed_after_epoch_s']) * 1000:.0f} ms after its epoch at most, the "
-                f"survivors waiting {waited} for it at most"
-                if s["formed_after_epoch_s"]
-                else f"group re-formed in {waited} at most"
-            )
-            table.add_row(
-                "recovery",
-                f"{_plural(s['recoveries'], 'recovery')}: {formed}; {_plural(s['recomputed'], 'microbatch')} "
-                f"recomputed in-step, {s['dropped']} dropped, {s['recovery_extra_s']:.2f} s over the median step time "
-                "in total",
-            )
-        if s["restarts"]:
-            table.add_row("restarts", f"{s['restarts']} (restart policy: rollback to the last checkpoint)")
-    else:
-        table.add_row("failures", "none")
-    if s["efficient"]:
-        table.add_row(
-            "approximate (MeCeFO)",
-            f"{_plural(s['efficient'], 'microbatch')} in efficient mode, in steps {_steps(s['efficient_steps'])}",
-        )
-    promoted = {p["worker"]: p for p in s["promotions"]}
-    for p in s["promotions"]:
-        since = f"in the group {p['after_death_s']:.2f} s after its death, " if p["after_death_s"] is not None else ""
-        joined = f"computing from step {p['step']} (epoch {p['epoch']})" if p["step"] is not None else "not joined"
-        table.add_row("spare promoted", f"spare {p['spare']} took worker {p['worker']}'s place {since}{joined}")
-    for j in s["rejoins"]:
-        if all(w in promoted and promoted[w]["step"] == j["step"] for w in j["workers"]):
-            continue  # said above
-        who = ", ".join(map(str, j["workers"]))
-        table.add_row("rejoined", f"worker {who} at step {j['step']} (epoch {j['epoch']}): members {j['members']}")
-    for f in s["not_rejoined"]:
-        table.add_row("not rejoined", _not_rejoined(f))
-    for r in (r for r in records if r.get("type") == "slow"):
-        table.add_row("fail-slow", describe_slow(r))
-    if s["identical_params"] is not None:
-        table.add_row("workers' parameters", "identical" if s["identical_params"] else "DIFFERENT")
-    impure = [r for r in records if r.get("type") == "impure_data"]
-    if impure:
-        table.add_row("data check", f"FAILED at step {impure[0]['step']}: the data is not a pure function of (seed, "
-                      "step, id), so recovered steps are not the failure-free ones")  # fmt: skip
+    for name, text in summary_rows(RunFacts.of(records), total_steps):
+        table.add_row(name, text)
     Console().print(table)

@@ -1,6 +1,6 @@
 """The read-only status server of a run (``StatusServer``): a page and a JSON endpoint on a port of its own.
 
-Owns how the live view (``control.runview.RunView``, or anything with its ``snapshot`` and ``wait_for``)
+Owns how the live view (``control.status.model.RunView``, or anything with its ``snapshot`` and ``wait_for``)
 leaves the coordinator: the HTTP routes, who may read them, and the resources a reader may hold. It reads
 the view and the page's static files (``static/``, package data) and nothing else; it writes nothing.
 

@@ -18,9 +18,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.records import RecordKind
+from unbroken.core.runfacts import kind_of
+
 TENSORBOARD_DIR = "tensorboard"
 FLUSH_AT_ONCE = frozenset(
-    {"failure", "membership", "recovery", "checkpoint", "final", "stopped", "stall", "coordinator_lost", "resume"}
+    {RecordKind.FAILURE, RecordKind.MEMBERSHIP, RecordKind.RECOVERY, RecordKind.CHECKPOINT, RecordKind.FINAL}
+    | {RecordKind.STOPPED, RecordKind.STALL, RecordKind.COORDINATOR_LOST, RecordKind.RESUME}
+)
+EVENTS = frozenset(  # kinds written as a text event of their fields
+    {RecordKind.FINAL, RecordKind.STOPPED, RecordKind.STALL, RecordKind.COORDINATOR_LOST, RecordKind.RESUME}
+    | {RecordKind.RESTART, RecordKind.NONFINITE_SKIP}
 )
 STEP_SCALARS = {  # step record field -> tag
     "loss": "train/loss",
@@ -71,10 +79,10 @@ class LiveTensorBoard:
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Mirror one metrics record (kinds without a TensorBoard meaning are skipped)."""
-        kind = record.get("type")
+        kind = kind_of(record)
         t = record.get("time") if _finite(record.get("time")) else time.time()
         w = self._writer
-        if kind == "step":
+        if kind is RecordKind.STEP:
             step = int(record["step"])
             self._step = step + 1
             for field, tag in STEP_SCALARS.items():
@@ -86,29 +94,29 @@ class LiveTensorBoard:
                     for wid, v in values.items():
                         if _finite(v):
                             w.add_scalar(f"{prefix}/{wid}", v, step, walltime=t)
-        elif kind == "eval":
+        elif kind is RecordKind.EVAL:
             step = int(record["step"])
             for field, tag in (("val_loss", "val/loss"), ("val_ppl", "val/perplexity")):
                 if _finite(record.get(field)):
                     w.add_scalar(tag, record[field], step, walltime=t)
-        elif kind == "checkpoint":
+        elif kind is RecordKind.CHECKPOINT:
             if _finite(record.get("seconds")):
                 w.add_scalar("checkpoint/seconds", record["seconds"], int(record["step"]), walltime=t)
-        elif kind == "recovery":
+        elif kind is RecordKind.RECOVERY:
             step = int(record.get("step", self._step))
             if _finite(record.get("reform_s")):
                 w.add_scalar("recovery/reform_s", record["reform_s"], step, walltime=t)
             w.add_text("events", f"group re-formed at step {step} (epoch {record.get('epoch')})", step, walltime=t)
-        elif kind == "failure":
+        elif kind is RecordKind.FAILURE:
             if _finite(record.get("detection_s")):
                 w.add_scalar("recovery/detection_s", record["detection_s"], self._step, walltime=t)
             w.add_text("events", f"worker {record.get('worker')} failed: {record.get('why')}", self._step, walltime=t)
-        elif kind == "membership":
+        elif kind is RecordKind.MEMBERSHIP:
             members = record.get("members", [])
             w.add_scalar("membership/members", len(members), self._step, walltime=t)
             text = f"epoch {record.get('epoch')}: members {members} ({record.get('reason')})"
             w.add_text("events", text, self._step, walltime=t)
-        elif kind == "goodput":
+        elif kind is RecordKind.GOODPUT:
             step = int(record.get("step", self._step))
             for field, tag in (("tokens_per_s", "goodput/tokens_per_s"), ("ratio", "goodput/ratio")):
                 if _finite(record.get(field)):
@@ -116,7 +124,7 @@ class LiveTensorBoard:
             for bucket, seconds in (record.get("buckets") or {}).items():
                 if _finite(seconds):
                     w.add_scalar(f"badput_s/{bucket}", seconds, step, walltime=t)
-        elif kind in ("final", "stopped", "stall", "coordinator_lost", "resume", "restart", "nonfinite_skip"):
+        elif kind in EVENTS:
             fields = ", ".join(f"{k}={v}" for k, v in sorted(record.items()) if k not in ("type", "time", "checksums"))
             w.add_text("events", f"{kind}: {fields}", self._step, walltime=t)
         if self.flush_s <= 0 or kind in FLUSH_AT_ONCE:

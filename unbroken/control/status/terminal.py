@@ -1,11 +1,13 @@
 """``unbroken status``: a run's status on a terminal, from its coordinator's status server or its run directory.
 
-Owns the client side of ``control.status``: fetching the snapshot (``fetch_snapshot``; the job's token from
-``UNBROKEN_TOKEN`` goes as a bearer header, never on the command line), drawing it with rich (``render``:
-the same facts as the page, the loss curve as a one-line sparkline with failures and rejoins marked under
-it), and the command (``run_status``, ``add_arguments``), which redraws as records arrive (long-polling)
-until the run ends. Given a run directory instead of ``HOST:PORT``, it folds ``RUN_DIR/metrics.jsonl``
-once (a finished run, or one whose coordinator serves no status page).
+Owns the client side of ``control.status.server``: fetching the snapshot (``fetch_snapshot``; the job's token from
+``UNBROKEN_TOKEN`` goes as a bearer header, never on the command line), drawing it with rich (``render``: the
+same facts as the page: the run's counts, throughput, wall time and goodput as the console summary and
+``unbroken report`` state them, the warm spares, the loss curve as a one-line sparkline with failures and
+rejoins marked under it, the workers, the failures, the timeline), and the command (``run_status``,
+``add_arguments``), which redraws as records arrive (long-polling) until the run ends. Given a run directory
+instead of ``HOST:PORT``, it folds ``RUN_DIR/metrics.jsonl`` once (a finished run, or one whose coordinator
+serves no status page).
 
     unbroken status 127.0.0.1:29500             live, until the run ends (Ctrl-C to leave)
     unbroken status hostA:29500 --once          one snapshot (also what a pipe gets)
@@ -36,6 +38,7 @@ from unbroken.control.status.model import TERMINAL_STATES, RunView
 from unbroken.control.status.server import MAX_WAIT_S
 from unbroken.control.store.gateway import TOKEN_ENV, token_from_env
 from unbroken.core.goodput import Bucket
+from unbroken.core.records import SpareState
 
 LONG_POLL_S = 20.0
 RETRY_S = 3.0
@@ -165,8 +168,21 @@ def goodput_line(columns: dict[str, Any]) -> str:
     return f"{rate} tokens/s{ratio}{worst}"
 
 
-def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
-    """The snapshot as rich renderables: summary, loss sparkline, workers, failures, timeline, checkpoints."""
+def _spares(snapshot: dict[str, Any]) -> str:
+    """The warm spares in a line: ``1 ready, 1 promoted (spare 0 in worker 1's place)``; empty without any."""
+    spares = snapshot.get("spares") or []
+    if not spares:
+        return ""
+    states = [(state, sum(1 for x in spares if x["state"] == state)) for state in map(str, SpareState)]
+    counts = ", ".join(f"{n} {state}" for state, n in states if n)
+    placed = [
+        f"spare {x['spare']} in worker {x['worker']}'s place" for x in spares if x["state"] == SpareState.PROMOTED
+    ]
+    return counts + (f" ({', '.join(placed)})" if placed else "")
+
+
+def _summary(snapshot: dict[str, Any]) -> Table:
+    """The panel of the run's state, counts and times (the same facts as the run's summary and report)."""
     run = snapshot["run"]
     state = run["state"] + (f": {run['state_detail']}" if run.get("state_detail") else "")
     style = "green" if run["state"] == "training" else "red" if run["state"] in TERMINAL_STATES - {"finished"} else ""
@@ -188,39 +204,53 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
     summary.add_row("loss", f"train {_num(run['loss'])}, validation {_num(run['val_loss'])}")
     tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:,.0f}"
     summary.add_row("speed", f"{_ms(run['step_time_s'])} per step, {tps} tokens/s (median); {run['tokens']:,} tokens")
+    if run.get("train_tokens_per_s") is not None and run.get("wall_s") is not None:
+        over = f", summed over {run['sessions']} sessions" if (run.get("sessions") or 0) > 1 else ""
+        wall = f"wall {run['wall_s']:.1f} s (coordinator start to last record{over})"
+        summary.add_row("throughput", f"{run['train_tokens_per_s']:,.0f} tokens/s (training), {wall}")
     if run.get("tokens_per_s_per_gpu") is not None:
         mfu = "MFU -" if run.get("mfu") is None else f"MFU {100 * run['mfu']:.1f} %"
         summary.add_row("per GPU", f"{run['tokens_per_s_per_gpu']:,.0f} tokens/s (median), {mfu}")
+    promoted = f", {run['promotions']} replaced by a spare" if run.get("promotions") else ""
     summary.add_row(
         "failures",
-        f"{run['failures']} failed, {run['recoveries']} recovered, {run.get('joins', 0)} rejoined; microbatches "
-        f"recomputed {run['recomputed_microbatches']}, dropped {run['dropped_microbatches']}",
+        f"{run['failures']} failed, {run['recoveries']} recovered, {run.get('rejoins', run.get('joins', 0))} "
+        f"rejoined{promoted}; microbatches recomputed {run['recomputed_microbatches']}, dropped "
+        f"{run['dropped_microbatches']}",
     )
+    if spares := _spares(snapshot):
+        summary.add_row("spares", spares)
     if line := goodput_line(snapshot.get("goodput") or {}):
         summary.add_row("goodput", line)
     summary.add_row("checkpoint", "-" if ckpt is None else f"{after_step(ckpt['step'])} ({ckpt['path']})")
     summary.add_row("last record", f"{_age(age)} ago")
-    parts: list[RenderableType] = [Panel(summary, title="unbroken status", expand=False)]
+    return summary
 
+
+def _curve(snapshot: dict[str, Any], width: int) -> Text | None:
+    """The loss as a sparkline on one line of the width, the failures and rejoins marked under it."""
     series = snapshot["series"]
     known = [(s, v) for s, v in zip(series["step"], series["loss"], strict=True) if v is not None and math.isfinite(v)]
-    if known:
-        # The curve and its labels on one line of the width: the curve gets what the labels leave.
-        prefix = f"loss {known[0][1]:.3f} "
-        suffix = f" {known[-1][1]:.3f}  (steps {known[0][0]}-{known[-1][0]})"
-        legend = "   x failed, + rejoined"
-        cells = max(10, width - len(prefix) - max(len(suffix), len(legend)))
-        line, first, last = sparkline(series["step"], series["loss"], cells)
-        curve = Text()
-        curve.append(prefix, style="bold")
-        curve.append(line, style="cyan")
-        curve.append(suffix)
-        marks = _marks(snapshot["incidents"], first, last, cells)
-        if marks.strip():
-            curve.append("\n" + " " * len(prefix) + marks, style="red")
-            curve.append(legend, style="dim")
-        parts.append(curve)
+    if not known:
+        return None
+    # The curve and its labels on one line of the width: the curve gets what the labels leave.
+    prefix = f"loss {known[0][1]:.3f} "
+    suffix = f" {known[-1][1]:.3f}  (steps {known[0][0]}-{known[-1][0]})"
+    legend = "   x failed, + rejoined"
+    cells = max(10, width - len(prefix) - max(len(suffix), len(legend)))
+    line, first, last = sparkline(series["step"], series["loss"], cells)
+    curve = Text()
+    curve.append(prefix, style="bold")
+    curve.append(line, style="cyan")
+    curve.append(suffix)
+    marks = _marks(snapshot["incidents"], first, last, cells)
+    if marks.strip():
+        curve.append("\n" + " " * len(prefix) + marks, style="red")
+        curve.append(legend, style="dim")
+    return curve
 
+
+def _workers(snapshot: dict[str, Any]) -> Table:
     # Headers of one short word a line and times unwrapped: 80 columns (a pipe's width) show them whole.
     workers = Table(title="workers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col, nowrap in WORKER_COLUMNS:
@@ -238,40 +268,52 @@ def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
             w["last_failure"] or "",
             style=row_style,
         )
-    parts.append(workers)
+    return workers
 
-    if snapshot["incidents"]:
-        ended = run["state"] in TERMINAL_STATES
-        incidents = Table(title="failures and recoveries", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        for col, nowrap in INCIDENT_COLUMNS:
-            incidents.add_column(
-                col, no_wrap=nowrap, overflow="fold", min_width=FAULT_WIDTH if col == "fault" else None
-            )
-        for i in snapshot["incidents"][-SHOWN_INCIDENTS:]:
-            not_back = "no (run\nended)" if ended else "not yet"
-            back = f"step {i['rejoin_step']}\n(epoch {i['rejoin_epoch']})"
-            if i["down_s"] is not None:
-                back += f"\ndown {_age(i['down_s'])}"
-            incidents.add_row(
-                str(i["worker"]),
-                " ".join(x for x in (_breakable(i["event"]), i["why"]) if x),
-                f"step {i['step']},\n{_ms(i['detection_s'])}",
-                ("no" if ended else "not yet")
-                if i["reformed_at"] is None
-                else f"step {i['recovery_step']},\n{_ms(i['reform_s'])}",
-                "-" if i["recomputed"] is None else f"{i['recomputed']}/{i['dropped']}",
-                not_back if i["rejoined_at"] is None else back,
-            )
-        parts.append(incidents)
 
+def _incidents(snapshot: dict[str, Any]) -> Table:
+    ended = snapshot["run"]["state"] in TERMINAL_STATES
+    incidents = Table(title="failures and recoveries", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, nowrap in INCIDENT_COLUMNS:
+        incidents.add_column(col, no_wrap=nowrap, overflow="fold", min_width=FAULT_WIDTH if col == "fault" else None)
+    for i in snapshot["incidents"][-SHOWN_INCIDENTS:]:
+        not_back = "no (run\nended)" if ended else "not yet"
+        back = f"step {i['rejoin_step']}\n(epoch {i['rejoin_epoch']})"
+        if i["down_s"] is not None:
+            back += f"\ndown {_age(i['down_s'])}"
+        incidents.add_row(
+            str(i["worker"]),
+            " ".join(x for x in (_breakable(i["event"]), i["why"]) if x),
+            f"step {i['step']},\n{_ms(i['detection_s'])}",
+            ("no" if ended else "not yet")
+            if i["reformed_at"] is None
+            else f"step {i['recovery_step']},\n{_ms(i['reform_s'])}",
+            "-" if i["recomputed"] is None else f"{i['recomputed']}/{i['dropped']}",
+            not_back if i["rejoined_at"] is None else back,
+        )
+    return incidents
+
+
+def _timeline(snapshot: dict[str, Any]) -> Panel:
     events = Text()
+    kind_style = {"failure": "red", "stopped": "red", "stall": "red", "recovery": "blue", "membership": "blue"}
     for e in snapshot["timeline"][-SHOWN_EVENTS:]:
-        kind_style = {"failure": "red", "stopped": "red", "stall": "red", "recovery": "blue", "membership": "blue"}
         events.append(f"{_clock(e['time'])}  ", style="dim")
         events.append(e["text"] + "\n", style=kind_style.get(e["kind"], ""))
+    events.rstrip()
+    return Panel(events, title="timeline (newest last)", title_align="left")
+
+
+def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
+    """The snapshot as rich renderables: summary, loss sparkline, workers, failures, timeline, checkpoints."""
+    parts: list[RenderableType] = [Panel(_summary(snapshot), title="unbroken status", expand=False)]
+    if (curve := _curve(snapshot, width)) is not None:
+        parts.append(curve)
+    parts.append(_workers(snapshot))
+    if snapshot["incidents"]:
+        parts.append(_incidents(snapshot))
     if snapshot["timeline"]:
-        events.rstrip()
-        parts.append(Panel(events, title="timeline (newest last)", title_align="left"))
+        parts.append(_timeline(snapshot))
     return Group(*parts)
 
 

@@ -166,6 +166,18 @@ def end_wait(tunnel: Tunnel) -> None:
     tunnel.finish(STOP_WAITING)
 
 
+# The answer to a read of a key (c10d's ``GET``) whose value is empty: the value's length (a uint64), 0, no bytes.
+EMPTY_VALUE = (0).to_bytes(8, "little")
+
+
+def end_get(tunnel: Tunnel) -> None:
+    """``end_wait`` for a client blocked in a ``get`` of a key not there yet (torch's get is a wait, then a read):
+    its wait ends as if the key had come and its read returns an empty value (both answers are in the client's
+    socket before the tunnel closes; the read's request, sent after, goes nowhere). The client must tell that value
+    from its key's (it knows why it woke) and make no store call after it."""
+    tunnel.finish(STOP_WAITING + EMPTY_VALUE)
+
+
 def ring(store: TCPStore, bell: str = keys.BELL) -> None:
     """Ring a doorbell: ``keys.BELL`` wakes the coordinator (after writing something it must act on),
     ``keys.NEWS`` wakes every worker's watcher (after publishing an epoch or a stop)."""

@@ -3,14 +3,14 @@
 Owns the ``State`` record (its JSON encoding is spelled here and nowhere else), the ``StateStore`` interface
 the coordinator talks to, and its default backend, ``JournalStore``: an fsync'd snapshot in the run directory
 that one host's restarted coordinator recovers from. The etcd backend for several hosts is
-``control.etcd.EtcdStateStore``; ``control.statebackend.open_state_store`` picks one from
+``control.store.etcd.EtcdStateStore``; ``control.store.backend.open_state_store`` picks one from
 ``--coordinator.state``.
 
 Only hard state is kept: the membership epoch and its members, the admitted workers and the next worker id
 (so neither an epoch nor a worker id is ever handed out twice), the last committed step, the assignment
 in flight and the data cursor. Heartbeats, live membership, registrations and the metrics queue are
 rebuilt from the workers re-registering with the new coordinator. The store does not know the store keys
-(``control.keys``), the coordinator's loop, or torch.
+(``control.store.keys``), the coordinator's loop, or torch.
 
 Contract (both backends): a process calls ``campaign()`` and may ``save()`` only while it leads; a store
 refuses a ``save()`` from a process that no longer leads, and one whose epoch is older than the stored
@@ -33,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from unbroken.core.atomic import write_sealed
 from unbroken.core.plan import Assignment
 
 FORMAT = 1  # the version of State's JSON encoding; decode refuses others
@@ -176,13 +177,13 @@ class StateStore(ABC):
 class JournalStore(StateStore):
     """The state as one snapshot file in the run directory; leadership is an ``flock`` on a lock file.
 
-    ``save()`` writes a temporary file, fsyncs it, renames it over ``coordinator-state.json`` and fsyncs
-    the directory, so a crash at any moment leaves either the old snapshot or the new one, whole. The
-    snapshot is two lines: the state's JSON and its SHA-256, so damage is reported, never loaded. The lock
-    dies with its holder (even ``kill -9``), so a restarted coordinator leads as soon as the old process is
-    gone, and never while it lives. One host only: ``flock`` over NFS is not to be relied on. The lock's
-    descriptor is close-on-exec, but a child made by a bare ``fork()`` (multiprocessing's "fork") would
-    hold the lock after the coordinator died: the coordinator must not fork without exec.
+    ``save()`` seals the file (``core.atomic``: a temporary file, fsynced, renamed over
+    ``coordinator-state.json``, the directory fsynced), so a crash at any moment leaves either the old snapshot
+    or the new one, whole. The snapshot is two lines: the state's JSON and its SHA-256, so damage is reported,
+    never loaded. The lock dies with its holder (even ``kill -9``), so a restarted coordinator leads as soon as
+    the old process is gone, and never while it lives. One host only: ``flock`` over NFS is not to be relied
+    on. The lock's descriptor is close-on-exec, but a child made by a bare ``fork()`` (multiprocessing's
+    "fork") would hold the lock after the coordinator died: the coordinator must not fork without exec.
     """
 
     def __init__(self, run_dir: Path, poll: timedelta = timedelta(seconds=0.1)) -> None:
@@ -238,19 +239,9 @@ class JournalStore(StateStore):
         self._check_epoch(state)
         body = state.to_json().encode()
         data = body + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n"
-        tmp = self.path.with_name(self.path.name + ".tmp")  # one writer (the lock holder): one name suffices
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself must reach the disk before the epoch is published
-        finally:
-            os.close(dir_fd)
+        # One writer (the lock holder): one temporary name suffices. The folder is fsynced too: the rename
+        # itself must reach the disk before the epoch is published.
+        write_sealed(self.path, data, self.path.with_name(self.path.name + ".tmp"))
         self._seen(state)
 
     def resign(self) -> None:

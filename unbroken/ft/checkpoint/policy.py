@@ -4,22 +4,21 @@ Owns the decision (``checkpoint_due``: every ``checkpoint.every`` steps and at t
 leader's write after a commit (sharded by the ranks of the leading replica, or one file), the new leader's
 repair of a due checkpoint its writer left half-written, and the leader's load of the newest good one, each
 with its record. The schema and the files are ``checkpoint``'s and ``core.ckptfiles``'s; it runs no
-collective of the group (the ranks of a replica agree, and write a sharded checkpoint together).
+collective of the group (the ranks of a replica agree, and write a sharded checkpoint together). It is built
+from the step's ``StepContext`` and calls its fault hook half-way through a write (``checkpoint`` phase).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from unbroken.core.failures import Phase
 from unbroken.core.records import RecordKind
 from unbroken.ft.checkpoint import schema as ckpt
-from unbroken.ft.inject import FaultInjector
 from unbroken.ft.membership import Membership
-from unbroken.ft.state import TrainingState
-from unbroken.ft.stops import ProtocolConfig, StopRun
+from unbroken.ft.stepcontext import StepContext
+from unbroken.ft.stops import StopRun
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +30,15 @@ def checkpoint_due(next_step: int, total: int, every: int) -> bool:
 
 
 class Checkpoints:
-    """The checkpoints of a run of ``total`` steps in ``run_dir``, as this worker's part in them."""
+    """The checkpoints of a run of ``ctx.total`` steps in ``ctx.run_dir``, as this worker's part in them."""
 
-    def __init__(
-        self,
-        cfg: ProtocolConfig,
-        membership: Membership,
-        state: TrainingState,
-        injector: FaultInjector,
-        run_dir: Path,
-        total: int,
-    ) -> None:
-        self.cfg = cfg
+    def __init__(self, ctx: StepContext, membership: Membership) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.membership = membership
-        self.state = state
-        self.injector = injector
-        self.run_dir = run_dir
-        self.total = total  # the run's steps: the state after the last one is the final checkpoint
+        self.state = ctx.state
+        self.run_dir = ctx.run_dir
+        self.total = ctx.total  # the run's steps: the state after the last one is the final checkpoint
 
     def due(self, next_step: int) -> bool:
         """Whether the state at ``next_step`` is to be saved (``checkpoint_due``)."""
@@ -78,7 +69,7 @@ class Checkpoints:
         """Write the current state's checkpoint (the leader; of replicas of several ranks, its ranks together)."""
         step = self.state.step
         t0 = time.perf_counter()
-        midway = lambda: self.injector.inject(Phase.CHECKPOINT, step=step)  # noqa: E731
+        midway = lambda: self.ctx.hook.at(Phase.CHECKPOINT, step=step)  # noqa: E731
         replica = self.membership.replica
         if replica is not None:  # sharded, by the ranks of the leading replica together
             assert self.state.model is not None

@@ -115,13 +115,19 @@ def fsdp_buckets(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]
     (the blocks from the last, then the root, which holds the embedding, final norm and output). FSDP calls the
     sharded parameters' post-accumulate-grad hooks once a unit's reduce-scatter has accumulated, so in a step's
     last round each bucket's cross-replica all-reduce starts while the blocks before it are still in their
-    backward. None if the model has no FSDP unit."""
+    backward. None if the model has no FSDP unit, or none shards over more than one rank."""
     units = fsdp_units(model)
     if not units:
         return None
     index = {id(p): i for i, p in enumerate(params)}
     groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
-    per_unit = [[index[id(fp.sharded_param)] for fp in g.fsdp_params] for g in groups if g is not None]
+    # Modules sharded together (``fully_shard([norm, output])``, as torchtitan does) share one group: one bucket.
+    groups = [g for i, g in enumerate(groups) if g is not None and all(g is not h for h in groups[:i])]
+    if all(getattr(g.mesh_info, "shard_mesh_size", 1) == 1 for g in groups):
+        # FSDP on one rank (torchtitan applies it at any degree, for its mixed precision) neither reduce-scatters
+        # nor calls the custom reduce-scatter: its gradients are reduced as an unsharded model's.
+        return None
+    per_unit = [[index[id(fp.sharded_param)] for fp in g.fsdp_params] for g in groups]
     root, blocks = per_unit[0], per_unit[1:]  # model.modules() lists the root first, then the blocks in order
     return [*reversed(blocks), root]
 

@@ -244,10 +244,15 @@ function drawSummary(s) {
       card("MFU", r.mfu === null ? "-" : `${(100 * r.mfu).toFixed(1)} %`),
     ]),
     card("tokens", fmt.int(r.tokens)),
+    ...(r.train_tokens_per_s === null || r.train_tokens_per_s === undefined ? [] : [
+      card("tokens / s (training)", fmt.int(Math.round(r.train_tokens_per_s))),
+      card("wall time", fmt.secs(r.wall_s)),
+    ]),
     ...(!s.goodput || s.goodput.step.length === 0 ? [] : [
       card("goodput (of the ideal)", s.goodput.ratio.at(-1) === null ? "-" : `${(100 * s.goodput.ratio.at(-1)).toFixed(1)} %`),
     ]),
-    card("failed / recovered / rejoined", `${r.failures} / ${r.recoveries} / ${r.joins ?? 0}`),
+    // a spare's join is its promotion (the spares card), not a rejoin
+    card("failed / recovered / rejoined", `${r.failures} / ${r.recoveries} / ${r.rejoins ?? r.joins ?? 0}`),
     card("recomputed / dropped", `${r.recomputed_microbatches} / ${r.dropped_microbatches}`),
     ...(!r.spares || r.spares.started + r.spares.ready + r.spares.promoted === 0 ? [] : [
       card("spares starting / ready / promoted", `${r.spares.started} / ${r.spares.ready} / ${r.spares.promoted}`),
