@@ -483,7 +483,7 @@ def test_the_stale_name_check_fires() -> None:
         "unbroken.control.statestore",
         "unbroken.core.plan.no_such_planner",
     ]
-    assert stale_names("see `unbroken/ft/comm.py` and `unbroken.core.plan.plan_ids`") == []
+    assert stale_names("see `unbroken/ft/comm/reducer.py` and `unbroken.core.plan.plan_ids`") == []
 
 
 def test_few_commands_are_skipped_each_for_a_gpu_hosts_or_the_network(capsys: pytest.CaptureFixture[str]) -> None:

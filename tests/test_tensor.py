@@ -125,7 +125,9 @@ def test_a_model_that_does_not_fit_its_plan_is_refused_in_one_line() -> None:
 
     ours, hf = tensor_plan(RunConfig()), tensor_plan(RunConfig(model=ModelConfig(hf_config="llama-tiny")))
     with torch.device("meta"):
-        model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=128, max_seq_len=16))
+        model = Transformer(
+            ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden=128, max_seq_len=16)
+        )
     check_tensor_parallel(model, 2, ours, sequence_parallel=True)  # it fits its own plan
     refusals = [
         (model, hf, False, "^tensor parallelism's plan does not fit Transformer: it has no blocks at 'model.layers' "),

@@ -441,8 +441,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"unbroken {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    raw = argparse.RawDescriptionHelpFormatter
+    _add_train(sub)
+    _add_launch(sub)
+    _add_coordinator(sub)
+    _add_agent(sub)
+    _add_tools(sub)
+    _add_bench(sub)
+    _add_report(sub)
+    _add_chaos_and_simulate(sub)
+    return parser
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """``unbroken train``: the built-in trainer on this machine."""
+    raw = argparse.RawDescriptionHelpFormatter
     train = sub.add_parser(
         "train", help="train the built-in LLaMA on this machine: a coordinator and N workers", formatter_class=raw
     )
@@ -459,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     _with_keys(train)
     train.set_defaults(func=cmd_train)
 
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    """``unbroken launch``: a user's script on N workers."""
+    raw = argparse.RawDescriptionHelpFormatter
     launch = sub.add_parser(
         "launch",
         help="run your own training script (unbroken.ft) on N workers with a coordinator",
@@ -481,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     _with_keys(launch, script=True)
     launch.set_defaults(func=cmd_launch)
 
+
+def _add_coordinator(sub: argparse._SubParsersAction) -> None:
+    """``unbroken coordinator``: the coordinator alone (multi-host jobs)."""
+    raw = argparse.RawDescriptionHelpFormatter
     coord = sub.add_parser(
         "coordinator",
         help="run only the coordinator (multi-host jobs)",
@@ -505,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--address-file", help=argparse.SUPPRESS)
     coord.set_defaults(func=cmd_coordinator)
 
+
+def _add_agent(sub: argparse._SubParsersAction) -> None:
+    """``unbroken agent``: one host's workers."""
     agent = sub.add_parser(
         "agent",
         help="one host of a multi-host job: start this host's K workers, watch them, report and replace them",
@@ -523,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("args", nargs="*", metavar="ARGS", help="arguments passed to the script")
     agent.set_defaults(func=cmd_agent)
 
+
+def _add_tools(sub: argparse._SubParsersAction) -> None:
+    """``unbroken status``, ``worker``, ``export`` and ``prepare``."""
     from unbroken.control.status import terminal as status_view
 
     status = sub.add_parser("status", help="a run's live status: HOST:PORT of its status page, or its run directory")
@@ -552,16 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
     prepare_command.add_arguments(prepare)
     prepare.set_defaults(func=cmd_prepare)
 
-    _add_bench(sub)
 
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    """``unbroken report``: plots and a summary of a run."""
     report = sub.add_parser("report", help="plots and a markdown summary of a run (needs unbroken[plots])")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run to report on")
     report.add_argument("reference", nargs="?", metavar="REFERENCE_RUN_DIR", help="compare the losses with this run")
     report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
-
-    _add_chaos_and_simulate(sub)
-    return parser
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -691,7 +715,7 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def _fork_zygote_early(args: argparse.Namespace) -> bool:
     """``train``, ``agent`` and ``launch --fork`` fork their zygote here, after the imports they make anyway and
-    before they do anything else (``control.zygote.fork_early``). True in the forked zygote."""
+    before they do anything else (``control.host.zygote.fork_early``). True in the forked zygote."""
     if args.func is cmd_train and not args.dry_run:
         import unbroken.control.launcher
         import unbroken.train.trainer  # noqa: F401 - what cmd_train imports first: torch, shared with the zygote

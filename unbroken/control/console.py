@@ -16,7 +16,7 @@ worker's id (``-`` if it has none yet) and the step it was in, or had just commi
 (-1 before its first step). The console shows a line as ``[worker N] <text>``.
 
 ``Story`` puts the console's lines in the order of the run: the launcher's lines come from the metrics records
-(``control.progress``), which reach the launcher later than the leader's prints and from two writers (the
+(``control.status.progress``), which reach the launcher later than the leader's prints and from two writers (the
 leader's records through the coordinator, the coordinator's own at once). A leader's line is held until the
 records of its step have been shown; a line about a re-formation (a failure, a new epoch, a worker's error)
 until the group's records reach that epoch. Nothing is held for ever: the run's end, a stop, a new session, or
@@ -197,7 +197,7 @@ class _Held:
 class Story:
     """The console's lines in the order of the run, out through ``emit(text, channel)``.
 
-    The caller (``control.progress.ProgressView``) says what it learns from the records in their order:
+    The caller (``control.status.progress.ProgressView``) says what it learns from the records in their order:
     ``reached(step=, epoch=)`` for a step or re-formation record, ``heard()`` for any record, ``new_session()``
     for a new session's first record; and hands over lines: ``say`` (the launcher's, at once or held until an
     epoch) and ``script`` (the leader's, held until its step). ``tick()`` releases everything once ``hold_s``

@@ -8,7 +8,7 @@ one line each (none for a run whose settings all can act): the launcher prints t
   planner's own split of a step without failures says which compute nothing.
 - **warm spares that are never used**: ``recovery.policy = "restart"`` stops and relaunches the whole job after a
   failure, so a spare never takes a worker's place.
-- **a fail-slow rule that cannot act** (``core.failslow``): under ``recovery.slow = "rebalance"`` or
+- **a fail-slow rule that cannot act** (``control.coordinator.failslow``): under ``recovery.slow = "rebalance"`` or
   ``"exclude"``, a worker slow from the first step is found only after ``slow_window x slow_windows`` steps, and
   the action needs a step after its verdict; a slow-down the failure schedule injects (``slow:``) under any
   policy but ``off`` must fill ``slow_windows`` windows running before the run ends. The line says which

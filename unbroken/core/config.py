@@ -58,7 +58,7 @@ class Workload(StrEnum):
 
 
 class SlowPolicy(StrEnum):
-    """What the coordinator does about a fail-slow worker (core.failslow: the rule that finds one)."""
+    """What the coordinator does about a fail-slow worker (control.coordinator.failslow: the rule that finds one)."""
 
     OFF = "off"  # nothing is watched
     REPORT = "report"  # a ``slow`` record and a warning; the run goes on unchanged
@@ -78,7 +78,7 @@ class Backend(StrEnum):
 
 
 class HeartbeatMode(StrEnum):
-    """Who sends a worker's heartbeats to the coordinator (``comm.heartbeats``; ``control.hostbeat``)."""
+    """Who sends a worker's heartbeats to the coordinator (``comm.heartbeats``; ``control.member.hostbeat``)."""
 
     WORKER = "worker"  # each worker: one store call every interval
     HOST = "host"  # the agent of the worker's host: one store call every interval for all its workers
@@ -330,7 +330,7 @@ class RecoveryConfig:
     )
     slow: SlowPolicy = option(
         SlowPolicy.REPORT,
-        "off; report a fail-slow worker (core.failslow, docs/goodput.md); rebalance (throughput workload while "
+        "off; report a fail-slow worker (docs/goodput.md); rebalance (throughput workload while "
         "one is); or exclude it when that pays off",
     )
     slow_rejoin: bool = option(True, "an excluded fail-slow worker may come back (restarted as a failed one is)")

@@ -15,7 +15,7 @@ promise rests on each microbatch's gradient being the same bits whichever worker
   the group's is refused at join (``refusal``).
 
 A fingerprint is a flat mapping of field names to strings, carried in the registration request (one JSON
-object: ``control.client``) and in the coordinator's ``admitted`` records.
+object: ``control.member.registration``) and in the coordinator's ``admitted`` records.
 """
 
 from __future__ import annotations

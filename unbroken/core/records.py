@@ -60,7 +60,7 @@ class RecordKind(StrEnum):
     IMPURE_DATA = "impure_data"  # the data check found a microbatch whose inputs differ between two workers
     SPARE = "spare"  # a warm spare started, ready (initialised, outside the group) or promoted to a dead worker
     GOODPUT = "goodput"  # the run's goodput account so far (core.goodput), every metrics.goodput_every steps
-    SLOW = "slow"  # a worker found fail-slow, or recovered from it (core.failslow), and what was decided
+    SLOW = "slow"  # a worker found fail-slow, or recovered from it (control.coordinator.failslow), and what was decided
     CONFIG_CHANGE = "config_change"  # a resume changed the config: each key (core.config.KeyChange), the kept file
     START_STATE = "start_state"  # before the first step: whether the members' starting states differed (healed)
 
@@ -109,12 +109,12 @@ FIELDS: dict[RecordKind, frozenset[str]] = {
 
 
 class SpareState(StrEnum):
-    """What a ``spare`` record says of a warm spare (``control.agent``)."""
+    """What a ``spare`` record says of a warm spare (``control.host.spares``)."""
 
     STARTED = "started"  # its process was started
     READY = "ready"  # initialised (model, optimizer, data) and waiting outside the group
     PROMOTED = "promoted"  # it took the place of dead worker ``worker``
-    EXITED = "exited"  # it ended while it waited; ``why`` says how (``control.store.exit_reason``'s text)
+    EXITED = "exited"  # it ended while it waited; ``why`` says how (``control.store.connect.exit_reason``'s text)
 
 
 class ErrorPhase(StrEnum):
@@ -134,7 +134,7 @@ class WorkerError:
     (the innermost frame of the user's code), where in the protocol (``phase``, ``step``: the index of the step
     it was in or had just committed, -1 before the first; ``microbatch``: the id whose loop body raised, else
     None) and the traceback's last frames with the message. The worker writes it to the coordinator's store
-    (``control.keys.error``, ``encode``); the coordinator appends it to metrics.jsonl (``record``)."""
+    (``control.store.keys.error``, ``encode``); the coordinator appends it to metrics.jsonl (``record``)."""
 
     worker: int
     exception: str  # the exception's type: its name, qualified by its module unless a builtin

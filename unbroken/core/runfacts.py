@@ -499,7 +499,7 @@ class RunFacts:
         self.resumes: list[int] = []
         self.restarts: list[Restart] = []
         self.skipped: list[int] = []  # steps skipped on every member (``nonfinite_skip``)
-        self.slow: list[Record] = []  # fail-slow verdicts (``core.failslow``)
+        self.slow: list[Record] = []  # fail-slow verdicts (``control.coordinator.failslow``)
         self.impure: list[Record] = []  # the data check's findings
         self.start_states: list[Record] = []
         self.config_changes: list[ConfigChange] = []

@@ -402,7 +402,7 @@ def _form_replica(job: process.Job, layout: ReplicaLayout, down: Callable[[str],
     cannot form; this worker leaves)."""
     from unbroken.ft.parallel.replica import Replica
 
-    spare = job.worker_id is None and job.spare is not None  # a rank of a whole spare replica (control.agent)
+    spare = job.worker_id is None and job.spare is not None  # a rank of a whole spare replica (control.host.spares)
     if (job.worker_id is None and not spare) or job.local is not None:
         raise ValueError(
             f"parallel.shard = {layout.shard}, parallel.pipeline = {layout.pipeline}, parallel.tensor "

@@ -7,7 +7,7 @@ the protocol it was raised (``records.ErrorPhase``, the step and the microbatch,
 traceback's last frames, as a ``records.WorkerError``. The hook prints the traceback as Python would (into
 the worker's log), sends the report, and ends the process with status 1 at once, without waiting for helper
 threads. The coordinator records the report, removes the worker and tells a bug from a failing host
-(``core.bugs``); the launcher shows the traceback on its console.
+(``control.coordinator.bugs``); the launcher shows the traceback on its console.
 """
 
 from __future__ import annotations

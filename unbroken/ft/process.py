@@ -398,7 +398,7 @@ class Job:
     def _await_removal(self, store: Any, worker: int) -> None:
         """Return once the newest epoch no longer has ``worker`` among its members. The agent promotes a spare as
         soon as it has reported the worker's death, and the coordinator gives a registration under a member's id
-        another id; the wait ends at the ring of the epoch that removes it (``control.newsrelay.next_news``)."""
+        another id; the wait ends at the ring of the epoch that removes it (``control.member.news.next_news``)."""
         news = look(store)
         while True:
             record = news.record

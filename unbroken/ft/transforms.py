@@ -2,7 +2,7 @@
 
 Owns ``apply_activation_checkpointing(model)`` and ``apply_compile(model)`` (torchtitan's ``apply_ac`` and
 ``apply_compile``), the blocks they act on (``transformer_blocks``), and the order in which they combine
-with MeCeFO's efficient backward (``unbroken/ft/mecefo.py``). ``Context.register_state`` applies them from
+with MeCeFO's efficient backward (``unbroken/ft/mecefo/``). ``Context.register_state`` applies them from
 ``[train] activation_checkpointing`` and ``[train] compile``, so the built-in trainer and a user's own loop
 get the same; a loop that builds its model differently may call them itself.
 
@@ -18,7 +18,7 @@ and the efficient sub-modules read their on/off switch then: the switch must not
 and its backward (``Step.backward`` keeps it; a change is caught by checkpoint's determinism check as a
 ``CheckpointError``, never a silent wrong gradient). Under ``torch.compile`` the exact path (switch off) is
 traced and compiled; the efficient path (switch on) runs eagerly (``torch.compiler.disable`` in
-``efficient.py``), since its backward joins a background computation and cannot be traced.
+``mecefo/transform.py``), since its backward joins a background computation and cannot be traced.
 """
 
 from __future__ import annotations

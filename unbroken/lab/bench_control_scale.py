@@ -1,7 +1,7 @@
 """``unbroken bench control-scale``: the real coordinator and gateway against hundreds of members (issue 33).
 
 The coordinator is a child process started as the launcher starts one (``spawn_coordinator``: its gateway in
-front of its store, the job's token). Every member is a ``control.client.CoordinatorClient``, the code path of a
+front of its store, the job's token). Every member is a ``control.member.client.CoordinatorClient``, the code path of a
 worker for everything the coordinator sees: admission with the token, a heartbeat every interval, the epoch
 watch on the workers' doorbell, the metrics records (the leader's step record every ``STEP_S``, with every
 member's speed and quota, as ``ft.commit`` writes it). There is no model, no data and no collective. The
@@ -10,7 +10,7 @@ process, V victims of one member each (so that a death is a real ``kill -9`` and
 and the rest in "crowd" processes of at most ``CROWD`` members each (threads), whose own client side (one tunnel
 loop, one GIL per process) is then shared by ``CROWD`` members, not by all of them. A crowd stands for a host:
 with ``--news relay`` its members take the coordinator's news from a relay in a process of its own, as a host's
-workers take it from their agent's (``control.newsrelay``); with ``direct`` each watches the coordinator. The
+workers take it from their agent's (``control.member.news``); with ``direct`` each watches the coordinator. The
 joiners are a crowd started with the others that opens its members only when told to. Each crowd tells the
 driver, on its stdout, its members' ids and, for each epoch, when each of its members read it. Every run of the
 driver is a child process (``bench_control_scale``), so its processes, threads and sockets end with it.
@@ -72,10 +72,10 @@ from unbroken.ft.sidevec import WORKER_SLOTS
 
 DEFAULT_MEMBERS = (64, 256, 512, 1024)
 # How the crowds' members take the coordinator's news: from a relay process per crowd (as an agent runs one per
-# host, ``control.newsrelay``), or each from the coordinator itself.
+# host, ``control.member.news``), or each from the coordinator itself.
 NEWS_MODES = ("relay", "direct")
 # Who sends the members' heartbeats: each member (``comm.heartbeats = "worker"``), or a process per crowd, and one
-# for the victims, as an agent sends its host's (``"host"``, ``control.hostbeat``).
+# for the victims, as an agent sends its host's (``"host"``, ``control.member.hostbeat``).
 BEATS_MODES = ("worker", "host")
 BOARD_ENV = "UNBROKEN_BENCH_BOARD"  # a crowd's board: member k beats on slot k
 VICTIMS = 4  # V: V - 1 deaths, then one silence
@@ -477,7 +477,7 @@ def _victim_main(address: str) -> None:
 
 
 def _relay_main(address: str, timeout_s: float) -> None:
-    """A crowd's "host's" relay (``control.newsrelay``): prints its socket's path once it follows the
+    """A crowd's "host's" relay (``control.member.news``): prints its socket's path once it follows the
     coordinator, then relays until its stdin closes (the driver ended). At the crowds' priority: it is the hosts'
     side of the fan-out, as an agent is."""
     os.nice(CROWD_NICE)
@@ -491,8 +491,8 @@ def _relay_main(address: str, timeout_s: float) -> None:
 
 
 def _host_beats_main(address: str, interval_s: float, timeout_s: float) -> None:
-    """A crowd's (or the victims') "host's" heartbeats (``control.hostbeat``): prints its board's path, then passes
-    the beats on until its stdin closes (the driver ended). At the crowds' priority, as the relay."""
+    """A crowd's (or the victims') "host's" heartbeats (``control.member.hostbeat``): prints its board's path, then
+    passes the beats on until its stdin closes (the driver ended). At the crowds' priority, as the relay."""
     os.nice(CROWD_NICE)
     beats = HostBeats(interval_s, max(1.0, timeout_s))
     beats.follow(address, os.environ[TOKEN_ENV])

@@ -123,7 +123,7 @@ def run_measured(
     workers: bool = False,
 ) -> Measured:
     """Run ``cmd`` and sample the memory of its process tree every 20 ms until it exits; with ``workers``, each
-    worker process's own peak is kept too (cold or forked: ``control.zygote.worker_of``)."""
+    worker process's own peak is kept too (cold or forked: ``control.host.zygote.worker_of``)."""
     start = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)

@@ -1,7 +1,7 @@
 """``unbroken bench start``: what starting a worker costs, cold against forked by the agent's zygote.
 
 A cold worker is a new interpreter that imports torch, ``torch._dynamo`` and the package before its first line of
-training; a forked one is a fork of the zygote (``control.zygote``) that already has. Measured from the agent's
+training; a forked one is a fork of the zygote (``control.host.zygote``) that already has. Measured from the agent's
 request to the worker's registration with the coordinator: the ``admitted`` records' ``start_s`` (wall time) and
 ``start_cpu_s`` (the worker's own CPU). Registration comes after the worker built its model and opened its data,
 so both include that work, the same in both modes.

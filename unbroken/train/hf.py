@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 PRESETS = ("llama-tiny",)
 # What a worker of the built-in trainer imports to build ``LlamaForCausalLM`` (1.3 s of CPU here): its agent's zygote
-# imports it once, before forking the workers (``control.zygote``).
+# imports it once, before forking the workers (``control.host.zygote``).
 WORKER_IMPORTS = ("transformers.models.llama.modeling_llama",)
 
 

@@ -45,7 +45,7 @@ windows, and the one it started in), while slow steps that are fewer than half o
 worker fail-slow: a one-off slow step, or a slow spell shorter than ``(windows - 1) x window`` steps (a
 window's median needs half of it slow, so ``windows`` consecutive windows need the last half of one, all of
 those between and half of the last). ``SlowRule.found_at`` says when a given spell is found (the launch warns
-of a rule that cannot act within the run: ``core.launchcheck``).
+of a rule that cannot act within the run: ``control.launchcheck``).
 
 The detector is pure Python: the coordinator feeds it the step records (``recovery.slow``: what happens then),
 and it can be replayed on any finished run's records (on a host of the same tick: ``floor_s``, which the

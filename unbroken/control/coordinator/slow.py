@@ -35,11 +35,11 @@ class RecordWriter(Protocol):
 
 
 class SlowRecorder:
-    """A sink that watches the step records for fail-slow workers (``core.failslow``) and writes a ``slow``
+    """A sink that watches the step records for fail-slow workers (``failslow``) and writes a ``slow``
     record into ``tee`` for each verdict. Under ``recovery.slow = "report"`` that, and a warning, is all it
     does; under ``"rebalance"`` it calls ``rebalance(True)`` at a worker's verdict and ``rebalance(False)`` when
     no worker is fail-slow any more (the coordinator switches the throughput workload on and off); under
-    ``"exclude"`` a fail-slow worker whose exclusion pays off (``core.failslow.exclusion``, with the steps left
+    ``"exclude"`` a fail-slow worker whose exclusion pays off (``failslow.exclusion``, with the steps left
     of ``total_steps``) is handed to ``exclude`` (the coordinator removes it like a failed one), unless it leads
     the group (the lowest member, of replicas of ``replica_size`` ranks the lowest replica: it publishes the
     records and writes the checkpoints): that one is rebalanced around instead, as under ``"rebalance"``, until

@@ -6,9 +6,9 @@ Owns what is worth an alert and how it leaves: the coordinator feeds every metri
 ``[metrics] alert_webhook`` (an HTTP POST of the JSON). The alerts are sent in order by a thread of their own,
 each with a timeout: a slow or broken receiver is logged and never holds up the coordinator.
 
-The alerts (``AlertKind``): a worker failed; a worker is fail-slow (``core.failslow``); the run stopped (a
-broken invariant, a bug in the script, the coordinator's hold expired, ...); a standby or successor coordinator
-took over; a checkpoint failed its verification on resume; the goodput (``core.goodput``) stayed below
+The alerts (``AlertKind``): a worker failed; a worker is fail-slow (``control.coordinator.failslow``); the run
+stopped (a broken invariant, a bug in the script, the coordinator's hold expired, ...); a standby or successor
+coordinator took over; a checkpoint failed its verification on resume; the goodput (``core.goodput``) stayed below
 ``[metrics] alert_goodput`` of the ideal for ``alert_goodput_minutes`` (said once, again only after it recovered).
 """
 

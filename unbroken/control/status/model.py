@@ -180,7 +180,7 @@ class RunView:
         self._quotas: dict[int, int] = {}
         self._speeds: dict[int, float] = {}
         self._compute: dict[int, float] = {}
-        self._fail_slow: set[int] = set()  # fail-slow by the ``slow`` records (core.failslow), not yet recovered
+        self._fail_slow: set[int] = set()  # fail-slow by the ``slow`` records, not yet recovered
         self._timeline: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
         self._num_events = 0
         self._checkpoints: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_CHECKPOINTS)

@@ -305,7 +305,8 @@ def _timeline(snapshot: dict[str, Any]) -> Panel:
 
 
 def render(snapshot: dict[str, Any], width: int = 100) -> RenderableType:
-    """The snapshot as rich renderables: summary, loss sparkline, workers, failures, timeline, checkpoints."""
+    """The snapshot as rich renderables: summary (the last checkpoint in it), loss sparkline, workers, failures,
+    timeline."""
     parts: list[RenderableType] = [Panel(_summary(snapshot), title="unbroken status", expand=False)]
     if (curve := _curve(snapshot, width)) is not None:
         parts.append(curve)

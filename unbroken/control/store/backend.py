@@ -1,5 +1,5 @@
 """Which store keeps the coordinator's hard state: ``--coordinator.state`` (``journal`` or ``etcd://...``) to a
-``StateStore`` (``statestore.JournalStore`` or ``etcd.EtcdStateStore``, imported only when etcd is used)."""
+``StateStore`` (``durable.JournalStore`` or ``etcd.EtcdStateStore``, imported only when etcd is used)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Owns how a process reaches the store (``connect_store``: through an authenticated ``gateway.Tunnel``), how
 a listening socket is bound, the doorbells (``ring``) and bounded key waits. What the keys mean is
-``control.keys``'s.
+``keys``'s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The coordinator's state in etcd, for several hosts: a lease-based election and a fenced state key.
 
-Owns ``EtcdStateStore`` (the ``statestore.StateStore`` backend behind
+Owns ``EtcdStateStore`` (the ``durable.StateStore`` backend behind
 ``--coordinator.state=etcd://h1:2379,h2:2379,h3:2379``), the small client of etcd's v3 JSON gateway it
 needs (``EtcdClient``: ``etcd3gw`` calls with failover between the endpoints), and, for tests and demos on
 one machine, ``find_etcd`` and ``LocalEtcdCluster``. There is no consensus protocol here: etcd's Raft

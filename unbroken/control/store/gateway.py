@@ -6,7 +6,7 @@ the store listens on 127.0.0.1 on an internal port, and the public port is serve
 admits a connection only after a challenge-response with the job's token, then pipes its bytes to the
 store. Clients (workers, the launcher) reach the store through a ``Tunnel``: a one-shot forwarder on
 127.0.0.1 in their own process that does the handshake and then pipes, so TCPStore clients work unchanged
-(``control.store.connect_store`` opens one).
+(``connect.connect_store`` opens one).
 
 The handshake, mutual (each side proves it holds the token; no secret crosses the wire; nonces make
 replays useless):
@@ -160,7 +160,7 @@ def _register(sel: selectors.BaseSelector, sock: socket.socket, events: int, dat
     """``sel.register``, after dropping a stale entry under the same descriptor: a socket closed while still
     registered leaves its number in the selector's map, and the kernel hands that number to the next socket
     (seen once in the suite: "FD 42 is already registered", and a worker could not join). The cause found was a
-    second close of the store's listening descriptor (``control.store.serve_store`` now leaves it to the store
+    second close of the store's listening descriptor (``connect.serve_store`` now leaves it to the store
     alone); the loop stays tolerant of any other socket closed behind its back."""
     try:
         sel.register(sock, events, data)
@@ -584,7 +584,7 @@ class Tunnel:
 
     def finish(self, last: bytes) -> None:
         """Close the tunnel, its client reading ``last`` before the end of the connection: bytes that end the call
-        it is blocked in, where the caller knows which (``control.store.end_wait``), so that the call returns
+        it is blocked in, where the caller knows which (``connect.end_wait``), so that the call returns
         instead of failing on a lost connection. Without a connected client it is ``close``."""
 
         def finish_now() -> None:

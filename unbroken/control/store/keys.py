@@ -14,7 +14,7 @@
     refused/<id>              coordinator                  that worker: why it may not join (exact mode: its
                                                            fingerprint differs from the group's)
     hb/<id>                   worker (add, heartbeats), or coordinator: a value that must keep moving
-                              its agent (multi_set, comm.heartbeats = "host": control.hostbeat)
+                              its agent (multi_set, comm.heartbeats = "host": control.member.hostbeat)
     dead/<id>                 launcher / agent             coordinator: the worker's process exited (why)
     deaths                    launcher / agent (add,       coordinator: dead/<id> keys written so far (it
                               after dead/<id>)             looks at them only when this moved)
@@ -31,7 +31,7 @@
     stop                      anyone                       everyone: stop now (the reason)
     error/seq, error/<n>      a worker dying of an         coordinator: its exception, where it was raised
                               exception                    (core.records.WorkerError; the coordinator records
-                                                           it and decides: core.bugs)
+                                                           it and decides: control.coordinator.bugs)
     stop_saver                coordinator (a stop for a    that worker: save the state it holds before leaving
                               bug)
     stop_saved                that worker                  coordinator: which checkpoint is the last good one
