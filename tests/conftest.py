@@ -31,6 +31,7 @@ SHARED_RUNS = {"control_reference": 1, "recovery_runs": 5, "tiny_run": 1}
 LONGEST_FIRST = (
     "test_parallel.py",
     "test_replica3d.py",
+    "test_torchtitan.py",
     "test_docs_commands.py",
     "test_examples.py",
     "test_numerics.py",
