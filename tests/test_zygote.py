@@ -130,7 +130,7 @@ def test_forked_workers_train_bitwise_what_cold_started_ones_do(tmp_path: Path, 
 def test_a_script_s_workers_are_forked_with_fork_and_train_bitwise_what_cold_started_ones_do(tmp_path: Path) -> None:
     """``unbroken launch --fork``: the workers of a user's script (examples/plain_loop.py) are forked from the
     launcher's zygote, worker 1's restart after its kill too; without it they start cold. The two runs are bitwise
-    alike. Worker 0 sleeps 0.3 s more per microbatch from step 4 on (the same arithmetic), so the restart has
+    alike. Worker 0 sleeps 0.3 s more per microbatch from step 4 on (the same arithmetic), so the forked restart has
     seconds to rejoin before the end whatever the machine's speed."""
     schedule = "kill:worker=1,step=3,phase=backward,rejoin=0.5; slow:worker=0,seconds=0.3,steps=4-7"
     args = [EXACT, ONE_THREAD, "--train.steps=8", "--checkpoint.every=8", f"--failures.schedule={schedule}"]
@@ -145,7 +145,11 @@ def test_a_script_s_workers_are_forked_with_fork_and_train_bitwise_what_cold_sta
     assert forked_log.count("started by a fork of the agent's zygote") == 2  # its first start and its restart
     assert "started by a fork" not in (runs["cold"] / "logs" / "worker-1.log").read_text()
     for name, run in runs.items():
-        assert [tuple(m["members"]) for m in read_records(run, "membership")] == [(0, 1), (0,), (0, 1)]
+        # The forked restart rejoins; a cold one (an interpreter and torch to start) may come after the end on a
+        # loaded machine, as in test_forked_workers_train_bitwise_what_cold_started_ones_do.
+        epochs = [tuple(m["members"]) for m in read_records(run, "membership")]
+        expected = [[(0, 1), (0,), (0, 1)]] if name == "forked" else [[(0, 1), (0,), (0, 1)], [(0, 1), (0,)]]
+        assert epochs in expected, (name, epochs)
         assert all(r["forked"] is (name == "forked") for r in read_records(run, "admitted"))
     assert step_losses(runs["forked"]) == step_losses(runs["cold"])
     cold = final_params(runs["cold"])
