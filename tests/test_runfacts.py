@@ -55,16 +55,17 @@ def expected(records: list[dict[str, Any]]) -> dict[str, str]:
     recoveries = rejoins = 0
     for session in sessions(records):
         epochs: dict[int, list[int]] = {}
-        promoted: set[int] = set()
+        # The session's promotions, whoever's record came first: a spare's record (the agent's, through the store)
+        # may follow the epoch that admitted it.
+        promoted = [r["worker"] for r in session if r["type"] == RecordKind.SPARE and r["state"] == SpareState.PROMOTED]
         previous: list[int] | None = None
         for r in session:
-            if r["type"] == RecordKind.SPARE and r["state"] == SpareState.PROMOTED:
-                promoted.add(r["worker"])
             if r["type"] == RecordKind.MEMBERSHIP:
                 epochs[r["epoch"]] = r["members"]
                 added = set(r["members"]) - set(previous) if previous is not None else set()
-                rejoins += bool(added - promoted)
-                promoted -= added
+                rejoins += bool(added - set(promoted))
+                for worker in added & set(promoted):
+                    promoted.remove(worker)  # one promotion each
                 previous = r["members"]
             if r["type"] == RecordKind.RECOVERY and not is_join(r, epochs):
                 recoveries += 1
