@@ -59,7 +59,7 @@ test: $(STAMP)
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider $(WAITING_TESTS_CONTROL) \
 		> .cache/test-waiting-control.log 2>&1 & control=$$!; \
 	UNBROKEN_TEST_CACHE=$(TEST_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
-		--ignore=tests/test_invariants.py $(addprefix --ignore=,$(WAITING_TESTS)); \
+		--ignore=tests/test_invariants.py $(addprefix --ignore=,$(WAITING_TESTS)) --durations=25; \
 	suite=$$?; wait $$optimised; optimised_status=$$?; wait $$netns; netns_status=$$?; \
 	wait $$control; control_status=$$?; \
 	echo "--- tests/test_invariants.py under python -O:"; cat .cache/test-optimised.log; \
